@@ -1,0 +1,624 @@
+//! `uep bench`: run layout, normal and low-latency dispatch/combine on real ranks,
+//! verify every result against the sequential reference, and print the numbers.
+//!
+//! Run without a launcher's environment, it spawns `--ranks` copies of itself (one OS
+//! process per rank) and waits for them; each copy finds it has `RANK` etc. set and
+//! runs as one rank. Under torchrun / mpirun / srun it runs as a rank directly.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use uep_bootstrap::{launch_local, Group, LaunchSpec, WorldInfo};
+use uep_ep::quant::{dequantize, quantize};
+use uep_ep::reference;
+use uep_ep::workload::{self, RankInput, Routing, Shape, TokenData, WorkloadSpec};
+use uep_ep::{Buffer, BufferConfig, DispatchArgs, RecvTokens, Tokens};
+
+use crate::check::Mismatches;
+use crate::report::{gbps, render_json, render_table, OpReport, Progress, Samples};
+
+/// Which modes to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Modes {
+    /// Layout, normal and low-latency.
+    All,
+    /// Layout and normal dispatch/combine.
+    Normal,
+    /// Low-latency dispatch/combine.
+    Ll,
+}
+
+/// Options of `uep bench` (defaults: the DeepSeek-V3 shape of SPEC.md §1).
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Ranks (processes) to spawn on this machine.
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// Nodes the ranks are grouped into.
+    #[arg(long, default_value_t = 1)]
+    pub nodes: usize,
+    /// Tokens per rank, normal mode.
+    #[arg(long, default_value_t = 4096)]
+    pub tokens: usize,
+    /// Tokens per rank, low-latency mode.
+    #[arg(long, default_value_t = 128)]
+    pub ll_tokens: usize,
+    /// Hidden size.
+    #[arg(long, default_value_t = 7168)]
+    pub hidden: usize,
+    /// Experts per token.
+    #[arg(long, default_value_t = 8)]
+    pub topk: usize,
+    /// Experts in total.
+    #[arg(long, default_value_t = 256)]
+    pub experts: usize,
+    /// Send FP8 e4m3 (+ a scale per 128 channels) instead of bf16.
+    #[arg(long)]
+    pub fp8: bool,
+    /// With --fp8: round scales up to powers of two (UE8M0) in low-latency dispatch.
+    #[arg(long)]
+    pub round_scale: bool,
+    /// Token routing: uniform, same-rank, one-expert, empty-ranks, mixed.
+    #[arg(long, default_value = "uniform")]
+    pub routing: Routing,
+    /// Probability that a top-k slot is empty (-1).
+    #[arg(long, default_value_t = 0.02)]
+    pub drop_prob: f64,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Which modes to run.
+    #[arg(long, value_enum, default_value_t = Modes::All)]
+    pub mode: Modes,
+    /// Timed iterations per op.
+    #[arg(long, default_value_t = 10)]
+    pub iters: usize,
+    /// Untimed iterations per op before timing.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Pad normal-mode per-expert counts to a multiple of this.
+    #[arg(long, default_value_t = 1)]
+    pub expert_alignment: usize,
+    /// Normal mode: dispatch steps after the first reuse the first step's handle (cached dispatch).
+    #[arg(long)]
+    pub cached: bool,
+    /// Normal mode: pad outputs to this many rows: 0 (no padding) or ranks * tokens.
+    #[arg(long, default_value_t = 0)]
+    pub num_worst_tokens: usize,
+    /// Kernel threads per rank (0: cores / ranks).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Deadline of every wait, seconds (default: UEP_TIMEOUT_S or 100).
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    /// Read each rank's x, topk_idx, topk_weights from DIR/rank{r}/*.npy.
+    #[arg(long, value_name = "DIR")]
+    pub inputs: Option<PathBuf>,
+    /// Write every output as .npy to DIR/rank{r}/.
+    #[arg(long, value_name = "DIR")]
+    pub dump: Option<PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Run `uep bench`: as the launcher (spawning ranks) or as one rank.
+pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
+    if std::env::var_os("RANK").is_some()
+        || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some()
+        || std::env::var_os("SLURM_PROCID").is_some()
+    {
+        return run_rank(args);
+    }
+    validate(args)?;
+    let spec = LaunchSpec {
+        ranks: args.ranks,
+        nodes: args.nodes,
+        program: std::env::current_exe()?,
+        args: std::env::args_os().skip(1).collect(),
+        env: Vec::new(),
+        timeout: None,
+    };
+    let outcome = launch_local(&spec)?;
+    if outcome.success() {
+        Ok(true)
+    } else {
+        for (r, s) in outcome.statuses.iter().enumerate() {
+            if !s.success() {
+                eprintln!("uep bench: rank {r} {s}");
+            }
+        }
+        Ok(false)
+    }
+}
+
+fn validate(args: &BenchArgs) -> anyhow::Result<()> {
+    let bad = |m: String| Err(anyhow::anyhow!(m));
+    if args.ranks == 0 || args.nodes == 0 || args.ranks % args.nodes != 0 {
+        return bad(format!(
+            "--ranks ({}) must be a positive multiple of --nodes ({})",
+            args.ranks, args.nodes
+        ));
+    }
+    if args.experts % args.ranks != 0 {
+        return bad(format!(
+            "--experts ({}) must be a multiple of --ranks ({})",
+            args.experts, args.ranks
+        ));
+    }
+    if args.fp8 && args.hidden % 128 != 0 {
+        return bad(format!(
+            "--fp8 needs --hidden to be a multiple of 128, got {}",
+            args.hidden
+        ));
+    }
+    if args.num_worst_tokens > 0 && args.num_worst_tokens != args.ranks * args.tokens {
+        return bad(format!(
+            "--num-worst-tokens ({}) must be 0 or ranks * tokens = {} (the most a rank can receive, and the Buffer's room)",
+            args.num_worst_tokens,
+            args.ranks * args.tokens
+        ));
+    }
+    if args.iters == 0 {
+        return bad("--iters must be at least 1".into());
+    }
+    if !(0.0..=1.0).contains(&args.drop_prob) {
+        return bad(format!(
+            "--drop-prob must be in [0, 1], got {}",
+            args.drop_prob
+        ));
+    }
+    Ok(())
+}
+
+/// Inputs of every rank for one mode (each rank rebuilds all of them: the reference
+/// needs every sender's tokens).
+fn make_inputs(
+    args: &BenchArgs,
+    shape: &Shape,
+    tokens: usize,
+    salt: u64,
+) -> anyhow::Result<Vec<RankInput>> {
+    if let Some(dir) = &args.inputs {
+        return (0..shape.num_ranks)
+            .map(|r| read_inputs(dir, r, shape))
+            .collect();
+    }
+    let spec = WorkloadSpec {
+        shape: *shape,
+        tokens_per_rank: tokens,
+        routing: args.routing,
+        drop_prob: args.drop_prob,
+        fp8_input: false,
+        seed: args.seed ^ salt,
+    };
+    Ok(workload::generate_all(&spec)?)
+}
+
+fn read_inputs(dir: &Path, rank: usize, shape: &Shape) -> anyhow::Result<RankInput> {
+    use crate::npy::NpyArray;
+    let d = dir.join(format!("rank{rank}"));
+    let x = NpyArray::read(&d.join("x.npy"))?;
+    let hidden = *x.shape.last().unwrap_or(&0);
+    if hidden != shape.hidden {
+        return Err(anyhow::anyhow!(format!(
+            "{}: hidden is {hidden}, but --hidden is {}",
+            d.join("x.npy").display(),
+            shape.hidden
+        )));
+    }
+    let x = x.into_bf16()?;
+    let topk_idx = NpyArray::read(&d.join("topk_idx.npy"))?.into_i64()?;
+    let topk_weights = NpyArray::read(&d.join("topk_weights.npy"))?.into_f32()?;
+    let t = x.len() / shape.hidden;
+    if topk_idx.len() != t * shape.topk || topk_weights.len() != t * shape.topk {
+        return Err(anyhow::anyhow!(format!(
+            "{}: topk_idx/topk_weights must be [{t}, {}] (tokens of x.npy, --topk)",
+            d.display(),
+            shape.topk
+        )));
+    }
+    Ok(RankInput {
+        num_tokens: t,
+        x: TokenData::Bf16(x),
+        topk_idx,
+        topk_weights,
+    })
+}
+
+fn to_fp8(input: &RankInput, hidden: usize) -> anyhow::Result<RankInput> {
+    let TokenData::Bf16(x) = &input.x else {
+        return Ok(input.clone());
+    };
+    let (data, scales) = quantize(x, hidden, false)?;
+    Ok(RankInput {
+        x: TokenData::Fp8 { data, scales },
+        ..input.clone()
+    })
+}
+
+/// What an identity expert returns for received rows `rows` of `x`: the rows themselves,
+/// or their dequantised values rounded to bf16, written into `y` (which keeps its size,
+/// so other rows stay as they were, and is reused across steps: a real expert computes
+/// only the rows it got, into memory it keeps).
+fn identity_expert(
+    x: RecvTokens<'_>,
+    rows: std::ops::Range<usize>,
+    hidden: usize,
+    y: &mut [bf16],
+) -> anyhow::Result<()> {
+    let span = rows.start * hidden..rows.end * hidden;
+    match x {
+        RecvTokens::Bf16(v) => y[span.clone()].copy_from_slice(&v[span]),
+        RecvTokens::Fp8 { data, scales } => {
+            let g = hidden / 128;
+            let values = dequantize(
+                &data[span.clone()],
+                &scales[rows.start * g..rows.end * g],
+                hidden,
+            )?;
+            for (o, v) in y[span].iter_mut().zip(values) {
+                *o = bf16::from_f32(v);
+            }
+        }
+    }
+    Ok(())
+}
+
+struct Timer {
+    samples: Samples,
+    warmup: usize,
+    seen: usize,
+}
+
+impl Timer {
+    fn new(warmup: usize, iters: usize) -> Self {
+        Timer {
+            samples: Samples::with_capacity(iters),
+            warmup,
+            seen: 0,
+        }
+    }
+    fn record(&mut self, d: Duration) {
+        if self.seen >= self.warmup {
+            self.samples.push(d);
+        }
+        self.seen += 1;
+    }
+}
+
+/// What one rank measured for one op, gathered to rank 0.
+struct Measured {
+    op: &'static str,
+    mode: &'static str,
+    tokens: usize,
+    bytes: u64,
+    timer: Timer,
+}
+
+fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
+    let info = WorldInfo::from_env()?;
+    let timeout = args
+        .timeout
+        .map(Duration::from_secs_f64)
+        .or_else(uep_ep::buffer::timeout_from_env);
+    let group = Group::connect(&info, timeout.unwrap_or(Duration::from_secs(60)))?;
+    let (rank, world) = (group.rank(), group.world_size());
+    let is_root = rank == 0;
+    let shape = Shape {
+        num_ranks: world,
+        ranks_per_node: group.local_world_size(),
+        hidden: args.hidden,
+        topk: args.topk,
+        num_experts: args.experts,
+    };
+    let run_normal = args.mode != Modes::Ll;
+    let run_ll = args.mode != Modes::Normal;
+    let normal_inputs = if run_normal {
+        make_inputs(args, &shape, args.tokens, 0)?
+    } else {
+        Vec::new()
+    };
+    let ll_inputs = if run_ll {
+        make_inputs(args, &shape, args.ll_tokens, 0x11)?
+    } else {
+        Vec::new()
+    };
+    let max_normal = normal_inputs
+        .iter()
+        .map(|i| i.num_tokens)
+        .max()
+        .unwrap_or(0);
+    let max_ll = ll_inputs.iter().map(|i| i.num_tokens).max().unwrap_or(0);
+    let threads = if args.threads > 0 {
+        args.threads
+    } else {
+        (std::thread::available_parallelism().map_or(1, |n| n.get()) / group.local_world_size())
+            .max(1)
+    };
+    let mut cfg = BufferConfig::new(args.experts, args.hidden, args.topk, max_normal, max_ll);
+    cfg.device_threads = threads;
+    if let Some(t) = timeout {
+        cfg.timeout = t;
+    }
+    let mut buffer = Buffer::new(group, cfg)?;
+    let steps = (args.warmup + args.iters) as u64;
+    let total = steps * (run_normal as u64 * 3 + run_ll as u64 * 2);
+    let progress = Progress::new(total, "uep bench", is_root && !args.json);
+    let mut bad = Mismatches::new(rank);
+    let mut measured: Vec<Measured> = Vec::new();
+    let dtype = if args.fp8 { "fp8" } else { "bf16" };
+    let h = args.hidden;
+    let token_bytes = if args.fp8 {
+        (h + h / 128 * 4 + 16) as u64
+    } else {
+        (2 * h) as u64
+    };
+
+    if run_normal {
+        let mine = &normal_inputs[rank];
+        let sent: Vec<RankInput> = if args.fp8 {
+            normal_inputs
+                .iter()
+                .map(|i| to_fp8(i, h))
+                .collect::<anyhow::Result<_>>()?
+        } else {
+            normal_inputs.clone()
+        };
+        let expected =
+            reference::normal_dispatch(&sent, &shape, rank, args.expert_alignment, true)?;
+        let x = match &sent[rank].x {
+            TokenData::Bf16(v) => Tokens::Bf16(v),
+            TokenData::Fp8 { data, scales } => Tokens::Fp8 { data, scales },
+        };
+        let mut t_layout = Timer::new(args.warmup, args.iters);
+        let mut t_dispatch = Timer::new(args.warmup, args.iters);
+        let mut t_combine = Timer::new(args.warmup, args.iters);
+        let layout = buffer.get_dispatch_layout(&mine.topk_idx)?;
+        let copies: usize = layout.num_tokens_per_rank.iter().map(|&n| n as usize).sum();
+        let expected_combine = reference::normal_combine_identity(&sent, &shape, rank)?;
+        let mut y: Vec<bf16> = Vec::new();
+        let mut cached: Option<uep_ep::NormalHandle> = None;
+        for step in 0..steps {
+            progress.set_message("layout");
+            buffer.barrier()?;
+            let start = Instant::now();
+            let l = buffer.get_dispatch_layout(&mine.topk_idx)?;
+            t_layout.record(start.elapsed());
+            bad.eq(
+                "layout.is_token_in_rank",
+                &l.is_token_in_rank,
+                &layout.is_token_in_rank,
+            );
+            progress.inc(1);
+
+            progress.set_message("dispatch");
+            buffer.barrier()?;
+            let args_d = match &cached {
+                Some(handle) => DispatchArgs::new(x).cached(handle),
+                None => DispatchArgs::new(x)
+                    .topk(&mine.topk_idx, Some(&mine.topk_weights))
+                    .layout(&layout),
+            }
+            .expert_alignment(args.expert_alignment)
+            .num_worst_tokens(args.num_worst_tokens);
+            let start = Instant::now();
+            let out = buffer.dispatch(args_d)?;
+            t_dispatch.record(start.elapsed());
+            if step == 0 || step + 1 == steps {
+                crate::check::normal_dispatch(&mut bad, &out, &expected);
+            }
+            let mut dump = match &args.dump {
+                Some(_) if step + 1 == steps => Some(crate::dump::Dump::normal(&out)),
+                _ => None,
+            };
+            let n = out.handle.num_recv_tokens;
+            y.resize(n * h, bf16::ZERO);
+            identity_expert(out.recv_x, 0..n, h, &mut y)?;
+            let w = out.recv_topk_weights.map(<[f32]>::to_vec);
+            let handle = out.handle;
+            if args.cached && cached.is_none() {
+                cached = Some(handle.clone());
+            }
+            progress.inc(1);
+
+            progress.set_message("combine");
+            buffer.barrier()?;
+            let start = Instant::now();
+            let combined = buffer.combine(&y, w.as_deref(), &handle)?;
+            t_combine.record(start.elapsed());
+            if step == 0 || step + 1 == steps {
+                bad.bits(
+                    "combine.combined_x",
+                    &combined.combined_x,
+                    &expected_combine.0,
+                );
+                if let (Some(got), Some(want)) =
+                    (&combined.combined_topk_weights, &expected_combine.1)
+                {
+                    bad.bits("combine.combined_topk_weights", got, want);
+                }
+                if let (Some(dump), Some(dir)) = (dump.as_mut(), &args.dump) {
+                    dump.bf16("combined_x", &[mine.num_tokens, h], &combined.combined_x);
+                    if let Some(w) = &combined.combined_topk_weights {
+                        dump.f32("combined_topk_weights", &[mine.num_tokens, args.topk], w);
+                    }
+                    dump.write(dir, rank)?;
+                }
+            }
+            progress.inc(1);
+        }
+        measured.push(Measured {
+            op: "layout",
+            mode: "layout",
+            tokens: mine.num_tokens,
+            bytes: 0,
+            timer: t_layout,
+        });
+        measured.push(Measured {
+            op: "dispatch",
+            mode: "normal",
+            tokens: mine.num_tokens,
+            bytes: copies as u64 * token_bytes,
+            timer: t_dispatch,
+        });
+        measured.push(Measured {
+            op: "combine",
+            mode: "normal",
+            tokens: mine.num_tokens,
+            bytes: copies as u64 * 2 * h as u64,
+            timer: t_combine,
+        });
+    }
+
+    if run_ll {
+        let mine = &ll_inputs[rank];
+        let TokenData::Bf16(x) = &mine.x else {
+            unreachable!("workload inputs are bf16")
+        };
+        let expected =
+            reference::ll_dispatch(&ll_inputs, &shape, rank, max_ll, args.fp8, args.round_scale)?;
+        let expected_combine =
+            reference::ll_combine_identity(&ll_inputs, &shape, rank, args.fp8, args.round_scale)?;
+        let copies = mine.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
+        let mut t_dispatch = Timer::new(args.warmup, args.iters);
+        let mut t_combine = Timer::new(args.warmup, args.iters);
+        let mut y = vec![bf16::ZERO; args.experts / world * world * max_ll * h];
+        for step in 0..steps {
+            progress.set_message("ll_dispatch");
+            buffer.barrier()?;
+            let start = Instant::now();
+            let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
+            t_dispatch.record(start.elapsed());
+            if step == 0 || step + 1 == steps {
+                crate::check::ll_dispatch(&mut bad, &out, &expected, h);
+            }
+            let mut dump = match &args.dump {
+                Some(_) if step + 1 == steps => Some(crate::dump::Dump::ll(&out, h)),
+                _ => None,
+            };
+            let rows_per_expert = world * max_ll;
+            for (le, &n) in out.recv_count.iter().enumerate() {
+                let begin = le * rows_per_expert;
+                identity_expert(out.recv_x, begin..begin + n as usize, h, &mut y)?;
+            }
+            let handle = out.handle;
+            progress.inc(1);
+
+            progress.set_message("ll_combine");
+            buffer.barrier()?;
+            let start = Instant::now();
+            let combined =
+                buffer.low_latency_combine(&y, &mine.topk_idx, &mine.topk_weights, &handle)?;
+            t_combine.record(start.elapsed());
+            if step == 0 || step + 1 == steps {
+                bad.bits("ll_combine.combined_x", &combined, &expected_combine);
+                if let (Some(dump), Some(dir)) = (dump.as_mut(), &args.dump) {
+                    dump.bf16("ll_combined_x", &[mine.num_tokens, h], &combined);
+                    dump.write(dir, rank)?;
+                }
+            }
+            progress.inc(1);
+        }
+        measured.push(Measured {
+            op: "ll_dispatch",
+            mode: "low_latency",
+            tokens: mine.num_tokens,
+            bytes: copies * token_bytes,
+            timer: t_dispatch,
+        });
+        measured.push(Measured {
+            op: "ll_combine",
+            mode: "low_latency",
+            tokens: mine.num_tokens,
+            bytes: copies * 2 * h as u64,
+            timer: t_combine,
+        });
+    }
+    progress.finish();
+
+    // Gather every rank's samples and verdict to rank 0.
+    let mut blob = Vec::new();
+    blob.extend_from_slice(&(bad.count() as u64).to_le_bytes());
+    for m in &measured {
+        blob.extend_from_slice(&m.bytes.to_le_bytes());
+        blob.extend_from_slice(&(m.timer.samples.len() as u64).to_le_bytes());
+        for d in m.timer.samples.durations() {
+            blob.extend_from_slice(&(d.as_nanos() as u64).to_le_bytes());
+        }
+    }
+    let all = buffer.group().all_gather(&blob)?;
+    bad.print();
+    if !is_root {
+        return Ok(bad.count() == 0);
+    }
+    let mut total_bad = 0u64;
+    let mut reports = Vec::new();
+    let mut merged: Vec<(Samples, u64)> = measured.iter().map(|_| (Samples::new(), 0)).collect();
+    for b in &all {
+        let mut words = b
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
+        total_bad += words.next().unwrap_or(1);
+        for (samples, bytes) in merged.iter_mut() {
+            *bytes += words.next().unwrap_or(0);
+            let n = words.next().unwrap_or(0);
+            for _ in 0..n {
+                samples.push(Duration::from_nanos(words.next().unwrap_or(0)));
+            }
+        }
+    }
+    for (m, (samples, bytes)) in measured.iter().zip(&merged) {
+        let s = samples.summary().expect("iters >= 1");
+        let bytes = bytes / world as u64;
+        reports.push(OpReport {
+            op: m.op.into(),
+            mode: m.mode.into(),
+            ranks: world,
+            nodes: buffer.group().num_nodes(),
+            tokens: m.tokens,
+            hidden: h,
+            dtype: if m.op == "layout" {
+                "-".into()
+            } else if m.op.ends_with("combine") {
+                "bf16".into()
+            } else {
+                dtype.into()
+            },
+            bytes_per_rank: bytes,
+            net_bytes_per_rank: 0,
+            gbps: gbps(bytes, s.avg_us),
+            net_gbps: 0.0,
+            limit_gbps: None,
+            avg_us: s.avg_us,
+            min_us: s.min_us,
+            max_us: s.max_us,
+            p50_us: s.p50_us,
+            p99_us: s.p99_us,
+            iters: samples.len() / world,
+            verified: total_bad == 0,
+        });
+    }
+    if args.json {
+        println!("{}", render_json(&reports));
+    } else {
+        println!(
+            "uep bench: {world} ranks x {} node(s), hidden {h}, top-k {}, {} experts, routing {}, {} kernel thread(s)/rank",
+            buffer.group().num_nodes(),
+            args.topk,
+            args.experts,
+            args.routing,
+            threads
+        );
+        print!("{}", render_table(&reports));
+        if total_bad == 0 {
+            println!("verified: every output matches the sequential reference bit for bit");
+        } else {
+            println!(
+                "VERIFICATION FAILED: {total_bad} mismatching outputs (see rank messages above)"
+            );
+        }
+    }
+    Ok(total_bad == 0)
+}

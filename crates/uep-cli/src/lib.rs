@@ -1,0 +1,16 @@
+//! uep command-line library
+pub mod bench;
+pub mod check;
+pub mod dump;
+pub mod npy;
+pub mod report;
+
+/// `uep clean`: remove shared-memory segments whose creating process is gone.
+pub fn clean() -> anyhow::Result<bool> {
+    let removed = uep_shm::clean_stale()?;
+    for p in &removed {
+        println!("removed {}", p.display());
+    }
+    println!("uep clean: {} stale segment(s) removed", removed.len());
+    Ok(true)
+}

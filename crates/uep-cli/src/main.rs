@@ -1,0 +1,42 @@
+//! `uep`: benchmark, inspect and clean up uep on this machine.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Portable expert-parallel communication for MoE models.
+#[derive(Parser, Debug)]
+#[command(name = "uep", version, about, long_about = None, args_override_self = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run layout, normal and low-latency dispatch/combine on local ranks, verify
+    /// every result against the reference, and print GB/s and latency.
+    Bench(uep_cli::bench::BenchArgs),
+    /// Remove shared-memory segments left by uep processes that no longer exist.
+    Clean,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("UEP_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench(args) => uep_cli::bench::run(&args),
+        Command::Clean => uep_cli::clean(),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("uep: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

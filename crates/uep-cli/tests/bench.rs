@@ -1,0 +1,181 @@
+//! End-to-end: `uep bench` spawns real rank processes that map each other's memory,
+//! dispatch and combine fresh random tokens, and check every output bit for bit
+//! against the sequential reference. A mismatch makes the run exit non-zero.
+
+use std::process::Command;
+
+/// Run `uep bench` with `args` (small defaults first, so later flags win) and return
+/// the parsed JSON report, failing with the ranks' output on a non-zero exit.
+fn bench(args: &[&str]) -> Vec<serde_json::Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_uep"))
+        .args([
+            "bench",
+            "--json",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--timeout",
+            "60",
+        ])
+        .args(args)
+        .output()
+        .expect("run uep");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "uep bench {args:?} failed: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+    let reports: Vec<serde_json::Value> = serde_json::from_str(&stdout).expect("JSON report");
+    assert!(!reports.is_empty());
+    for r in &reports {
+        assert_eq!(r["verified"], true, "{args:?}: {r}");
+    }
+    reports
+}
+
+fn small<'a>(ranks: &'a str, experts: &'a str) -> Vec<&'a str> {
+    vec![
+        "--ranks",
+        ranks,
+        "--experts",
+        experts,
+        "--tokens",
+        "96",
+        "--ll-tokens",
+        "24",
+        "--hidden",
+        "256",
+        "--topk",
+        "8",
+    ]
+}
+
+#[test]
+fn two_ranks_every_routing_bf16_and_fp8() {
+    for routing in ["uniform", "same-rank", "one-expert", "empty-ranks", "mixed"] {
+        for fp8 in [false, true] {
+            let mut args = small("2", "16");
+            args.extend(["--routing", routing, "--drop-prob", "0.1", "--seed", "11"]);
+            if fp8 {
+                args.push("--fp8");
+            }
+            let reports = bench(&args);
+            let ops: Vec<&str> = reports.iter().map(|r| r["op"].as_str().unwrap()).collect();
+            assert_eq!(
+                ops,
+                ["layout", "dispatch", "combine", "ll_dispatch", "ll_combine"]
+            );
+        }
+    }
+}
+
+#[test]
+fn three_ranks_non_power_of_two_experts() {
+    // 18 experts on 3 ranks: 6 a rank, fewer than top-k 8, so same-rank routing names
+    // experts twice and one token reaches a rank many times.
+    for routing in ["same-rank", "mixed", "empty-ranks"] {
+        let mut args = small("3", "18");
+        args.extend([
+            "--routing",
+            routing,
+            "--drop-prob",
+            "0.25",
+            "--seed",
+            "5",
+            "--fp8",
+            "--round-scale",
+        ]);
+        bench(&args);
+        let mut args = small("3", "18");
+        args.extend([
+            "--routing",
+            routing,
+            "--seed",
+            "6",
+            "--expert-alignment",
+            "8",
+        ]);
+        bench(&args);
+    }
+}
+
+#[test]
+fn four_ranks_cached_and_padded_dispatch() {
+    let mut args = small("4", "32");
+    args.extend([
+        "--routing",
+        "mixed",
+        "--mode",
+        "normal",
+        "--cached",
+        "--num-worst-tokens",
+        "384",
+    ]);
+    bench(&args);
+    let mut args = small("4", "32");
+    args.extend([
+        "--routing",
+        "uniform",
+        "--mode",
+        "normal",
+        "--cached",
+        "--fp8",
+        "--drop-prob",
+        "1",
+    ]);
+    // Every slot empty: no rank sends or receives anything.
+    bench(&args);
+}
+
+#[test]
+fn all_tokens_to_one_expert() {
+    let mut args = small("4", "8");
+    args.extend([
+        "--routing",
+        "one-expert",
+        "--topk",
+        "1",
+        "--tokens",
+        "200",
+        "--ll-tokens",
+        "64",
+    ]);
+    bench(&args);
+}
+
+#[test]
+fn deepseek_v3_shape_once() {
+    // The reference workload: hidden 7168, top-k 8, 256 experts, 4096 tokens a rank
+    // (normal) and 128 (low-latency), on 4 ranks.
+    let reports = bench(&["--ranks", "4", "--iters", "1", "--warmup", "0"]);
+    let dispatch = reports.iter().find(|r| r["op"] == "dispatch").unwrap();
+    assert_eq!(dispatch["tokens"], 4096);
+    assert_eq!(dispatch["hidden"], 7168);
+    let ll = reports.iter().find(|r| r["op"] == "ll_dispatch").unwrap();
+    assert_eq!(ll["tokens"], 128);
+}
+
+#[test]
+fn bad_flags_are_rejected_with_a_reason() {
+    for (args, needle) in [
+        (
+            vec!["--ranks", "3", "--experts", "16"],
+            "multiple of --ranks",
+        ),
+        (vec!["--fp8", "--hidden", "200"], "multiple of 128"),
+        (vec!["--ranks", "4", "--nodes", "3"], "multiple of --nodes"),
+        (vec!["--routing", "sideways"], "uniform"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_uep"))
+            .arg("bench")
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}

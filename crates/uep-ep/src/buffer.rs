@@ -1,0 +1,433 @@
+//! The `Buffer`: one per rank, owning the registered memory every EP call works in.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use uep_bootstrap::Group;
+use uep_shm::Region;
+
+use crate::device::{wait_at_least, HostDevice, Until};
+use crate::error::{EpError, Result};
+use crate::invalid;
+use crate::symm::{RegionMap, Symmetric, ABORT_MSG_BYTES};
+
+/// Default deadline of every wait, unless `UEP_TIMEOUT_S` or the config says otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(100);
+
+/// What a Buffer is sized for. Every rank must pass the same values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferConfig {
+    /// Experts across all ranks; a multiple of the number of ranks.
+    pub num_experts: usize,
+    /// Hidden size (channels a token); a multiple of 128 for FP8.
+    pub hidden: usize,
+    /// Top-k slots a token has.
+    pub topk: usize,
+    /// Normal mode: most tokens one rank dispatches in a call.
+    pub num_max_dispatch_tokens_per_rank: usize,
+    /// Low-latency mode: most tokens one rank dispatches in a call (0 disables LL).
+    pub num_max_ll_tokens_per_rank: usize,
+    /// Deadline of every wait.
+    pub timeout: Duration,
+    /// Kernel threads of the host device.
+    pub device_threads: usize,
+}
+
+impl BufferConfig {
+    /// A config with the default timeout (`UEP_TIMEOUT_S` if set) and one kernel thread.
+    pub fn new(
+        num_experts: usize,
+        hidden: usize,
+        topk: usize,
+        max_tokens: usize,
+        ll_max_tokens: usize,
+    ) -> Self {
+        BufferConfig {
+            num_experts,
+            hidden,
+            topk,
+            num_max_dispatch_tokens_per_rank: max_tokens,
+            num_max_ll_tokens_per_rank: ll_max_tokens,
+            timeout: timeout_from_env().unwrap_or(DEFAULT_TIMEOUT),
+            device_threads: 1,
+        }
+    }
+
+    /// Bytes of registered memory each rank needs for this config on `num_ranks` ranks.
+    pub fn bytes_needed(&self, num_ranks: usize) -> usize {
+        RegionMap::new(self, num_ranks).total
+    }
+
+    fn validate(&self, num_ranks: usize) -> Result<()> {
+        if num_ranks == 0 || self.num_experts == 0 || self.num_experts % num_ranks != 0 {
+            return Err(invalid!(
+                "num_experts ({}) must be a positive multiple of the number of ranks ({num_ranks})",
+                self.num_experts
+            ));
+        }
+        if self.hidden == 0 || self.hidden % 8 != 0 {
+            return Err(invalid!(
+                "hidden ({}) must be a positive multiple of 8",
+                self.hidden
+            ));
+        }
+        if self.topk == 0 || self.topk > self.num_experts {
+            return Err(invalid!(
+                "topk ({}) must be in 1..={} (num_experts)",
+                self.topk,
+                self.num_experts
+            ));
+        }
+        if self.num_max_dispatch_tokens_per_rank == 0 && self.num_max_ll_tokens_per_rank == 0 {
+            return Err(invalid!(
+                "a Buffer needs room for normal or low-latency tokens (both maxima are 0)"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `UEP_TIMEOUT_S` as a Duration, if set and valid.
+pub fn timeout_from_env() -> Option<Duration> {
+    let s = std::env::var("UEP_TIMEOUT_S").ok()?;
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| *v > 0.0)
+        .map(Duration::from_secs_f64)
+}
+
+/// Activations a rank sends: bf16, or FP8 e4m3 bytes with one f32 scale per 128 channels.
+#[derive(Clone, Copy, Debug)]
+pub enum Tokens<'a> {
+    /// `[T, H]` bf16.
+    Bf16(&'a [bf16]),
+    /// `[T, H]` e4m3 bytes and `[T, H/128]` scales.
+    Fp8 {
+        /// The e4m3 values.
+        data: &'a [u8],
+        /// The per-128-channel scales.
+        scales: &'a [f32],
+    },
+}
+
+impl Tokens<'_> {
+    /// Whether these are FP8.
+    pub fn is_fp8(&self) -> bool {
+        matches!(self, Tokens::Fp8 { .. })
+    }
+
+    /// Bytes of one token row (without scales).
+    pub fn row_bytes(&self, hidden: usize) -> usize {
+        if self.is_fp8() {
+            hidden
+        } else {
+            hidden * 2
+        }
+    }
+
+    /// Number of tokens, checking the shapes against `hidden`.
+    pub fn num_tokens(&self, hidden: usize) -> Result<usize> {
+        match self {
+            Tokens::Bf16(x) => {
+                if x.len() % hidden != 0 {
+                    return Err(invalid!(
+                        "x has {} bf16 values, not a multiple of hidden = {hidden}",
+                        x.len()
+                    ));
+                }
+                Ok(x.len() / hidden)
+            }
+            Tokens::Fp8 { data, scales } => {
+                if hidden % 128 != 0 {
+                    return Err(invalid!(
+                        "FP8 needs hidden to be a multiple of 128, got {hidden}"
+                    ));
+                }
+                if data.len() % hidden != 0 {
+                    return Err(invalid!(
+                        "x has {} FP8 values, not a multiple of hidden = {hidden}",
+                        data.len()
+                    ));
+                }
+                let t = data.len() / hidden;
+                if scales.len() != t * (hidden / 128) {
+                    return Err(invalid!(
+                        "x scales have {} values, expected [tokens = {t}, hidden/128 = {}]",
+                        scales.len(),
+                        hidden / 128
+                    ));
+                }
+                Ok(t)
+            }
+        }
+    }
+
+    /// The bytes of row `t`.
+    pub(crate) fn row(&self, t: usize, hidden: usize) -> &[u8] {
+        match self {
+            Tokens::Bf16(x) => bytemuck::cast_slice(&x[t * hidden..(t + 1) * hidden]),
+            Tokens::Fp8 { data, .. } => &data[t * hidden..(t + 1) * hidden],
+        }
+    }
+
+    /// The scales of row `t` (empty for bf16).
+    pub(crate) fn row_scales(&self, t: usize, hidden: usize) -> &[f32] {
+        match self {
+            Tokens::Bf16(_) => &[],
+            Tokens::Fp8 { scales, .. } => {
+                let g = hidden / 128;
+                &scales[t * g..(t + 1) * g]
+            }
+        }
+    }
+}
+
+/// Received activations, borrowed from the Buffer until its next call.
+#[derive(Clone, Copy, Debug)]
+pub enum RecvTokens<'a> {
+    /// `[N, H]` bf16.
+    Bf16(&'a [bf16]),
+    /// `[N, H]` e4m3 bytes and `[N, H/128]` scales.
+    Fp8 {
+        /// The e4m3 values.
+        data: &'a [u8],
+        /// The per-128-channel scales.
+        scales: &'a [f32],
+    },
+}
+
+/// One rank's handle on expert-parallel communication: registered memory mapped by the
+/// node's ranks, and the calls of the DeepEP programming model.
+pub struct Buffer {
+    pub(crate) group: Group,
+    pub(crate) cfg: BufferConfig,
+    pub(crate) map: RegionMap,
+    pub(crate) symm: Symmetric,
+    pub(crate) device: HostDevice,
+    pub(crate) rank: usize,
+    pub(crate) num_ranks: usize,
+    /// Identifies this Buffer in the handles it returns.
+    pub(crate) id: u64,
+    pub(crate) dispatch_seq: u32,
+    pub(crate) combine_seq: u32,
+    pub(crate) ll_seq: u32,
+    pub(crate) barrier_seq: u64,
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("rank", &self.rank)
+            .field("num_ranks", &self.num_ranks)
+            .field("cfg", &self.cfg)
+            .field("bytes", &self.map.total)
+            .finish()
+    }
+}
+
+impl Buffer {
+    /// Create this rank's registered memory, map the node's peers, and synchronise.
+    /// Collective: every rank of `group` calls it with the same `cfg`.
+    pub fn new(group: Group, cfg: BufferConfig) -> Result<Buffer> {
+        let rank = group.rank();
+        let num_ranks = group.world_size();
+        if let Err(e) = cfg.validate(num_ranks) {
+            group.abort(&e.to_string());
+            return Err(e);
+        }
+        if group.num_nodes() != 1 {
+            let e = invalid!(
+                "{} nodes requested: this build runs one node (shared memory); multi-node needs the proxy path",
+                group.num_nodes()
+            );
+            group.abort(&e.to_string());
+            return Err(e);
+        }
+        let map = RegionMap::new(&cfg, num_ranks);
+        // Every rank must agree on the config: compare it through the bootstrap first,
+        // so a mismatch is a clear error rather than a size mismatch of segments.
+        let fingerprint = format!("{cfg:?}/{}", map.total);
+        let all = group.all_gather(fingerprint.as_bytes())?;
+        if let Some((peer, other)) = all
+            .iter()
+            .enumerate()
+            .find(|(_, f)| f.as_slice() != fingerprint.as_bytes())
+        {
+            return Err(invalid!(
+                "rank {rank} and rank {peer} were given different Buffer configs: {fingerprint} vs {}",
+                String::from_utf8_lossy(other)
+            ));
+        }
+        let name = uep_shm::segment_name(group.job_id(), rank, std::process::id());
+        let own = uep_shm::Segment::create(&name, map.total);
+        let names = group.all_gather(own.as_ref().map(|_| name.as_bytes()).unwrap_or(b""))?;
+        let own = own?;
+        let names: Vec<String> = names
+            .iter()
+            .map(|n| String::from_utf8_lossy(n).into_owned())
+            .collect();
+        if let Some(peer) = names.iter().position(String::is_empty) {
+            return Err(EpError::Peer(format!(
+                "rank {peer} could not create its shared memory segment"
+            )));
+        }
+        let node = group.node();
+        let lws = group.local_world_size();
+        let local: Vec<usize> = (node * lws..(node + 1) * lws).collect();
+        let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
+        let ok = symm.is_ok();
+        // Everyone has mapped everything (or failed) past this barrier; then the names go.
+        let verdicts = group.all_gather(&[ok as u8])?;
+        let mut symm = symm?;
+        if let Some(peer) = verdicts.iter().position(|v| v.first() != Some(&1)) {
+            return Err(EpError::Peer(format!(
+                "rank {peer} could not map the node's shared memory"
+            )));
+        }
+        symm.unlink()?;
+        let mut id = [0u8; 8];
+        id[..4].copy_from_slice(&(rank as u32).to_le_bytes());
+        id[4..].copy_from_slice(&std::process::id().to_le_bytes());
+        Ok(Buffer {
+            device: HostDevice::new(cfg.device_threads),
+            group,
+            map,
+            symm,
+            rank,
+            num_ranks,
+            id: u64::from_le_bytes(id) ^ rand::random::<u64>(),
+            cfg,
+            dispatch_seq: 0,
+            combine_seq: 0,
+            ll_seq: 0,
+            barrier_seq: 0,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn num_ranks(&self) -> usize {
+        self.num_ranks
+    }
+
+    /// The config.
+    pub fn config(&self) -> &BufferConfig {
+        &self.cfg
+    }
+
+    /// Bytes of registered memory this rank owns.
+    pub fn bytes(&self) -> usize {
+        self.map.total
+    }
+
+    /// Experts hosted by each rank.
+    pub fn experts_per_rank(&self) -> usize {
+        self.cfg.num_experts / self.num_ranks
+    }
+
+    /// Set the deadline of every wait.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.cfg.timeout = timeout;
+    }
+
+    /// The bootstrap group (for out-of-band collectives such as result checks).
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// Deadline and abort word for the waits of one call.
+    pub(crate) fn until(&self) -> Result<Until<'_>> {
+        let abort = self.symm.local().atomic_u64(self.map.abort)?;
+        Ok(Until {
+            deadline: Instant::now() + self.cfg.timeout,
+            abort: Some(abort),
+        })
+    }
+
+    /// Wait until the counter at `offset` of this rank's region reaches `target`.
+    pub(crate) fn wait_local(
+        &self,
+        offset: usize,
+        target: u64,
+        until: Until<'_>,
+        what: impl Fn() -> String,
+    ) -> Result<u64> {
+        let counter = self.symm.local().atomic_u64(offset)?;
+        wait_at_least(counter, target, until, what).map_err(|e| self.explain_abort(e))
+    }
+
+    /// Add the aborting peer's reason to a peer-failure error.
+    pub(crate) fn explain_abort(&self, e: EpError) -> EpError {
+        let EpError::Peer(msg) = e else { return e };
+        let mut reason = [0u8; ABORT_MSG_BYTES];
+        let _ = self.symm.local().read(self.map.abort + 8, &mut reason);
+        let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
+        EpError::Peer(format!(
+            "{msg}: {}",
+            String::from_utf8_lossy(&reason[..end])
+        ))
+    }
+
+    /// Reject a call: tell every peer (so none waits for this rank) and return `e`.
+    pub(crate) fn fail<T>(&self, e: EpError) -> Result<T> {
+        let msg = format!("rank {}: {e}", self.rank);
+        let bytes = &msg.as_bytes()[..msg.len().min(ABORT_MSG_BYTES - 1)];
+        for peer in 0..self.num_ranks {
+            if let Ok(region) = self.peer_region(peer) {
+                if peer != self.rank
+                    && region.write(self.map.abort + 8, bytes).is_ok()
+                    && region.write(self.map.abort + 8 + bytes.len(), &[0]).is_ok()
+                {
+                    if let Ok(word) = region.atomic_u64(self.map.abort) {
+                        let _ = word.compare_exchange(
+                            0,
+                            self.rank as u64 + 1,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        );
+                    }
+                }
+            }
+        }
+        Err(e)
+    }
+
+    /// The region of `peer`: mapped memory for ranks of this node.
+    pub(crate) fn peer_region(&self, peer: usize) -> Result<Region> {
+        self.symm
+            .peer(peer)
+            .copied()
+            .ok_or_else(|| invalid!("rank {peer} shares no memory with rank {}", self.rank))
+    }
+
+    /// A barrier over all ranks, through the registered memory.
+    pub fn barrier(&mut self) -> Result<()> {
+        self.barrier_seq += 1;
+        let seq = self.barrier_seq;
+        for peer in 0..self.num_ranks {
+            let region = self.peer_region(peer)?;
+            region
+                .atomic_u64(self.map.barrier + 8 * self.rank)?
+                .store(seq, Ordering::Release);
+        }
+        let until = self.until()?;
+        for peer in 0..self.num_ranks {
+            self.wait_local(self.map.barrier + 8 * peer, seq, until, || {
+                format!("rank {}: barrier {seq}: waiting for rank {peer}", self.rank)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Fail this rank's peers' pending bootstrap collectives with `reason` (used when a
+    /// rank rejects its input, so that nobody waits for it).
+    pub fn abort(&self, reason: &str) {
+        self.group.abort(reason);
+    }
+}

@@ -1,0 +1,623 @@
+//! Normal (high-throughput) dispatch and combine.
+//!
+//! Dispatch, on every rank at once:
+//! 1. **notify**: each rank stores its `tokens_per_rank` and `tokens_per_expert` rows
+//!    into every peer's notify slot and publishes them with a release store of the
+//!    call's epoch; each rank then knows the whole `[R, R]` count matrix, so a sender
+//!    knows where its rows go in every receiver's output (no second round trip);
+//! 2. **data**: each token is stored once into every rank that hosts one of its
+//!    experts, straight into the receiver's output rows (grouped by source rank
+//!    ascending, token order kept), with its local top-k ids, weights and source index;
+//! 3. **done**: a release store of the epoch per peer; the receiver acquires all of them.
+//!
+//! Combine sends row `i` back to `(src rank, src token)`, landing in the source's
+//! `[sending rank][token]` slot, and the source sums the slots of each token in rank
+//! order in f32 and rounds once to bf16 (SPEC.md §5), exactly as the reference does.
+//!
+//! Entering the next dispatch requires every peer's notify, which a peer writes only
+//! from its own next call, so no peer overwrites rows a rank still exposes as views.
+
+use std::sync::atomic::Ordering;
+
+use half::bf16;
+
+use crate::buffer::{Buffer, RecvTokens, Tokens};
+use crate::error::Result;
+use crate::invalid;
+use crate::layout::{get_dispatch_layout, DispatchLayout};
+
+/// Arguments of [`Buffer::dispatch`]; build with [`DispatchArgs::new`] and the setters.
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchArgs<'a> {
+    /// Activations `[T, H]`.
+    pub x: Tokens<'a>,
+    /// `[T, K]` expert ids, `-1` for an empty slot (not with a cached handle).
+    pub topk_idx: Option<&'a [i64]>,
+    /// `[T, K]` gate weights (needs `topk_idx`).
+    pub topk_weights: Option<&'a [f32]>,
+    /// A precomputed layout; computed from `topk_idx` when absent.
+    pub layout: Option<&'a DispatchLayout>,
+    /// A handle from an earlier dispatch with the same routing: skips the layout.
+    pub handle: Option<&'a NormalHandle>,
+    /// Round each expert's received count up to a multiple of this (1 = none).
+    pub expert_alignment: usize,
+    /// If non-zero, pad the outputs to this many rows (top-k ids `-1` in the padding).
+    pub num_worst_tokens: usize,
+}
+
+impl<'a> DispatchArgs<'a> {
+    /// Dispatch `x`; add routing with [`Self::topk`], [`Self::layout`] or [`Self::cached`].
+    pub fn new(x: Tokens<'a>) -> Self {
+        DispatchArgs {
+            x,
+            topk_idx: None,
+            topk_weights: None,
+            layout: None,
+            handle: None,
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+        }
+    }
+
+    /// Route by top-k expert ids (and carry the weights, if given).
+    pub fn topk(mut self, topk_idx: &'a [i64], topk_weights: Option<&'a [f32]>) -> Self {
+        self.topk_idx = Some(topk_idx);
+        self.topk_weights = topk_weights;
+        self
+    }
+
+    /// Use a layout computed earlier by `get_dispatch_layout`.
+    pub fn layout(mut self, layout: &'a DispatchLayout) -> Self {
+        self.layout = Some(layout);
+        self
+    }
+
+    /// Reuse the routing of an earlier dispatch (its handle).
+    pub fn cached(mut self, handle: &'a NormalHandle) -> Self {
+        self.handle = Some(handle);
+        self
+    }
+
+    /// Pad per-expert counts to multiples of `alignment`.
+    pub fn expert_alignment(mut self, alignment: usize) -> Self {
+        self.expert_alignment = alignment;
+        self
+    }
+
+    /// Pad the outputs to `rows` rows.
+    pub fn num_worst_tokens(mut self, rows: usize) -> Self {
+        self.num_worst_tokens = rows;
+        self
+    }
+}
+
+/// Where every received row came from; combine and cached dispatch need it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NormalHandle {
+    pub(crate) buffer_id: u64,
+    /// `[R, R]`: entry `[s][r]` = tokens ranks `0..=s` send to rank `r` (DeepEP's meaning).
+    pub rank_prefix_matrix: Vec<i32>,
+    /// `[T, R]`: whether this rank's token `t` went to rank `r`.
+    pub is_token_in_rank: Vec<bool>,
+    /// `[R]`: tokens this rank sent to each rank.
+    pub num_tokens_per_rank: Vec<i32>,
+    /// `[E]`: (token, slot) pairs this rank sent to each expert.
+    pub num_tokens_per_expert: Vec<i32>,
+    /// `[N]`: source token index of every received row.
+    pub recv_src_idx: Vec<i32>,
+    /// `[E/R]`: received tokens per local expert, rounded up to the alignment.
+    pub num_recv_tokens_per_expert: Vec<usize>,
+    /// Tokens this rank dispatched.
+    pub num_tokens: usize,
+    /// Rows this rank received.
+    pub num_recv_tokens: usize,
+    /// Rows of the outputs (`num_recv_tokens`, or `num_worst_tokens` when padding).
+    pub num_rows: usize,
+}
+
+impl NormalHandle {
+    /// Source rank of every received row, from the prefix matrix.
+    pub fn recv_src_rank(&self, rank: usize) -> Vec<i32> {
+        let r = self.num_tokens_per_rank.len();
+        let mut out = Vec::with_capacity(self.num_recv_tokens);
+        let mut prev = 0;
+        for s in 0..r {
+            let end = self.rank_prefix_matrix[s * r + rank];
+            out.extend(std::iter::repeat_n(s as i32, (end - prev) as usize));
+            prev = end;
+        }
+        out
+    }
+}
+
+/// What [`Buffer::dispatch`] returns; the slices live in the Buffer until its next call.
+#[derive(Debug)]
+pub struct DispatchOutput<'b> {
+    /// `[rows, H]` received activations.
+    pub recv_x: RecvTokens<'b>,
+    /// `[rows, K]` local expert ids (`-1` where the expert is elsewhere), unless cached or no top-k.
+    pub recv_topk_idx: Option<&'b [i64]>,
+    /// `[rows, K]` weights (0 where the id is `-1`), if weights were sent.
+    pub recv_topk_weights: Option<&'b [f32]>,
+    /// `[E/R]` received tokens per local expert, aligned.
+    pub num_recv_tokens_per_expert: Vec<usize>,
+    /// For combine and cached dispatch.
+    pub handle: NormalHandle,
+}
+
+/// What [`Buffer::combine`] returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CombineOutput {
+    /// `[T, H]`: per token, the sum of the rows returned for it.
+    pub combined_x: Vec<bf16>,
+    /// `[T, K]`: per token, the sum of the returned weight rows (if weights were passed).
+    pub combined_topk_weights: Option<Vec<f32>>,
+}
+
+/// The routing one dispatch works with, whichever way it was given.
+struct Routing<'a> {
+    in_rank: std::borrow::Cow<'a, [bool]>,
+    per_rank: std::borrow::Cow<'a, [i32]>,
+    per_expert: std::borrow::Cow<'a, [i32]>,
+}
+
+fn bf16_bits_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+impl Buffer {
+    /// Compute the dispatch layout of `topk_idx` (`[T, K]`) for this Buffer's ranks.
+    pub fn get_dispatch_layout(&self, topk_idx: &[i64]) -> Result<DispatchLayout> {
+        get_dispatch_layout(
+            topk_idx,
+            self.cfg.topk,
+            self.cfg.num_experts,
+            self.num_ranks,
+            self.group.local_world_size(),
+        )
+    }
+
+    /// Normal dispatch: every token once to every rank hosting one of its experts.
+    /// Collective. Bad input is rejected before anything is sent, and peers are told.
+    pub fn dispatch(&mut self, args: DispatchArgs<'_>) -> Result<DispatchOutput<'_>> {
+        let routing = match self.check_dispatch(&args) {
+            Ok(r) => r,
+            Err(e) => return self.fail(e),
+        };
+        self.dispatch_seq = self.dispatch_seq.wrapping_add(1);
+        let seq = self.dispatch_seq;
+        let (r_n, me, e_n, k, h) = (
+            self.num_ranks,
+            self.rank,
+            self.cfg.num_experts,
+            self.cfg.topk,
+            self.cfg.hidden,
+        );
+        let t_n = args.x.num_tokens(h)?;
+        let epr = e_n / r_n;
+        let map = self.map.clone();
+        let parity = (seq % 2) as usize;
+
+        // 1. notify: my counts into every peer's slot, then the epoch.
+        let mut counts: Vec<u32> = Vec::with_capacity(r_n + e_n);
+        counts.extend(routing.per_rank.iter().map(|&c| c as u32));
+        counts.extend(routing.per_expert.iter().map(|&c| c as u32));
+        let slot = map.notify_slot(parity, me);
+        for peer in 0..r_n {
+            let region = self.peer_region(peer)?;
+            region.write(slot + 8, bytemuck::cast_slice(&counts))?;
+            region
+                .atomic_u64(slot)?
+                .store(seq as u64, Ordering::Release);
+        }
+        let until = self.until()?;
+        let mut matrix = vec![0u32; r_n * r_n];
+        let mut recv_per_expert = vec![0usize; epr];
+        let local = self.symm.local();
+        let mut row = vec![0u32; r_n + e_n];
+        for src in 0..r_n {
+            let slot = map.notify_slot(parity, src);
+            self.wait_local(slot, seq as u64, until, || {
+                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s token counts")
+            })?;
+            local.read(slot + 8, bytemuck::cast_slice_mut(&mut row))?;
+            matrix[src * r_n..(src + 1) * r_n].copy_from_slice(&row[..r_n]);
+            for (le, n) in recv_per_expert.iter_mut().enumerate() {
+                *n += row[r_n + me * epr + le] as usize;
+            }
+        }
+        let column_sum = |upto: usize, r: usize| -> usize {
+            (0..upto).map(|s| matrix[s * r_n + r] as usize).sum()
+        };
+        let num_recv = column_sum(r_n, me);
+        let rows = if args.num_worst_tokens > 0 {
+            args.num_worst_tokens
+        } else {
+            num_recv
+        };
+        if rows < num_recv {
+            return self.fail(invalid!(
+                "rank {me} receives {num_recv} tokens, more than num_worst_tokens = {}",
+                args.num_worst_tokens
+            ));
+        }
+        let align = args.expert_alignment.max(1);
+        let recv_per_expert: Vec<usize> = recv_per_expert
+            .iter()
+            .map(|n| n.div_ceil(align) * align)
+            .collect();
+
+        // 2. data: each token to each of its ranks, at its final row there.
+        let out_base: Vec<usize> = (0..r_n).map(|r| column_sum(me, r)).collect();
+        let row_bytes = args.x.row_bytes(h);
+        let groups = h / 128;
+        let with_topk = args.handle.is_none() && args.topk_idx.is_some();
+        let in_rank = &routing.in_rank;
+        // Position of chunk c's first token among the tokens sent to each rank.
+        let threads = self.device.threads().min(t_n.max(1));
+        let per_chunk = t_n.div_ceil(threads.max(1)).max(1);
+        let mut chunk_start = vec![0usize; threads * r_n];
+        let mut running = vec![0usize; r_n];
+        for c in 0..threads {
+            chunk_start[c * r_n..(c + 1) * r_n].copy_from_slice(&running);
+            for t in (c * per_chunk).min(t_n)..((c + 1) * per_chunk).min(t_n) {
+                for (r, n) in running.iter_mut().enumerate() {
+                    *n += in_rank[t * r_n + r] as usize;
+                }
+            }
+        }
+        let regions: Vec<_> = (0..r_n)
+            .map(|r| self.peer_region(r))
+            .collect::<Result<_>>()?;
+        let x = args.x;
+        let (topk_idx, topk_weights) = (args.topk_idx, args.topk_weights);
+        self.device.launch(t_n, |range| {
+            let chunk = range.start / per_chunk;
+            let mut pos: Vec<usize> = chunk_start[chunk * r_n..(chunk + 1) * r_n].to_vec();
+            let mut idx_row = vec![0i64; k];
+            let mut w_row = vec![0f32; k];
+            for t in range {
+                for r in 0..r_n {
+                    if !in_rank[t * r_n + r] {
+                        continue;
+                    }
+                    let dst = &regions[r];
+                    let j = out_base[r] + pos[r];
+                    pos[r] += 1;
+                    dst.write(map.recv_x + j * row_bytes, x.row(t, h))?;
+                    if x.is_fp8() {
+                        dst.write(
+                            map.recv_scales + j * groups * 4,
+                            bytemuck::cast_slice(x.row_scales(t, h)),
+                        )?;
+                    }
+                    if with_topk {
+                        let idx = &topk_idx.unwrap_or_default()[t * k..(t + 1) * k];
+                        for s in 0..k {
+                            let e = idx[s];
+                            let local = e >= 0 && e as usize / epr == r;
+                            idx_row[s] = if local { e - (r * epr) as i64 } else { -1 };
+                            w_row[s] = match topk_weights {
+                                Some(w) if local => w[t * k + s],
+                                _ => 0.0,
+                            };
+                        }
+                        dst.write(
+                            map.recv_topk_idx + j * k * 8,
+                            bytemuck::cast_slice(&idx_row),
+                        )?;
+                        if topk_weights.is_some() {
+                            dst.write(
+                                map.recv_topk_weights + j * k * 4,
+                                bytemuck::cast_slice(&w_row),
+                            )?;
+                        }
+                    }
+                    dst.write(map.recv_src_idx + j * 4, &(t as i32).to_le_bytes())?;
+                }
+            }
+            Ok(())
+        })?;
+
+        // 3. done: publish, then wait for every source.
+        for region in &regions {
+            region
+                .atomic_u64(map.dispatch_done + 8 * me)?
+                .store(seq as u64, Ordering::Release);
+        }
+        for src in 0..r_n {
+            self.wait_local(map.dispatch_done + 8 * src, seq as u64, until, || {
+                format!(
+                    "rank {me}: dispatch {seq}: waiting for rank {src}'s {} rows",
+                    matrix[src * r_n + me]
+                )
+            })?;
+        }
+        if rows > num_recv && with_topk {
+            self.symm
+                .view_mut::<i64>(map.recv_topk_idx + num_recv * k * 8, (rows - num_recv) * k)?
+                .fill(-1);
+            if topk_weights.is_some() {
+                self.symm
+                    .view_mut::<f32>(
+                        map.recv_topk_weights + num_recv * k * 4,
+                        (rows - num_recv) * k,
+                    )?
+                    .fill(0.0);
+            }
+        }
+
+        let mut prefix = vec![0i32; r_n * r_n];
+        for s in 0..r_n {
+            for r in 0..r_n {
+                prefix[s * r_n + r] =
+                    matrix[s * r_n + r] as i32 + if s > 0 { prefix[(s - 1) * r_n + r] } else { 0 };
+            }
+        }
+        let handle = NormalHandle {
+            buffer_id: self.id,
+            rank_prefix_matrix: prefix,
+            is_token_in_rank: routing.in_rank.into_owned(),
+            num_tokens_per_rank: routing.per_rank.into_owned(),
+            num_tokens_per_expert: routing.per_expert.into_owned(),
+            recv_src_idx: self.symm.view::<i32>(map.recv_src_idx, num_recv)?.to_vec(),
+            num_recv_tokens_per_expert: recv_per_expert.clone(),
+            num_tokens: t_n,
+            num_recv_tokens: num_recv,
+            num_rows: rows,
+        };
+        let recv_x = if x.is_fp8() {
+            RecvTokens::Fp8 {
+                data: self.symm.view::<u8>(map.recv_x, rows * h)?,
+                scales: self.symm.view::<f32>(map.recv_scales, rows * groups)?,
+            }
+        } else {
+            RecvTokens::Bf16(bytemuck::cast_slice(
+                self.symm.view::<u16>(map.recv_x, rows * h)?,
+            ))
+        };
+        Ok(DispatchOutput {
+            recv_x,
+            recv_topk_idx: if with_topk {
+                Some(self.symm.view::<i64>(map.recv_topk_idx, rows * k)?)
+            } else {
+                None
+            },
+            recv_topk_weights: if with_topk && topk_weights.is_some() {
+                Some(self.symm.view::<f32>(map.recv_topk_weights, rows * k)?)
+            } else {
+                None
+            },
+            num_recv_tokens_per_expert: recv_per_expert,
+            handle,
+        })
+    }
+
+    /// Validate a dispatch before anything is sent.
+    fn check_dispatch<'a>(&self, args: &DispatchArgs<'a>) -> Result<Routing<'a>> {
+        let (r_n, k, h) = (self.num_ranks, self.cfg.topk, self.cfg.hidden);
+        let t_n = args.x.num_tokens(h)?;
+        let max = self.cfg.num_max_dispatch_tokens_per_rank;
+        if t_n > max {
+            return Err(invalid!(
+                "rank {} dispatches {t_n} tokens, more than num_max_dispatch_tokens_per_rank = {max}",
+                self.rank
+            ));
+        }
+        if args.num_worst_tokens > r_n * max {
+            return Err(invalid!(
+                "num_worst_tokens = {} exceeds the Buffer's receive rows (ranks * num_max_dispatch_tokens_per_rank = {})",
+                args.num_worst_tokens,
+                r_n * max
+            ));
+        }
+        if args.x.is_fp8() && h % 128 != 0 {
+            return Err(invalid!(
+                "FP8 dispatch needs hidden to be a multiple of 128, got {h}"
+            ));
+        }
+        if let Some(w) = args.topk_weights {
+            if args.topk_idx.is_none() {
+                return Err(invalid!("topk_weights were given without topk_idx"));
+            }
+            if w.len() != t_n * k {
+                return Err(invalid!(
+                    "topk_weights has {} values, expected [tokens = {t_n}, topk = {k}]",
+                    w.len()
+                ));
+            }
+        }
+        if let Some(handle) = args.handle {
+            if handle.buffer_id != self.id {
+                return Err(invalid!(
+                    "the handle was made by another Buffer (or another rank)"
+                ));
+            }
+            if args.topk_idx.is_some() || args.layout.is_some() {
+                return Err(invalid!(
+                    "a cached dispatch reuses the handle's routing: pass no topk_idx and no layout"
+                ));
+            }
+            if handle.num_tokens != t_n {
+                return Err(invalid!(
+                    "the handle routes {} tokens but x has {t_n}",
+                    handle.num_tokens
+                ));
+            }
+            return Ok(Routing {
+                in_rank: handle.is_token_in_rank.as_slice().into(),
+                per_rank: handle.num_tokens_per_rank.as_slice().into(),
+                per_expert: handle.num_tokens_per_expert.as_slice().into(),
+            });
+        }
+        if let Some(idx) = args.topk_idx {
+            if idx.len() != t_n * k {
+                return Err(invalid!(
+                    "topk_idx has {} values, expected [tokens = {t_n}, topk = {k}]",
+                    idx.len()
+                ));
+            }
+        }
+        if args.expert_alignment == 0 {
+            return Err(invalid!("expert_alignment must be at least 1"));
+        }
+        let layout = match (args.layout, args.topk_idx) {
+            (Some(layout), idx) => {
+                if layout.num_tokens != t_n
+                    || layout.num_ranks != r_n
+                    || layout.num_experts != self.cfg.num_experts
+                {
+                    return Err(invalid!(
+                        "the layout is for {} tokens, {} ranks, {} experts; this call has {t_n}, {r_n}, {}",
+                        layout.num_tokens,
+                        layout.num_ranks,
+                        layout.num_experts,
+                        self.cfg.num_experts
+                    ));
+                }
+                if let Some(idx) = idx {
+                    // Validates the ids too, and proves the layout belongs to them.
+                    let own = self.get_dispatch_layout(idx)?;
+                    if own.is_token_in_rank != layout.is_token_in_rank {
+                        return Err(invalid!(
+                            "the layout was computed from a different topk_idx"
+                        ));
+                    }
+                }
+                std::borrow::Cow::Borrowed(layout)
+            }
+            (None, Some(idx)) => std::borrow::Cow::Owned(self.get_dispatch_layout(idx)?),
+            (None, None) => {
+                return Err(invalid!(
+                    "dispatch needs topk_idx, a layout, or a cached handle"
+                ))
+            }
+        };
+        Ok(match layout {
+            std::borrow::Cow::Borrowed(l) => Routing {
+                in_rank: l.is_token_in_rank.as_slice().into(),
+                per_rank: l.num_tokens_per_rank.as_slice().into(),
+                per_expert: l.num_tokens_per_expert.as_slice().into(),
+            },
+            std::borrow::Cow::Owned(l) => Routing {
+                in_rank: l.is_token_in_rank.into(),
+                per_rank: l.num_tokens_per_rank.into(),
+                per_expert: l.num_tokens_per_expert.into(),
+            },
+        })
+    }
+
+    /// Normal combine: every received row back to its source, summed there per token.
+    /// `x` is `[rows, H]` bf16 (rows past the received count are ignored), `topk_weights`
+    /// `[rows, K]`. Collective.
+    pub fn combine(
+        &mut self,
+        x: &[bf16],
+        topk_weights: Option<&[f32]>,
+        handle: &NormalHandle,
+    ) -> Result<CombineOutput> {
+        let (r_n, me, k, h) = (self.num_ranks, self.rank, self.cfg.topk, self.cfg.hidden);
+        let n = handle.num_recv_tokens;
+        let check = || -> Result<()> {
+            if handle.buffer_id != self.id {
+                return Err(invalid!(
+                    "the handle was made by another Buffer (or another rank)"
+                ));
+            }
+            if x.len() != n * h && x.len() != handle.num_rows * h {
+                return Err(invalid!(
+                    "combine x has {} values, expected [rows = {n}, hidden = {h}]",
+                    x.len()
+                ));
+            }
+            if let Some(w) = topk_weights {
+                if w.len() != n * k && w.len() != handle.num_rows * k {
+                    return Err(invalid!(
+                        "combine topk_weights has {} values, expected [rows = {n}, topk = {k}]",
+                        w.len()
+                    ));
+                }
+            }
+            Ok(())
+        };
+        if let Err(e) = check() {
+            return self.fail(e);
+        }
+        self.combine_seq = self.combine_seq.wrapping_add(1);
+        let seq = self.combine_seq;
+        let map = self.map.clone();
+        let t_max = self.cfg.num_max_dispatch_tokens_per_rank;
+        let regions: Vec<_> = (0..r_n)
+            .map(|r| self.peer_region(r))
+            .collect::<Result<_>>()?;
+        let src_rank = handle.recv_src_rank(me);
+        self.device.launch(n, |range| {
+            for i in range {
+                let (s, t) = (src_rank[i] as usize, handle.recv_src_idx[i] as usize);
+                let slot = me * t_max + t;
+                let dst = &regions[s];
+                dst.write(
+                    map.combine_x + slot * h * 2,
+                    bytemuck::cast_slice(&x[i * h..(i + 1) * h]),
+                )?;
+                if let Some(w) = topk_weights {
+                    dst.write(
+                        map.combine_weights + slot * k * 4,
+                        bytemuck::cast_slice(&w[i * k..(i + 1) * k]),
+                    )?;
+                }
+            }
+            Ok(())
+        })?;
+        for region in &regions {
+            region
+                .atomic_u64(map.combine_done + 8 * me)?
+                .store(seq as u64, Ordering::Release);
+        }
+        let until = self.until()?;
+        for src in 0..r_n {
+            self.wait_local(map.combine_done + 8 * src, seq as u64, until, || {
+                format!("rank {me}: combine {seq}: waiting for rank {src}'s rows")
+            })?;
+        }
+
+        // Reduce: per token, the returned rows in rank order, in f32, rounded once.
+        let t_n = handle.num_tokens;
+        let rows: &[u16] = self.symm.view(map.combine_x, r_n * t_max * h)?;
+        let wrows: &[f32] = self.symm.view(map.combine_weights, r_n * t_max * k)?;
+        let mut combined = vec![bf16::ZERO; t_n * h];
+        let in_rank = &handle.is_token_in_rank;
+        self.device.launch_rows(&mut combined, h, |first, out| {
+            let mut acc = vec![0f32; h];
+            for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
+                acc.fill(0.0);
+                for r in (0..r_n).filter(|&r| in_rank[t * r_n + r]) {
+                    let row = &rows[(r * t_max + t) * h..(r * t_max + t + 1) * h];
+                    for (a, &b) in acc.iter_mut().zip(row) {
+                        *a += bf16_bits_to_f32(b);
+                    }
+                }
+                for (o, &a) in out_row.iter_mut().zip(&acc) {
+                    *o = bf16::from_f32(a);
+                }
+            }
+            Ok(())
+        })?;
+        let combined_w = topk_weights.map(|_| {
+            let mut out = vec![0f32; t_n * k];
+            for (t, out_row) in out.chunks_exact_mut(k).enumerate() {
+                for r in (0..r_n).filter(|&r| in_rank[t * r_n + r]) {
+                    let w = &wrows[(r * t_max + t) * k..(r * t_max + t + 1) * k];
+                    for (a, &b) in out_row.iter_mut().zip(w) {
+                        *a += b;
+                    }
+                }
+            }
+            out
+        });
+        Ok(CombineOutput {
+            combined_x: combined,
+            combined_topk_weights: combined_w,
+        })
+    }
+}

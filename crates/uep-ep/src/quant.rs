@@ -1,0 +1,503 @@
+//! FP8 e4m3fn per-128-channel quantisation (SPEC.md §5).
+//!
+//! This module is the single definition of the FP8 numerics: the device kernels call
+//! [`quantize_token`] themselves, so the reference and the data path are bit-exact by
+//! construction rather than by re-implementation.
+//!
+//! Format (`e4m3fn`, as `torch.float8_e4m3fn`): 1 sign bit, 4 exponent bits (bias 7), 3
+//! mantissa bits; no infinities; `0x7f`/`0xff` are NaN; the largest finite magnitude is
+//! `448 = 1.75 * 2^8`; subnormals are `m * 2^-9`, `m` in `1..=7`.
+
+use half::bf16;
+
+use crate::error::Result;
+use crate::invalid;
+
+/// Channels that share one FP8 scale.
+pub const FP8_GROUP: usize = 128;
+
+/// Largest finite e4m3fn magnitude.
+pub const FP8_E4M3_MAX: f32 = 448.0;
+
+/// Lower clamp of a group's `amax`, so an all-zero group gets a finite, non-zero scale.
+const AMAX_MIN: f32 = 1e-4;
+
+/// f32 bits of 448.0: magnitudes at or above it saturate.
+const MAX_BITS: u32 = 0x43e0_0000;
+/// f32 bits of 2^-6, the smallest normal e4m3 magnitude.
+const MIN_NORMAL_BITS: u32 = 0x3c80_0000;
+/// 2^14: its f32 ulp is 2^-9, the e4m3 subnormal step, so adding it rounds (RNE, by the
+/// FPU) a magnitude below 2^-6 to a whole number of subnormal steps.
+const SUBNORMAL_MAGIC: f32 = 16384.0;
+/// f32 exponent bias minus e4m3 exponent bias, shifted into the f32 exponent field.
+const REBIAS: u32 = (127 - 7) << 23;
+
+/// Encode `x` as e4m3fn: round to nearest, ties to even; finite values and infinities beyond
+/// ±448 saturate to ±448 (`0x7e`/`0xfe`); NaN becomes `0x7f`; `-0.0` becomes `0x80`.
+///
+/// Written branch-free (selects only) so the loops of [`quantize_token`] vectorise.
+#[inline]
+pub fn e4m3_from_f32(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let sign = (bits >> 24) & 0x80;
+    let abs = bits & 0x7fff_ffff;
+    // Normal range [2^-6, 448): re-bias the exponent, then round the 23-bit mantissa to 3
+    // bits (add half-ulp-minus-one plus the kept lsb = ties to even); a mantissa carry
+    // correctly bumps the exponent. Wrapping ops: the result is discarded when out of range.
+    let normal = abs
+        .wrapping_sub(REBIAS)
+        .wrapping_add(0x7_ffff + ((abs >> 20) & 1))
+        >> 20;
+    // Subnormal range [0, 2^-6): the FPU's own RNE does the rounding; a result of 8 steps is
+    // exactly the code of 2^-6, so the boundary needs no special case.
+    let subnormal = (f32::from_bits(abs) + SUBNORMAL_MAGIC)
+        .to_bits()
+        .wrapping_sub(SUBNORMAL_MAGIC.to_bits());
+    let mut code = if abs < MIN_NORMAL_BITS {
+        subnormal
+    } else {
+        normal
+    };
+    code = if abs >= MAX_BITS { 0x7e } else { code };
+    code |= sign;
+    code = if abs > 0x7f80_0000 { 0x7f } else { code };
+    code as u8
+}
+
+/// Decode an e4m3fn byte to f32 (exact; `0x7f`/`0xff` decode to NaN).
+#[inline]
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let b = u32::from(b);
+    let sign = (b & 0x80) << 24;
+    let exp = (b >> 3) & 0xf;
+    let mant = b & 0x7;
+    let magnitude = if exp == 0xf && mant == 0x7 {
+        f32::NAN.to_bits()
+    } else if exp == 0 {
+        // Subnormal m * 2^-9: exact in f32.
+        (mant as f32 * (1.0 / 512.0)).to_bits()
+    } else {
+        ((exp << 23) + REBIAS) | (mant << 20)
+    };
+    f32::from_bits(sign | magnitude)
+}
+
+/// The FP8 scale of a group whose largest magnitude is `amax`.
+///
+/// `amax` is clamped below at 1e-4 (a NaN `amax` also becomes 1e-4), then
+/// `scale = amax / 448` (one f32 division). With `round_scale` the scale is rounded up to a
+/// power of two (UE8M0): `2^ceil(log2(amax / 448))`, computed exactly from the bits of the f32
+/// quotient (DeepEP rounds the same f32 quotient), so it is `>=` that quotient.
+#[inline]
+pub fn fp8_scale(amax: f32, round_scale: bool) -> f32 {
+    let scale = amax.max(AMAX_MIN) / FP8_E4M3_MAX;
+    if !round_scale || !scale.is_finite() {
+        return scale;
+    }
+    // scale >= 1e-4/448 > 2^-23 is a positive normal f32: a zero mantissa means it is
+    // already a power of two; otherwise take the next exponent up (255 = +inf on overflow).
+    let bits = scale.to_bits();
+    if bits & 0x7f_ffff == 0 {
+        scale
+    } else {
+        f32::from_bits(((bits >> 23) + 1) << 23)
+    }
+}
+
+/// Quantise one token (`x.len()` channels, a multiple of 128) into `q` (same length) and
+/// `scales` (`x.len() / 128`).
+///
+/// Per group `g` of 128 channels, exactly:
+/// ```text
+/// amax  = max |f32(x_g)|            (as bits: |bf16| orders like its low 15 bits)
+/// s     = fp8_scale(amax, round_scale)
+/// inv   = 1.0_f32 / s               (one f32 division, once per group)
+/// q[i]  = e4m3_from_f32(f32(x[i]) * inv)   (one f32 multiply, no fma)
+/// scales[g] = s
+/// ```
+/// This is THE definition; the device kernels call this function. Preconditions (lengths) are
+/// only `debug_assert`ed because callers validate them; see [`quantize`] for a checked version.
+/// A NaN channel encodes as `0x7f` and does not raise the group's scale above the clamp.
+pub fn quantize_token(x: &[bf16], round_scale: bool, q: &mut [u8], scales: &mut [f32]) {
+    debug_assert_eq!(x.len() % FP8_GROUP, 0, "hidden must be a multiple of 128");
+    debug_assert_eq!(q.len(), x.len(), "q must have one byte per channel");
+    debug_assert_eq!(
+        scales.len(),
+        x.len() / FP8_GROUP,
+        "one scale per 128 channels"
+    );
+    for ((xg, qg), sg) in x
+        .chunks_exact(FP8_GROUP)
+        .zip(q.chunks_exact_mut(FP8_GROUP))
+        .zip(scales.iter_mut())
+    {
+        // Integer max of the magnitude bits: vectorises, and equals max |x| for non-NaN input.
+        let amax_bits = xg.iter().fold(0u16, |m, v| m.max(v.to_bits() & 0x7fff));
+        let amax = bf16::from_bits(amax_bits).to_f32();
+        let s = fp8_scale(amax, round_scale);
+        let inv = 1.0 / s;
+        for (o, v) in qg.iter_mut().zip(xg) {
+            *o = e4m3_from_f32(v.to_f32() * inv);
+        }
+        *sg = s;
+    }
+}
+
+/// Quantise `[tokens, hidden]` bf16 rows: returns `(q [tokens, hidden], scales [tokens, hidden/128])`.
+///
+/// Errors if `hidden` is not a positive multiple of 128 or `x.len()` is not a multiple of it.
+pub fn quantize(x: &[bf16], hidden: usize, round_scale: bool) -> Result<(Vec<u8>, Vec<f32>)> {
+    check_fp8_shape(x.len(), hidden)?;
+    let mut q = vec![0u8; x.len()];
+    let mut scales = vec![0f32; x.len() / FP8_GROUP];
+    let groups = hidden / FP8_GROUP;
+    for ((xt, qt), st) in x
+        .chunks_exact(hidden)
+        .zip(q.chunks_exact_mut(hidden))
+        .zip(scales.chunks_exact_mut(groups))
+    {
+        quantize_token(xt, round_scale, qt, st);
+    }
+    Ok((q, scales))
+}
+
+/// Dequantise one token: `out[i] = e4m3_to_f32(q[i]) * scales[i / 128]`.
+///
+/// Lengths are only `debug_assert`ed (`q.len() == out.len() == 128 * scales.len()`).
+pub fn dequantize_token(q: &[u8], scales: &[f32], out: &mut [f32]) {
+    debug_assert_eq!(q.len() % FP8_GROUP, 0, "hidden must be a multiple of 128");
+    debug_assert_eq!(out.len(), q.len(), "out must have one value per channel");
+    debug_assert_eq!(
+        scales.len(),
+        q.len() / FP8_GROUP,
+        "one scale per 128 channels"
+    );
+    for ((qg, og), &s) in q
+        .chunks_exact(FP8_GROUP)
+        .zip(out.chunks_exact_mut(FP8_GROUP))
+        .zip(scales)
+    {
+        for (o, &b) in og.iter_mut().zip(qg) {
+            *o = e4m3_to_f32(b) * s;
+        }
+    }
+}
+
+/// Dequantise `[tokens, hidden]` FP8 rows with their `[tokens, hidden/128]` scales to f32.
+///
+/// Errors if `hidden` is not a positive multiple of 128, `q.len()` is not a multiple of
+/// `hidden`, or `scales.len() != q.len() / 128`.
+pub fn dequantize(q: &[u8], scales: &[f32], hidden: usize) -> Result<Vec<f32>> {
+    check_fp8_shape(q.len(), hidden)?;
+    if scales.len() != q.len() / FP8_GROUP {
+        return Err(invalid!(
+            "dequantize: {} scales given for {} fp8 values; need one per {FP8_GROUP} channels ({})",
+            scales.len(),
+            q.len(),
+            q.len() / FP8_GROUP
+        ));
+    }
+    let mut out = vec![0f32; q.len()];
+    dequantize_token(q, scales, &mut out);
+    Ok(out)
+}
+
+/// Shared shape check of [`quantize`] and [`dequantize`].
+fn check_fp8_shape(len: usize, hidden: usize) -> Result<()> {
+    if hidden == 0 || hidden % FP8_GROUP != 0 {
+        return Err(invalid!(
+            "fp8: hidden = {hidden} must be a positive multiple of {FP8_GROUP} (one scale per {FP8_GROUP} channels)"
+        ));
+    }
+    if len % hidden != 0 {
+        return Err(invalid!(
+            "fp8: {len} values is not a whole number of rows of hidden = {hidden}"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// The 254 finite codes with their values, for brute-force rounding.
+    fn finite_codes() -> Vec<(u8, f64)> {
+        (0u8..=255)
+            .filter(|&b| b & 0x7f != 0x7f)
+            .map(|b| (b, f64::from(e4m3_to_f32(b))))
+            .collect()
+    }
+
+    /// Independent reference: nearest finite code by exhaustive search in f64 (exact for
+    /// f32 inputs), ties to the even mantissa, saturating, NaN -> 0x7f.
+    fn brute_encode(x: f32, codes: &[(u8, f64)]) -> u8 {
+        if x.is_nan() {
+            return 0x7f;
+        }
+        let xd = f64::from(x);
+        if xd >= 448.0 {
+            return 0x7e;
+        }
+        if xd <= -448.0 {
+            return 0xfe;
+        }
+        let mut best: Option<(u8, f64)> = None;
+        for &(b, v) in codes {
+            // Keep the sign of zero: +x only maps to codes with the sign bit of x.
+            if (b & 0x80 != 0) != x.is_sign_negative() {
+                continue;
+            }
+            let d = (v - xd).abs();
+            best = match best {
+                None => Some((b, d)),
+                Some((bb, bd)) if d < bd || (d == bd && b & 1 == 0 && bb & 1 == 1) => Some((b, d)),
+                keep => keep,
+            };
+        }
+        best.expect("codes of each sign exist").0
+    }
+
+    #[test]
+    fn decode_all_codes() {
+        assert_eq!(e4m3_to_f32(0x00), 0.0);
+        assert!(e4m3_to_f32(0x80) == 0.0 && e4m3_to_f32(0x80).is_sign_negative());
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_to_f32(0x07), 7.0 * 2f32.powi(-9));
+        assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6));
+        assert_eq!(e4m3_to_f32(0x38), 1.0);
+        assert_eq!(e4m3_to_f32(0x7e), 448.0);
+        assert_eq!(e4m3_to_f32(0xfe), -448.0);
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        // Independent formula for every code.
+        for b in 0u8..=255 {
+            let v = e4m3_to_f32(b);
+            if b & 0x7f == 0x7f {
+                assert!(v.is_nan(), "code {b:#04x}");
+                continue;
+            }
+            let (e, m) = (i32::from((b >> 3) & 0xf), f64::from(b & 7));
+            let mag = if e == 0 {
+                m / 8.0 * 2f64.powi(-6)
+            } else {
+                (1.0 + m / 8.0) * 2f64.powi(e - 7)
+            };
+            let want = if b & 0x80 != 0 { -mag } else { mag };
+            assert_eq!(f64::from(v), want, "code {b:#04x}");
+        }
+    }
+
+    #[test]
+    fn every_finite_code_round_trips() {
+        for b in 0u8..=255 {
+            if b & 0x7f != 0x7f {
+                assert_eq!(e4m3_from_f32(e4m3_to_f32(b)), b, "code {b:#04x}");
+            }
+        }
+    }
+
+    #[test]
+    fn midpoints_round_to_even() {
+        for b in 0u8..0x7e {
+            for sign in [0u8, 0x80] {
+                let (lo, hi) = (b | sign, (b + 1) | sign);
+                let mid = (f64::from(e4m3_to_f32(lo)) + f64::from(e4m3_to_f32(hi))) / 2.0;
+                let mid32 = mid as f32;
+                assert_eq!(f64::from(mid32), mid, "midpoint exact in f32");
+                let even = if lo & 1 == 0 { lo } else { hi };
+                assert_eq!(
+                    e4m3_from_f32(mid32),
+                    even,
+                    "midpoint of {lo:#04x},{hi:#04x}"
+                );
+                // Just off the midpoint goes to the nearer code (bit steps move the magnitude,
+                // whatever the sign; lo has the smaller magnitude).
+                let near_lo = f32::from_bits(mid32.to_bits() - 1);
+                let near_hi = f32::from_bits(mid32.to_bits() + 1);
+                if mid != 0.0 {
+                    assert_eq!(e4m3_from_f32(near_lo), lo, "just inside {lo:#04x}");
+                    assert_eq!(e4m3_from_f32(near_hi), hi, "just inside {hi:#04x}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn saturation_nan_and_zero() {
+        for v in [448.0f32, 448.01, 464.0, 480.0, 1e6, f32::MAX, f32::INFINITY] {
+            assert_eq!(e4m3_from_f32(v), 0x7e, "{v}");
+            assert_eq!(e4m3_from_f32(-v), 0xfe, "{v}");
+        }
+        assert_eq!(e4m3_from_f32(f32::NAN), 0x7f);
+        assert_eq!(e4m3_from_f32(-f32::NAN), 0x7f);
+        assert_eq!(e4m3_from_f32(0.0), 0x00);
+        assert_eq!(e4m3_from_f32(-0.0), 0x80);
+        // Half the smallest subnormal ties to even (zero); just above rounds up.
+        let half_min = 2f32.powi(-10);
+        assert_eq!(e4m3_from_f32(half_min), 0x00);
+        assert_eq!(e4m3_from_f32(f32::from_bits(half_min.to_bits() + 1)), 0x01);
+        assert_eq!(e4m3_from_f32(f32::from_bits(1)), 0x00, "f32 subnormal");
+        assert_eq!(e4m3_from_f32(-f32::MIN_POSITIVE), 0x80);
+    }
+
+    #[test]
+    fn agrees_with_brute_force() {
+        let codes = finite_codes();
+        let mut edges = vec![
+            0.0f32,
+            -0.0,
+            f32::MIN_POSITIVE,
+            f32::from_bits(1),
+            f32::MAX,
+            f32::INFINITY,
+            f32::NAN,
+            447.99997,
+            448.0,
+            463.99997,
+            464.0,
+            2f32.powi(-6),
+            2f32.powi(-7),
+            2f32.powi(-9),
+            2f32.powi(-10),
+            1.0,
+        ];
+        // Each code's value +-1 and +-2 f32 ulps.
+        for &(_, v) in &codes {
+            let v = v as f32;
+            for d in [1u32, 2] {
+                edges.push(f32::from_bits(v.to_bits().wrapping_add(d)));
+                if v != 0.0 {
+                    edges.push(f32::from_bits(v.to_bits() - d));
+                }
+            }
+        }
+        for &e in &edges {
+            for x in [e, -e] {
+                assert_eq!(e4m3_from_f32(x), brute_encode(x, &codes), "x = {x:e}");
+            }
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        // 1e6 samples: half random magnitudes over the exponents e4m3 can resolve (and a few
+        // binades beyond either end), half random f32 bit patterns (mostly saturating/zero).
+        for i in 0..1_000_000u32 {
+            let x = if i % 2 == 0 {
+                let exp: i32 = rng.gen_range(-14..11);
+                let m: f32 = rng.gen_range(1.0..2.0);
+                let s = if rng.gen::<bool>() { -1.0 } else { 1.0 };
+                s * m * 2f32.powi(exp)
+            } else {
+                f32::from_bits(rng.gen())
+            };
+            assert_eq!(
+                e4m3_from_f32(x),
+                brute_encode(x, &codes),
+                "x = {x:e} ({:#x})",
+                x.to_bits()
+            );
+        }
+    }
+
+    #[test]
+    fn scale_clamp_and_rounding() {
+        assert_eq!(fp8_scale(0.0, false), 1e-4 / 448.0);
+        assert_eq!(fp8_scale(f32::NAN, false), 1e-4 / 448.0);
+        assert_eq!(fp8_scale(448.0, false), 1.0);
+        assert_eq!(fp8_scale(448.0, true), 1.0);
+        assert_eq!(fp8_scale(449.0, true), 2.0);
+        assert_eq!(fp8_scale(224.0, true), 0.5);
+        assert_eq!(fp8_scale(225.0, true), 1.0);
+        assert_eq!(fp8_scale(0.0, true), 2f32.powi(-22)); // 1e-4/448 = 2.23e-7 in (2^-23, 2^-22]
+        assert_eq!(fp8_scale(f32::INFINITY, true), f32::INFINITY);
+    }
+
+    fn bf16_vec(v: &[f32]) -> Vec<bf16> {
+        v.iter().map(|&f| bf16::from_f32(f)).collect()
+    }
+
+    #[test]
+    fn quantize_token_worked_example() {
+        // Group 0: amax 448 -> scale 1, values land on codes exactly. Group 1: all zero.
+        let mut x = vec![0f32; 256];
+        x[0] = 448.0;
+        x[1] = -1.0;
+        x[2] = 0.5;
+        let x = bf16_vec(&x);
+        let mut q = vec![0u8; 256];
+        let mut s = vec![0f32; 2];
+        quantize_token(&x, false, &mut q, &mut s);
+        assert_eq!(s, vec![1.0, 1e-4 / 448.0]);
+        assert_eq!(&q[..4], &[0x7e, 0xb8, 0x30, 0x00]);
+        assert!(q[128..].iter().all(|&b| b == 0));
+        let (q2, s2) = quantize(&x, 128, false).unwrap();
+        assert_eq!((q2, s2), (q, s));
+    }
+
+    #[test]
+    fn checked_wrappers_reject_bad_shapes() {
+        let x = bf16_vec(&[1.0; 256]);
+        for hidden in [0, 64, 200] {
+            let e = quantize(&x, hidden, false).unwrap_err().to_string();
+            assert!(e.contains("multiple of 128"), "{e}");
+        }
+        let e = quantize(&x[..255], 128, false).unwrap_err().to_string();
+        assert!(e.contains("whole number of rows"), "{e}");
+        let e = dequantize(&[0u8; 256], &[1.0], 128)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("need one per 128"), "{e}");
+        assert_eq!(
+            dequantize(&[0x38; 128], &[2.0], 128).unwrap(),
+            vec![2.0; 128]
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Error bound, justified: let s = scale, inv = RN(1/s), y = RN(x * inv) = x/s * (1 + d)
+        /// with |d| <= 2^-23. e4m3 keeps 3 mantissa bits, so rounding y to a code errs by at
+        /// most half an ulp: <= |y| * 2^-4 in the normal range, <= 2^-10 (half of 2^-9) in the
+        /// subnormal range; above 448 (only by the rounding of inv) it saturates, erring by
+        /// <= |y| * 2^-22. Scaling back by s (one more f32 rounding) gives, per element,
+        /// |dq - x| <= max(|x| * 2^-4, s * 2^-10) * (1 + 1e-6) + |x| * 2^-20.
+        /// Since |x| <= amax, the group-wide form is |dq - x| <= amax * 2^-4 = (amax/448) * 28:
+        /// half an ulp (16) of the top binade [256, 448] times the scale. (A bound of
+        /// amax/448 * 2^-3 would be wrong: it ignores that e4m3 steps are 32 near 448.)
+        #[test]
+        fn quant_dequant_error_bound(
+            mags in proptest::collection::vec((-1.0f32..1.0, -24i32..12), 256),
+            round_scale: bool,
+        ) {
+            // Magnitudes over ~36 binades so groups hit saturation, normal and subnormal codes.
+            let vals: Vec<f32> = mags.iter().map(|&(m, e)| m * 2f32.powi(e)).collect();
+            let x = bf16_vec(&vals);
+            let (q, s) = quantize(&x, 128, round_scale).unwrap();
+            let dq = dequantize(&q, &s, 128).unwrap();
+            for g in 0..2 {
+                let xg = &x[g * 128..(g + 1) * 128];
+                let amax = xg.iter().map(|v| v.to_f32().abs()).fold(0f32, f32::max);
+                let quot = amax.max(1e-4) / 448.0;
+                if round_scale {
+                    prop_assert!(s[g] >= quot);
+                    prop_assert_eq!(s[g].to_bits() & 0x7f_ffff, 0, "power of two");
+                    prop_assert!(s[g] < 2.0 * quot);
+                } else {
+                    prop_assert_eq!(s[g], quot);
+                }
+                for i in 0..128 {
+                    let xi = f64::from(xg[i].to_f32());
+                    let err = (f64::from(dq[g * 128 + i]) - xi).abs();
+                    let sg = f64::from(s[g]);
+                    let bound = (xi.abs() * 2f64.powi(-4)).max(sg * 2f64.powi(-10)) * (1.0 + 1e-6)
+                        + xi.abs() * 2f64.powi(-20);
+                    prop_assert!(err <= bound, "x={} dq={} err={} bound={}", xi, dq[g*128+i], err, bound);
+                    // The group-wide form of the same bound.
+                    prop_assert!(err <= f64::from(amax.max(1e-4)) * 2f64.powi(-4) * 1.0001);
+                }
+            }
+        }
+    }
+}

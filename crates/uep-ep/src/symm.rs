@@ -1,0 +1,258 @@
+//! Symmetric memory: one registered region per rank, the same layout on every rank.
+//!
+//! Commands and kernels address it by *offset*, never by pointer, so the same offset
+//! names the same field in every rank's region. [`RegionMap`] computes that layout
+//! from a [`BufferConfig`]; [`Symmetric`] holds this rank's region and the mapped
+//! regions of the ranks on its node.
+
+use std::time::Duration;
+
+use uep_shm::{Region, Segment};
+
+use crate::buffer::BufferConfig;
+use crate::error::Result;
+
+/// Alignment of every area: a cache line, so counters of different writers never
+/// share one and rows start where wide loads like them.
+const ALIGN: usize = 128;
+
+/// Room for the reason a failing rank leaves in its peers' regions.
+pub const ABORT_MSG_BYTES: usize = 504;
+
+fn align_up(x: usize) -> usize {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+/// Offsets of every area of a rank's region.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionMap {
+    /// Number of ranks.
+    pub num_ranks: usize,
+    /// Number of experts (all ranks).
+    pub num_experts: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Top-k slots.
+    pub topk: usize,
+    /// Normal mode: most tokens a rank may dispatch in one call.
+    pub max_tokens: usize,
+    /// Low-latency mode: most tokens a rank may dispatch in one call (0 = no LL areas).
+    pub ll_max_tokens: usize,
+
+    /// Notify slots `[2 parities][src R]`, each `notify_slot_bytes`: an epoch word, then
+    /// the source's `tokens_per_rank [R]` and `tokens_per_expert [E]` (u32).
+    pub notify: usize,
+    /// Bytes of one notify slot.
+    pub notify_slot_bytes: usize,
+    /// u64 abort word (failed rank + 1), then a message of up to `ABORT_MSG_BYTES`.
+    pub abort: usize,
+    /// `[src R]` u64 epoch: the source finished writing its dispatch rows here.
+    pub dispatch_done: usize,
+    /// `[src R]` u64 epoch: the source finished writing its combine rows here.
+    pub combine_done: usize,
+    /// `[src R]` u64: barrier sequence numbers.
+    pub barrier: usize,
+    /// u64: the last low-latency step this rank entered (peers read it before reusing a buffer).
+    pub ll_entered: usize,
+    /// `[2 buffers][local expert][src R]` u64 epoch|count: LL count signals.
+    pub ll_count: usize,
+    /// `[2 buffers][src R]` u64 epoch: LL combine rows from the source have landed.
+    pub ll_combine_done: usize,
+
+    /// Normal dispatch receive area: `[R * max_tokens]` rows of x (bf16-sized).
+    pub recv_x: usize,
+    /// `[R * max_tokens, H/128]` f32 scales (FP8 input).
+    pub recv_scales: usize,
+    /// `[R * max_tokens, K]` i64 local expert ids.
+    pub recv_topk_idx: usize,
+    /// `[R * max_tokens, K]` f32 weights.
+    pub recv_topk_weights: usize,
+    /// `[R * max_tokens]` i32 source token index.
+    pub recv_src_idx: usize,
+    /// Normal combine receive area: `[R][max_tokens]` bf16 rows, by (sending rank, my token).
+    pub combine_x: usize,
+    /// `[R][max_tokens, K]` f32 weights.
+    pub combine_weights: usize,
+
+    /// Low-latency areas, one per buffer index.
+    pub ll: [LlAreas; 2],
+    /// Total bytes.
+    pub total: usize,
+}
+
+/// Offsets of one low-latency buffer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LlAreas {
+    /// `[E/R, R*M]` rows of x (bf16-sized; FP8 uses the first H bytes of a row's span).
+    pub recv_x: usize,
+    /// `[E/R, R*M, H/128]` f32 scales.
+    pub recv_scales: usize,
+    /// `[E/R, R*M]` i32: source token * K + top-k slot.
+    pub recv_src: usize,
+    /// `[M, K]` bf16 rows: expert outputs for my (token, slot) pairs.
+    pub combine_x: usize,
+}
+
+impl RegionMap {
+    /// The layout for `cfg` on `num_ranks` ranks.
+    pub fn new(cfg: &BufferConfig, num_ranks: usize) -> RegionMap {
+        let (r, e, h, k) = (num_ranks, cfg.num_experts, cfg.hidden, cfg.topk);
+        let t = cfg.num_max_dispatch_tokens_per_rank;
+        let m = cfg.num_max_ll_tokens_per_rank;
+        let groups = h.div_ceil(128);
+        let epr = e.checked_div(r).unwrap_or(0);
+        let mut at = 0usize;
+        let mut take = |bytes: usize| {
+            let off = at;
+            at = align_up(at + bytes);
+            off
+        };
+        let notify_slot_bytes = align_up(8 + 4 * (r + e));
+        let notify = take(2 * r * notify_slot_bytes);
+        let abort = take(8 + ABORT_MSG_BYTES);
+        let dispatch_done = take(8 * r);
+        let combine_done = take(8 * r);
+        let barrier = take(8 * r);
+        let ll_entered = take(8);
+        let ll_count = take(8 * 2 * epr * r);
+        let ll_combine_done = take(8 * 2 * r);
+        let rows = r * t;
+        let recv_x = take(rows * h * 2);
+        let recv_scales = take(rows * groups * 4);
+        let recv_topk_idx = take(rows * k * 8);
+        let recv_topk_weights = take(rows * k * 4);
+        let recv_src_idx = take(rows * 4);
+        let combine_x = take(rows * h * 2);
+        let combine_weights = take(rows * k * 4);
+        let mut ll = [LlAreas::default(); 2];
+        if m > 0 {
+            for areas in &mut ll {
+                let ll_rows = epr * r * m;
+                *areas = LlAreas {
+                    recv_x: take(ll_rows * h * 2),
+                    recv_scales: take(ll_rows * groups * 4),
+                    recv_src: take(ll_rows * 4),
+                    combine_x: take(m * k * h * 2),
+                };
+            }
+        }
+        RegionMap {
+            num_ranks: r,
+            num_experts: e,
+            hidden: h,
+            topk: k,
+            max_tokens: t,
+            ll_max_tokens: m,
+            notify,
+            notify_slot_bytes,
+            abort,
+            dispatch_done,
+            combine_done,
+            barrier,
+            ll_entered,
+            ll_count,
+            ll_combine_done,
+            recv_x,
+            recv_scales,
+            recv_topk_idx,
+            recv_topk_weights,
+            recv_src_idx,
+            combine_x,
+            combine_weights,
+            ll,
+            total: at,
+        }
+    }
+
+    /// Offset of notify slot (`parity`, `src`).
+    pub fn notify_slot(&self, parity: usize, src: usize) -> usize {
+        self.notify + (parity * self.num_ranks + src) * self.notify_slot_bytes
+    }
+
+    /// Offset of the LL count signal (`buffer`, `local_expert`, `src`).
+    pub fn ll_count_at(&self, buffer: usize, local_expert: usize, src: usize) -> usize {
+        let epr = self.num_experts / self.num_ranks;
+        self.ll_count + 8 * ((buffer * epr + local_expert) * self.num_ranks + src)
+    }
+}
+
+/// This rank's region and the regions of the ranks it shares memory with.
+pub struct Symmetric {
+    rank: usize,
+    own: Segment,
+    peers: Vec<Option<Segment>>,
+}
+
+impl std::fmt::Debug for Symmetric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Symmetric")
+            .field("rank", &self.rank)
+            .field("own", &self.own)
+            .finish()
+    }
+}
+
+impl Symmetric {
+    /// Map the peers in `local` (rank ids on this node, including `rank`).
+    pub fn map_peers(
+        rank: usize,
+        own: Segment,
+        names: &[String],
+        local: &[usize],
+        bytes: usize,
+        timeout: Duration,
+    ) -> Result<Symmetric> {
+        let mut peers: Vec<Option<Segment>> = (0..names.len()).map(|_| None).collect();
+        for &p in local {
+            if p != rank {
+                peers[p] = Some(Segment::open(&names[p], bytes, timeout)?);
+            }
+        }
+        Ok(Symmetric { rank, own, peers })
+    }
+
+    /// Remove the names of this rank's segment: every peer has mapped it.
+    pub fn unlink(&mut self) -> Result<()> {
+        Ok(self.own.unlink()?)
+    }
+
+    /// This rank's region.
+    pub fn local(&self) -> &Region {
+        self.own.region()
+    }
+
+    /// The region of `peer`, if it shares memory with this rank.
+    pub fn peer(&self, peer: usize) -> Option<&Region> {
+        if peer == self.rank {
+            Some(self.own.region())
+        } else {
+            self.peers
+                .get(peer)
+                .and_then(|p| p.as_ref())
+                .map(Segment::region)
+        }
+    }
+
+    /// Borrow `count` values of `T` at `offset` of this rank's region.
+    ///
+    /// Only for ranges that the protocol has finished writing: every area handed out
+    /// this way (received rows and their metadata) is written by peers only during a
+    /// collective call that this rank has entered, and the Buffer's calls take
+    /// `&mut self`, so a view borrowed from `&self` ends before the next write can start.
+    pub fn view<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<&[T]> {
+        let region = self.own.region();
+        // SAFETY: see above: no writer can touch the range while `&self` is borrowed;
+        // bounds and alignment are checked by `slice`.
+        Ok(unsafe { region.slice::<T>(offset, count)? })
+    }
+
+    /// Mutably borrow `count` values of `T` at `offset` of this rank's region, for
+    /// in-place work on rows that have fully arrived (LL packing, padding).
+    #[allow(clippy::mut_from_ref)]
+    pub fn view_mut<T: bytemuck::Pod>(&mut self, offset: usize, count: usize) -> Result<&mut [T]> {
+        let region = self.own.region();
+        // SAFETY: `&mut self` excludes every other view, and no peer writes the range
+        // until this rank enters its next collective call (see `view`).
+        Ok(unsafe { region.slice_mut::<T>(offset, count)? })
+    }
+}

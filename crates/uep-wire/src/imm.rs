@@ -1,0 +1,372 @@
+//! The 32-bit immediates that carry ordering and emulated atomics (SPEC §2,
+//! "Ordering and atomics emulation").
+//!
+//! Every write a proxy posts carries one immediate; the receiving proxy learns
+//! of arrivals only from its completion queue and applies the atomics itself.
+//! Bits 30..=31 are a tag naming the encoding, so a receiver can dispatch on
+//! [`Imm::decode`]; decoding an immediate as the wrong encoding is an error.
+//!
+//! | tag | encoding       | use |
+//! |-----|----------------|-----|
+//! | 0   | [`WriteImm`]   | normal mode: per-(peer, channel) ordered tail increments |
+//! | 1   | [`LlImm`]      | LL mode: partial completion fence (data arrival / count signal) |
+//! | 2   | [`AtomicImm`]  | generic emulated atomic add on a counter slot |
+//! | 3   | [`BarrierImm`] | barrier arrival (sent as a zero-length write) |
+//!
+//! ## `WriteImm` (tag 0)
+//!
+//! | bits    | field |
+//! |---------|-------|
+//! | 0..=10  | count: tail increment in tokens, `0..=`[`MAX_WRITE_COUNT`] |
+//! | 11..=22 | seq: per-(peer, channel) sequence number, wraps modulo [`WRITE_SEQ_MODULUS`] |
+//! | 23..=28 | channel, `0..`[`MAX_CHANNELS`] |
+//! | 29      | combine flag |
+//! | 30..=31 | tag = 0 |
+//!
+//! ## `LlImm` (tag 1)
+//!
+//! | bits    | field |
+//! |---------|-------|
+//! | 0..=9   | count N for a count signal (`0..=`[`MAX_LL_COUNT`]); 0 for a data arrival |
+//! | 10..=17 | source rank (u8) |
+//! | 18..=27 | local expert index, `0..`[`MAX_LOCAL_EXPERTS`] |
+//! | 28      | 0 = data arrival, 1 = count signal |
+//! | 29      | LL buffer index |
+//! | 30..=31 | tag = 1 |
+//!
+//! ## `AtomicImm` (tag 2)
+//!
+//! | bits    | field |
+//! |---------|-------|
+//! | 0..=15  | value (i16, two's complement) |
+//! | 16..=29 | counter slot, `0..`[`MAX_ATOMIC_SLOTS`] |
+//! | 30..=31 | tag = 2 |
+//!
+//! ## `BarrierImm` (tag 3)
+//!
+//! | bits    | field |
+//! |---------|-------|
+//! | 0..=19  | seq, wraps modulo [`BARRIER_SEQ_MODULUS`] |
+//! | 20..=27 | source rank (u8) |
+//! | 28..=29 | scope: 0 all peers, 1 same rail, 2 node leader (3 invalid) |
+//! | 30..=31 | tag = 3 |
+
+use crate::cmd::BarrierScope;
+use crate::error::{check_max, WireError};
+
+/// Number of channels a [`WriteImm`] can name (6 bits).
+pub const MAX_CHANNELS: usize = 64;
+/// Bits of the [`WriteImm`] sequence number.
+pub const WRITE_SEQ_BITS: u32 = 12;
+/// The [`WriteImm`] sequence number wraps modulo this (4096).
+pub const WRITE_SEQ_MODULUS: u32 = 1 << WRITE_SEQ_BITS;
+/// Largest [`WriteImm`] tail increment (11 bits).
+pub const MAX_WRITE_COUNT: u16 = (1 << 11) - 1;
+/// Number of local experts an [`LlImm`] can name (10 bits).
+pub const MAX_LOCAL_EXPERTS: usize = 1024;
+/// Largest count an [`LlImm`] count signal can announce (10 bits).
+pub const MAX_LL_COUNT: u16 = (1 << 10) - 1;
+/// Number of counter slots an [`AtomicImm`] can name (14 bits).
+pub const MAX_ATOMIC_SLOTS: usize = 1 << 14;
+/// Bits of the [`BarrierImm`] sequence number.
+pub const BARRIER_SEQ_BITS: u32 = 20;
+/// The [`BarrierImm`] sequence number wraps modulo this.
+pub const BARRIER_SEQ_MODULUS: u32 = 1 << BARRIER_SEQ_BITS;
+
+const TAG_SHIFT: u32 = 30;
+const TAG_WRITE: u8 = 0;
+const TAG_LL: u8 = 1;
+const TAG_ATOMIC: u8 = 2;
+const TAG_BARRIER: u8 = 3;
+const TAG_NAMES: [&str; 4] = ["WriteImm", "LlImm", "AtomicImm", "BarrierImm"];
+
+const fn field(imm: u32, shift: u32, bits: u32) -> u32 {
+    (imm >> shift) & ((1 << bits) - 1)
+}
+
+/// The tag (bits 30..=31) of an immediate.
+pub const fn imm_tag(imm: u32) -> u8 {
+    (imm >> TAG_SHIFT) as u8
+}
+
+fn check_tag(imm: u32, expected: u8) -> Result<(), WireError> {
+    let found = imm_tag(imm);
+    if found != expected {
+        return Err(WireError::WrongTag {
+            imm,
+            expected,
+            expected_name: TAG_NAMES[usize::from(expected)],
+            found,
+            found_name: TAG_NAMES[usize::from(found)],
+        });
+    }
+    Ok(())
+}
+
+/// Normal mode, per-channel order: the tail increment rides on the data
+/// write with a per-(peer, channel) sequence number; the receiver applies
+/// increments strictly in sequence order.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct WriteImm {
+    /// Combine (not dispatch) phase.
+    pub combine: bool,
+    /// Channel, below [`MAX_CHANNELS`].
+    pub channel: u8,
+    /// Sequence number, below [`WRITE_SEQ_MODULUS`] (wrap it with [`WriteImm::wrap_seq`]).
+    pub seq: u16,
+    /// Tail increment in tokens, at most [`MAX_WRITE_COUNT`].
+    pub count: u16,
+}
+
+impl WriteImm {
+    /// Reduces a free-running sequence counter to the encoded width.
+    pub const fn wrap_seq(seq: u64) -> u16 {
+        (seq % WRITE_SEQ_MODULUS as u64) as u16
+    }
+
+    /// Packs the immediate; fails if a field is out of range.
+    pub fn encode(&self) -> Result<u32, WireError> {
+        check_max(
+            "WriteImm.channel",
+            self.channel.into(),
+            MAX_CHANNELS as u64 - 1,
+        )?;
+        check_max(
+            "WriteImm.seq",
+            self.seq.into(),
+            u64::from(WRITE_SEQ_MODULUS) - 1,
+        )?;
+        check_max("WriteImm.count", self.count.into(), MAX_WRITE_COUNT.into())?;
+        Ok(u32::from(TAG_WRITE) << TAG_SHIFT
+            | u32::from(self.combine) << 29
+            | u32::from(self.channel) << 23
+            | u32::from(self.seq) << 11
+            | u32::from(self.count))
+    }
+
+    /// Unpacks the immediate; fails on another encoding's tag.
+    pub fn decode(imm: u32) -> Result<WriteImm, WireError> {
+        check_tag(imm, TAG_WRITE)?;
+        Ok(WriteImm {
+            combine: field(imm, 29, 1) != 0,
+            channel: field(imm, 23, 6) as u8,
+            seq: field(imm, 11, 12) as u16,
+            count: field(imm, 0, 11) as u16,
+        })
+    }
+}
+
+/// What an [`LlImm`] announces.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum LlSignal {
+    /// One data write for (buffer, expert, source) has arrived.
+    Arrival,
+    /// The source sent N writes for (buffer, expert); apply the count signal
+    /// once N arrivals have been seen. N is at most [`MAX_LL_COUNT`].
+    Count(u16),
+}
+
+/// LL mode partial completion fence: the receiver counts arrived writes per
+/// (buffer, expert, source) and applies a count signal only when the count
+/// it announces has arrived.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct LlImm {
+    /// LL buffer index, 0 or 1.
+    pub buffer: u8,
+    /// Local expert index, below [`MAX_LOCAL_EXPERTS`].
+    pub expert: u16,
+    /// The sending rank.
+    pub src_rank: u8,
+    /// Data arrival or count signal.
+    pub signal: LlSignal,
+}
+
+impl LlImm {
+    /// Packs the immediate; fails if a field is out of range.
+    pub fn encode(&self) -> Result<u32, WireError> {
+        check_max("LlImm.buffer", self.buffer.into(), 1)?;
+        check_max(
+            "LlImm.expert",
+            self.expert.into(),
+            MAX_LOCAL_EXPERTS as u64 - 1,
+        )?;
+        let (is_count, count) = match self.signal {
+            LlSignal::Arrival => (0, 0),
+            LlSignal::Count(n) => {
+                check_max("LlImm.count", n.into(), MAX_LL_COUNT.into())?;
+                (1, u32::from(n))
+            }
+        };
+        Ok(u32::from(TAG_LL) << TAG_SHIFT
+            | u32::from(self.buffer) << 29
+            | is_count << 28
+            | u32::from(self.expert) << 18
+            | u32::from(self.src_rank) << 10
+            | count)
+    }
+
+    /// Unpacks the immediate; fails on another encoding's tag, or a data
+    /// arrival with count bits set.
+    pub fn decode(imm: u32) -> Result<LlImm, WireError> {
+        check_tag(imm, TAG_LL)?;
+        let count = field(imm, 0, 10);
+        let signal = if field(imm, 28, 1) == 1 {
+            LlSignal::Count(count as u16)
+        } else if count != 0 {
+            return Err(WireError::ReservedImmBits {
+                kind: "LlImm data arrival",
+                imm,
+                bits: count,
+            });
+        } else {
+            LlSignal::Arrival
+        };
+        Ok(LlImm {
+            buffer: field(imm, 29, 1) as u8,
+            expert: field(imm, 18, 10) as u16,
+            src_rank: field(imm, 10, 8) as u8,
+            signal,
+        })
+    }
+}
+
+/// A generic emulated atomic add: the receiver adds `value` to the counter
+/// it maps `slot` to.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct AtomicImm {
+    /// Counter slot, below [`MAX_ATOMIC_SLOTS`].
+    pub slot: u16,
+    /// The addend.
+    pub value: i16,
+}
+
+impl AtomicImm {
+    /// Packs the immediate; fails if the slot is out of range.
+    pub fn encode(&self) -> Result<u32, WireError> {
+        check_max(
+            "AtomicImm.slot",
+            self.slot.into(),
+            MAX_ATOMIC_SLOTS as u64 - 1,
+        )?;
+        // `as u16` keeps the i16's two's-complement bits; lossless.
+        Ok(u32::from(TAG_ATOMIC) << TAG_SHIFT
+            | u32::from(self.slot) << 16
+            | u32::from(self.value as u16))
+    }
+
+    /// Unpacks the immediate; fails on another encoding's tag.
+    pub fn decode(imm: u32) -> Result<AtomicImm, WireError> {
+        check_tag(imm, TAG_ATOMIC)?;
+        Ok(AtomicImm {
+            slot: field(imm, 16, 14) as u16,
+            value: field(imm, 0, 16) as u16 as i16,
+        })
+    }
+}
+
+/// A barrier arrival from `src_rank`, carried by a zero-length write.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct BarrierImm {
+    /// Which barrier phase / peer set.
+    pub scope: BarrierScope,
+    /// The sending rank.
+    pub src_rank: u8,
+    /// Barrier sequence number, below [`BARRIER_SEQ_MODULUS`] (wrap it with
+    /// [`BarrierImm::wrap_seq`]).
+    pub seq: u32,
+}
+
+impl BarrierImm {
+    /// Reduces a free-running barrier counter to the encoded width.
+    pub const fn wrap_seq(seq: u64) -> u32 {
+        (seq % BARRIER_SEQ_MODULUS as u64) as u32
+    }
+
+    /// Packs the immediate; fails if the sequence number is out of range.
+    pub fn encode(&self) -> Result<u32, WireError> {
+        check_max(
+            "BarrierImm.seq",
+            self.seq.into(),
+            u64::from(BARRIER_SEQ_MODULUS) - 1,
+        )?;
+        Ok(u32::from(TAG_BARRIER) << TAG_SHIFT
+            | u32::from(self.scope as u8) << 28
+            | u32::from(self.src_rank) << 20
+            | self.seq)
+    }
+
+    /// Unpacks the immediate; fails on another encoding's tag or scope 3.
+    pub fn decode(imm: u32) -> Result<BarrierImm, WireError> {
+        check_tag(imm, TAG_BARRIER)?;
+        let code = field(imm, 28, 2) as u8;
+        let scope = BarrierScope::from_code(code).ok_or(WireError::InvalidValue {
+            field: "BarrierImm.scope",
+            value: code.into(),
+            allowed: BarrierScope::ALLOWED,
+        })?;
+        Ok(BarrierImm {
+            scope,
+            src_rank: field(imm, 20, 8) as u8,
+            seq: field(imm, 0, 20),
+        })
+    }
+}
+
+/// Any immediate, dispatched on its tag: what a receiving proxy decodes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Imm {
+    /// Tag 0.
+    Write(WriteImm),
+    /// Tag 1.
+    Ll(LlImm),
+    /// Tag 2.
+    Atomic(AtomicImm),
+    /// Tag 3.
+    Barrier(BarrierImm),
+}
+
+impl Imm {
+    /// Packs the immediate; fails if a field is out of range.
+    pub fn encode(&self) -> Result<u32, WireError> {
+        match self {
+            Imm::Write(i) => i.encode(),
+            Imm::Ll(i) => i.encode(),
+            Imm::Atomic(i) => i.encode(),
+            Imm::Barrier(i) => i.encode(),
+        }
+    }
+
+    /// Unpacks any immediate by its tag.
+    pub fn decode(imm: u32) -> Result<Imm, WireError> {
+        match imm_tag(imm) {
+            TAG_WRITE => WriteImm::decode(imm).map(Imm::Write),
+            TAG_LL => LlImm::decode(imm).map(Imm::Ll),
+            TAG_ATOMIC => AtomicImm::decode(imm).map(Imm::Atomic),
+            _ => BarrierImm::decode(imm).map(Imm::Barrier),
+        }
+    }
+}
+
+impl From<WriteImm> for Imm {
+    fn from(i: WriteImm) -> Imm {
+        Imm::Write(i)
+    }
+}
+
+impl From<LlImm> for Imm {
+    fn from(i: LlImm) -> Imm {
+        Imm::Ll(i)
+    }
+}
+
+impl From<AtomicImm> for Imm {
+    fn from(i: AtomicImm) -> Imm {
+        Imm::Atomic(i)
+    }
+}
+
+impl From<BarrierImm> for Imm {
+    fn from(i: BarrierImm) -> Imm {
+        Imm::Barrier(i)
+    }
+}
