@@ -264,6 +264,7 @@ impl Buffer {
         let own = uep_shm::Segment::create(&name, map.total);
         let names = group.all_gather(own.as_ref().map(|_| name.as_bytes()).unwrap_or(b""))?;
         let own = own?;
+        own.region().atomic_u64(map.pid)?.store(std::process::id() as u64, Ordering::Release);
         let names: Vec<String> = names
             .iter()
             .map(|n| String::from_utf8_lossy(n).into_owned())
@@ -347,6 +348,7 @@ impl Buffer {
         Ok(Until {
             deadline: Instant::now() + self.cfg.timeout,
             abort: Some(abort),
+            peer: None,
         })
     }
 
@@ -355,11 +357,20 @@ impl Buffer {
         &self,
         offset: usize,
         target: u64,
+        peer: usize,
         until: Until<'_>,
         what: impl Fn() -> String,
     ) -> Result<u64> {
         let counter = self.symm.local().atomic_u64(offset)?;
-        wait_at_least(counter, target, until, what).map_err(|e| self.explain_abort(e))
+        wait_at_least(counter, target, until.watching(peer, self.peer_pid(peer)), what)
+            .map_err(|e| self.explain_abort(e))
+    }
+
+    /// The process id of `peer`, when it shares this machine's memory.
+    pub(crate) fn peer_pid(&self, peer: usize) -> Option<u32> {
+        let region = self.symm.peer(peer)?;
+        let pid = region.atomic_u64(self.map.pid).ok()?.load(Ordering::Acquire);
+        (pid != 0).then_some(pid as u32)
     }
 
     /// Add the aborting peer's reason to a peer-failure error.
@@ -418,7 +429,7 @@ impl Buffer {
         }
         let until = self.until()?;
         for peer in 0..self.num_ranks {
-            self.wait_local(self.map.barrier + 8 * peer, seq, until, || {
+            self.wait_local(self.map.barrier + 8 * peer, seq, peer, until, || {
                 format!("rank {}: barrier {seq}: waiting for rank {peer}", self.rank)
             })?;
         }

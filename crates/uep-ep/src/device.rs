@@ -55,6 +55,18 @@ pub struct Until<'a> {
     pub deadline: Instant,
     /// Set by a peer that failed.
     pub abort: Option<&'a AtomicU64>,
+    /// The peer waited on, and its process id when it shares this machine: a dead
+    /// process will never store, so the wait fails at once instead of at the deadline.
+    pub peer: Option<(usize, u32)>,
+}
+
+/// Whether process `pid` is gone (exited, or a zombie waiting to be reaped).
+pub fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name, which may contain spaces.
+        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => true,
+    }
 }
 
 impl<'a> Until<'a> {
@@ -63,10 +75,24 @@ impl<'a> Until<'a> {
         Until {
             deadline,
             abort: None,
+            peer: None,
         }
     }
 
-    fn check(&self, what: &dyn Fn() -> String) -> Result<()> {
+    /// The same deadline and abort word, watching `peer` (rank, pid).
+    pub fn watching(self, rank: usize, pid: Option<u32>) -> Self {
+        Until { peer: pid.map(|p| (rank, p)), ..self }
+    }
+
+    fn check(&self, what: &dyn Fn() -> String, step: u32) -> Result<()> {
+        // Reading /proc costs microseconds: look once the wait has gone on a while.
+        if step % 256 == 255 {
+            if let Some((rank, pid)) = self.peer {
+                if process_gone(pid) {
+                    return Err(EpError::Peer(format!("{}: rank {rank} (pid {pid}) has died", what())));
+                }
+            }
+        }
         if let Some(a) = self.abort {
             let v = a.load(Ordering::Acquire);
             if v != 0 {
@@ -91,7 +117,7 @@ pub fn wait_at_least(
         if seen >= target {
             return Ok(seen);
         }
-        until.check(&what)?;
+        until.check(&what, backoff.step)?;
         if Instant::now() >= until.deadline {
             return Err(EpError::Timeout(format!(
                 "{}: expected >= {target}, saw {seen}",
@@ -116,7 +142,7 @@ pub fn wait_epoch(
         if (seen >> 32) as u32 == epoch {
             return Ok(seen as u32);
         }
-        until.check(&what)?;
+        until.check(&what, backoff.step)?;
         if Instant::now() >= until.deadline {
             return Err(EpError::Timeout(format!(
                 "{}: expected epoch {epoch}, saw epoch {} (value {})",
@@ -287,9 +313,25 @@ mod tests {
         let until = Until {
             deadline: Instant::now() + Duration::from_secs(60),
             abort: Some(&abort),
+            peer: None,
         };
         let err = wait_at_least(&c, 4, until, || "rank 0 waiting".into()).unwrap_err();
         assert!(err.to_string().contains("rank 2 aborted"), "{err}");
+    }
+
+    #[test]
+    fn a_dead_peer_ends_the_wait_long_before_the_deadline() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert!(process_gone(pid));
+        assert!(!process_gone(std::process::id()));
+        let c = AtomicU64::new(0);
+        let start = Instant::now();
+        let until = Until::deadline(start + Duration::from_secs(60)).watching(3, Some(pid));
+        let err = wait_at_least(&c, 1, until, || "rank 0 waiting for rank 3".into()).unwrap_err();
+        assert!(err.to_string().contains("rank 3 (pid"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(5));
     }
 
     #[test]

@@ -133,7 +133,7 @@ impl Buffer {
             wait_at_least(
                 region.atomic_u64(map.ll_entered)?,
                 seq as u64 - 1,
-                until,
+                until.watching(r, self.peer_pid(r)),
                 || {
                     format!(
                         "rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}"
@@ -185,7 +185,7 @@ impl Buffer {
         for le in 0..epr {
             for src in 0..r_n {
                 let at = map.ll_count_at(b, le, src);
-                counts[le * r_n + src] = wait_epoch(self.symm.local().atomic_u64(at)?, seq, until, || {
+                counts[le * r_n + src] = wait_epoch(self.symm.local().atomic_u64(at)?, seq, until.watching(src, self.peer_pid(src)), || {
                     format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s count for local expert {le}")
                 })
                 .map_err(|e| self.explain_abort(e))?;
@@ -402,6 +402,7 @@ impl Buffer {
             self.wait_local(
                 map.ll_combine_done + 8 * (handle.buffer * r_n + src),
                 seq as u64,
+                src,
                 until,
                 || format!("rank {me}: LL combine {seq}: waiting for rank {src}'s expert outputs"),
             )?;

@@ -217,7 +217,7 @@ impl Buffer {
         let mut row = vec![0u32; r_n + e_n];
         for src in 0..r_n {
             let slot = map.notify_slot(parity, src);
-            self.wait_local(slot, seq as u64, until, || {
+            self.wait_local(slot, seq as u64, src, until, || {
                 format!("rank {me}: dispatch {seq}: waiting for rank {src}'s token counts")
             })?;
             local.read(slot + 8, bytemuck::cast_slice_mut(&mut row))?;
@@ -326,7 +326,7 @@ impl Buffer {
                 .store(seq as u64, Ordering::Release);
         }
         for src in 0..r_n {
-            self.wait_local(map.dispatch_done + 8 * src, seq as u64, until, || {
+            self.wait_local(map.dispatch_done + 8 * src, seq as u64, src, until, || {
                 format!(
                     "rank {me}: dispatch {seq}: waiting for rank {src}'s {} rows",
                     matrix[src * r_n + me]
@@ -576,7 +576,7 @@ impl Buffer {
         }
         let until = self.until()?;
         for src in 0..r_n {
-            self.wait_local(map.combine_done + 8 * src, seq as u64, until, || {
+            self.wait_local(map.combine_done + 8 * src, seq as u64, src, until, || {
                 format!("rank {me}: combine {seq}: waiting for rank {src}'s rows")
             })?;
         }

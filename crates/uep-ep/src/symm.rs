@@ -44,6 +44,8 @@ pub struct RegionMap {
     pub notify: usize,
     /// Bytes of one notify slot.
     pub notify_slot_bytes: usize,
+    /// u64: the owning process's id (peers watch it while they wait).
+    pub pid: usize,
     /// u64 abort word (failed rank + 1), then a message of up to `ABORT_MSG_BYTES`.
     pub abort: usize,
     /// `[src R]` u64 epoch: the source finished writing its dispatch rows here.
@@ -109,6 +111,7 @@ impl RegionMap {
         };
         let notify_slot_bytes = align_up(8 + 4 * (r + e));
         let notify = take(2 * r * notify_slot_bytes);
+        let pid = take(8);
         let abort = take(8 + ABORT_MSG_BYTES);
         let dispatch_done = take(8 * r);
         let combine_done = take(8 * r);
@@ -145,6 +148,7 @@ impl RegionMap {
             ll_max_tokens: m,
             notify,
             notify_slot_bytes,
+            pid,
             abort,
             dispatch_done,
             combine_done,
