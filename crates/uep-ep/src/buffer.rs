@@ -264,7 +264,9 @@ impl Buffer {
         let own = uep_shm::Segment::create(&name, map.total);
         let names = group.all_gather(own.as_ref().map(|_| name.as_bytes()).unwrap_or(b""))?;
         let own = own?;
-        own.region().atomic_u64(map.pid)?.store(std::process::id() as u64, Ordering::Release);
+        own.region()
+            .atomic_u64(map.pid)?
+            .store(std::process::id() as u64, Ordering::Release);
         let names: Vec<String> = names
             .iter()
             .map(|n| String::from_utf8_lossy(n).into_owned())
@@ -362,14 +364,22 @@ impl Buffer {
         what: impl Fn() -> String,
     ) -> Result<u64> {
         let counter = self.symm.local().atomic_u64(offset)?;
-        wait_at_least(counter, target, until.watching(peer, self.peer_pid(peer)), what)
-            .map_err(|e| self.explain_abort(e))
+        wait_at_least(
+            counter,
+            target,
+            until.watching(peer, self.peer_pid(peer)),
+            what,
+        )
+        .map_err(|e| self.explain_abort(e))
     }
 
     /// The process id of `peer`, when it shares this machine's memory.
     pub(crate) fn peer_pid(&self, peer: usize) -> Option<u32> {
         let region = self.symm.peer(peer)?;
-        let pid = region.atomic_u64(self.map.pid).ok()?.load(Ordering::Acquire);
+        let pid = region
+            .atomic_u64(self.map.pid)
+            .ok()?
+            .load(Ordering::Acquire);
         (pid != 0).then_some(pid as u32)
     }
 

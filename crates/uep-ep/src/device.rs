@@ -64,7 +64,9 @@ pub struct Until<'a> {
 pub fn process_gone(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state follows the parenthesised command name, which may contain spaces.
-        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
         Err(_) => true,
     }
 }
@@ -81,7 +83,10 @@ impl<'a> Until<'a> {
 
     /// The same deadline and abort word, watching `peer` (rank, pid).
     pub fn watching(self, rank: usize, pid: Option<u32>) -> Self {
-        Until { peer: pid.map(|p| (rank, p)), ..self }
+        Until {
+            peer: pid.map(|p| (rank, p)),
+            ..self
+        }
     }
 
     fn check(&self, what: &dyn Fn() -> String, step: u32) -> Result<()> {
@@ -89,7 +94,10 @@ impl<'a> Until<'a> {
         if step % 256 == 255 {
             if let Some((rank, pid)) = self.peer {
                 if process_gone(pid) {
-                    return Err(EpError::Peer(format!("{}: rank {rank} (pid {pid}) has died", what())));
+                    return Err(EpError::Peer(format!(
+                        "{}: rank {rank} (pid {pid}) has died",
+                        what()
+                    )));
                 }
             }
         }

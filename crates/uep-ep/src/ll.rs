@@ -25,7 +25,7 @@ use crate::buffer::{Buffer, RecvTokens};
 use crate::device::{epoch_word, wait_at_least, wait_epoch};
 use crate::error::Result;
 use crate::invalid;
-use crate::quant::quantize_token;
+use crate::quant::{bf16_bits_to_f32, quantize_token, round_row_to_bf16};
 
 /// Where every packed LL row came from; [`Buffer::low_latency_combine`] needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -420,12 +420,10 @@ impl Buffer {
                     let w = topk_weights[t * k + s];
                     let row = &rows[(t * k + s) * h..(t * k + s + 1) * h];
                     for (a, &y) in acc.iter_mut().zip(row) {
-                        *a += w * f32::from_bits((y as u32) << 16);
+                        *a += w * bf16_bits_to_f32(y);
                     }
                 }
-                for (o, &a) in out_row.iter_mut().zip(&acc) {
-                    *o = bf16::from_f32(a);
-                }
+                round_row_to_bf16(&acc, out_row);
             }
             Ok(())
         })?;

@@ -25,6 +25,7 @@ use crate::buffer::{Buffer, RecvTokens, Tokens};
 use crate::error::Result;
 use crate::invalid;
 use crate::layout::{get_dispatch_layout, DispatchLayout};
+use crate::quant::{bf16_bits_to_f32, round_row_to_bf16};
 
 /// Arguments of [`Buffer::dispatch`]; build with [`DispatchArgs::new`] and the setters.
 #[derive(Clone, Copy, Debug)]
@@ -159,10 +160,6 @@ struct Routing<'a> {
     in_rank: std::borrow::Cow<'a, [bool]>,
     per_rank: std::borrow::Cow<'a, [i32]>,
     per_expert: std::borrow::Cow<'a, [i32]>,
-}
-
-fn bf16_bits_to_f32(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
 }
 
 impl Buffer {
@@ -516,6 +513,32 @@ impl Buffer {
         topk_weights: Option<&[f32]>,
         handle: &NormalHandle,
     ) -> Result<CombineOutput> {
+        let t_n = handle.num_tokens;
+        let mut combined_x = vec![bf16::ZERO; t_n * self.cfg.hidden];
+        let mut combined_w = topk_weights.map(|_| vec![0f32; t_n * self.cfg.topk]);
+        self.combine_into(
+            x,
+            topk_weights,
+            handle,
+            &mut combined_x,
+            combined_w.as_deref_mut(),
+        )?;
+        Ok(CombineOutput {
+            combined_x,
+            combined_topk_weights: combined_w,
+        })
+    }
+
+    /// [`Buffer::combine`] into caller-owned outputs (`[T, H]` and `[T, K]`), so a loop
+    /// of steps allocates nothing.
+    pub fn combine_into(
+        &mut self,
+        x: &[bf16],
+        topk_weights: Option<&[f32]>,
+        handle: &NormalHandle,
+        combined_x: &mut [bf16],
+        combined_topk_weights: Option<&mut [f32]>,
+    ) -> Result<()> {
         let (r_n, me, k, h) = (self.num_ranks, self.rank, self.cfg.topk, self.cfg.hidden);
         let n = handle.num_recv_tokens;
         let check = || -> Result<()> {
@@ -528,6 +551,16 @@ impl Buffer {
                 return Err(invalid!(
                     "combine x has {} values, expected [rows = {n}, hidden = {h}]",
                     x.len()
+                ));
+            }
+            if combined_x.len() != handle.num_tokens * h
+                || combined_topk_weights
+                    .as_ref()
+                    .is_some_and(|w| w.len() != handle.num_tokens * k)
+            {
+                return Err(invalid!(
+                    "combine outputs must be [tokens = {}, hidden = {h}] and [tokens, topk = {k}]",
+                    handle.num_tokens
                 ));
             }
             if let Some(w) = topk_weights {
@@ -582,12 +615,10 @@ impl Buffer {
         }
 
         // Reduce: per token, the returned rows in rank order, in f32, rounded once.
-        let t_n = handle.num_tokens;
         let rows: &[u16] = self.symm.view(map.combine_x, r_n * t_max * h)?;
         let wrows: &[f32] = self.symm.view(map.combine_weights, r_n * t_max * k)?;
-        let mut combined = vec![bf16::ZERO; t_n * h];
         let in_rank = &handle.is_token_in_rank;
-        self.device.launch_rows(&mut combined, h, |first, out| {
+        self.device.launch_rows(combined_x, h, |first, out| {
             let mut acc = vec![0f32; h];
             for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
                 acc.fill(0.0);
@@ -597,14 +628,12 @@ impl Buffer {
                         *a += bf16_bits_to_f32(b);
                     }
                 }
-                for (o, &a) in out_row.iter_mut().zip(&acc) {
-                    *o = bf16::from_f32(a);
-                }
+                round_row_to_bf16(&acc, out_row);
             }
             Ok(())
         })?;
-        let combined_w = topk_weights.map(|_| {
-            let mut out = vec![0f32; t_n * k];
+        if let (Some(out), Some(_)) = (combined_topk_weights, topk_weights) {
+            out.fill(0.0);
             for (t, out_row) in out.chunks_exact_mut(k).enumerate() {
                 for r in (0..r_n).filter(|&r| in_rank[t * r_n + r]) {
                     let w = &wrows[(r * t_max + t) * k..(r * t_max + t + 1) * k];
@@ -613,11 +642,7 @@ impl Buffer {
                     }
                 }
             }
-            out
-        });
-        Ok(CombineOutput {
-            combined_x: combined,
-            combined_topk_weights: combined_w,
-        })
+        }
+        Ok(())
     }
 }

@@ -217,6 +217,34 @@ fn check_fp8_shape(len: usize, hidden: usize) -> Result<()> {
     Ok(())
 }
 
+/// f32 to bf16 bits, rounding to nearest even, NaN kept quiet: bit for bit what
+/// `half::bf16::from_f32` returns, but branch-free, so a loop over a row vectorises
+/// (the combine kernels round every output element once).
+#[inline]
+pub fn bf16_bits_from_f32(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = ((b >> 16) | 0x40) as u16;
+    if b & 0x7FFF_FFFF > 0x7F80_0000 {
+        nan
+    } else {
+        rounded
+    }
+}
+
+/// bf16 bits to f32 (exact).
+#[inline]
+pub fn bf16_bits_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// Round a row of f32 accumulators to bf16 (`out.len() == acc.len()`).
+pub fn round_row_to_bf16(acc: &[f32], out: &mut [bf16]) {
+    for (o, &a) in out.iter_mut().zip(acc) {
+        *o = bf16::from_bits(bf16_bits_from_f32(a));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -499,5 +527,49 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn branch_free_bf16_rounding_equals_half() {
+        let edges = [
+            0.0f32,
+            -0.0,
+            1.0,
+            -1.0,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::EPSILON,
+            1.0e-40,
+            -1.0e-40,
+        ];
+        let check = |x: f32| {
+            assert_eq!(
+                bf16_bits_from_f32(x),
+                bf16::from_f32(x).to_bits(),
+                "{x:e} ({:#010x})",
+                x.to_bits()
+            );
+        };
+        edges.into_iter().for_each(check);
+        // Every rounding case around every bf16 value of a wide range: the exact halfway
+        // point, one ulp either side, and signalling/quiet NaN payloads.
+        for hi in (0u32..=0xFFFF).step_by(7) {
+            for lo in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF] {
+                check(f32::from_bits((hi << 16) | lo));
+            }
+        }
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..1_000_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            check(f32::from_bits(state as u32));
+        }
+        assert_eq!(bf16_bits_to_f32(bf16::from_f32(3.5).to_bits()), 3.5);
     }
 }
