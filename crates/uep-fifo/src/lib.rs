@@ -27,8 +27,8 @@
 //!
 //! * **Claim** (producers): read `head` and `cached_tail`; if the cache says
 //!   the ring is full, reload the real `tail` (Acquire) and refresh the cache
-//!   (Release). One compare-exchange of `head` to `head + 1` claims slot
-//!   `head`. Back-pressure is the capacity: nothing is claimed while
+//!   (Release). One compare-exchange of `head` to `head + 1` (AcqRel) claims
+//!   slot `head`. Back-pressure is the capacity: nothing is claimed while
 //!   `head - tail == capacity`.
 //! * **Publish**: store `word1` (Relaxed), then `word0` (Release). A valid
 //!   command's `word0` is never zero, so for a consumer that gates on `word0`
@@ -67,7 +67,7 @@ mod ring;
 mod sync;
 
 use ring::Ring;
-use sync::Ordering::{Acquire, Relaxed, Release};
+use sync::Ordering::{AcqRel, Acquire, Relaxed, Release};
 
 /// Slots a FIFO has by default (the SPEC's figure).
 pub const DEFAULT_CAPACITY: usize = 2048;
@@ -149,7 +149,9 @@ pub enum FifoError {
         align: usize,
     },
     /// `from_raw` got a region shorter than `region_bytes(capacity)`.
-    #[error("FIFO region of {len} bytes is too small for capacity {capacity}: needs {needed} bytes")]
+    #[error(
+        "FIFO region of {len} bytes is too small for capacity {capacity}: needs {needed} bytes"
+    )]
     RegionTooSmall {
         /// Bytes given.
         len: usize,
@@ -167,7 +169,9 @@ pub enum FifoError {
         expected: u64,
     },
     /// Attaching with a different capacity than the region was created with.
-    #[error("FIFO region was initialised with capacity {found}, but capacity {expected} was expected")]
+    #[error(
+        "FIFO region was initialised with capacity {found}, but capacity {expected} was expected"
+    )]
     CapacityMismatch {
         /// Capacity the caller expected.
         expected: usize,
@@ -289,7 +293,7 @@ impl Fifo {
 
     /// The next index producers will claim.
     pub fn head(&self) -> u64 {
-        self.ring.header().prod.head.load(Relaxed)
+        self.ring.header().prod.head.load(Acquire)
     }
 
     /// The next index the consumer will pop.
@@ -327,7 +331,11 @@ impl Fifo {
             return Err(PushError::ZeroWord0);
         }
         let prod = &self.ring.header().prod;
-        let mut head = prod.head.load(Relaxed);
+        // Head is read with Acquire and claimed with Release so that seeing a
+        // head value also shows the tail its claimer saw: a Full report then
+        // always has `head - tail == capacity` (no stale-tail spurious Full).
+        // On x86 this costs nothing (every RMW is a full barrier).
+        let mut head = prod.head.load(Acquire);
         loop {
             // Acquire pairs with the Release below, extending the chain
             // consumer-zeroes-slot -> tail store -> reload -> cache store to
@@ -343,7 +351,7 @@ impl Fifo {
                     prod.cached_tail.store(tail, Release);
                 }
                 if tail > head {
-                    head = prod.head.load(Relaxed);
+                    head = prod.head.load(Acquire);
                     continue;
                 }
                 if head - tail >= self.capacity {
@@ -354,10 +362,10 @@ impl Fifo {
                     });
                 }
             }
-            // The claim itself needs no ordering: publication is word0's Release.
+            // Publication of the command itself is word0's Release, not this.
             match prod
                 .head
-                .compare_exchange_weak(head, head + 1, Relaxed, Relaxed)
+                .compare_exchange_weak(head, head + 1, AcqRel, Acquire)
             {
                 Ok(_) => break,
                 Err(actual) => head = actual,
@@ -580,7 +588,10 @@ mod tests {
         let (s, got) = c.poll().unwrap();
         assert_eq!((s, got), (Slot(0), cmd(0)));
         assert!(!f.is_consumed(Slot(0)));
-        assert!(matches!(c.pop(Slot(1)), Err(FifoError::PopNotAtTail { .. })));
+        assert!(matches!(
+            c.pop(Slot(1)),
+            Err(FifoError::PopNotAtTail { .. })
+        ));
         c.pop(s).unwrap();
         assert!(f.is_consumed(Slot(0)) && !f.is_consumed(Slot(1)));
         // The freed slot is reused for index 4 (the cache is refreshed).

@@ -81,7 +81,10 @@ const _: () = {
 enum Storage {
     /// Owned allocation from `std::alloc`, freed on drop.
     #[cfg(not(loom))]
-    Heap { base: NonNull<u8>, layout: std::alloc::Layout },
+    Heap {
+        base: NonNull<u8>,
+        layout: std::alloc::Layout,
+    },
     /// Memory the caller keeps alive (`Fifo::from_raw`).
     #[cfg(not(loom))]
     Borrowed,
@@ -238,7 +241,9 @@ impl Ring {
 
     fn init_header(&self) {
         let h = self.header();
-        h.meta.capacity.store(self.capacity as u64, Ordering::Relaxed);
+        h.meta
+            .capacity
+            .store(self.capacity as u64, Ordering::Relaxed);
         h.meta.magic.store(MAGIC, Ordering::Release);
     }
 
@@ -301,13 +306,14 @@ impl Fifo {
     /// cleared. With `init = false` the region must already hold an
     /// initialised ring of exactly `capacity` slots ([`FifoError::BadMagic`],
     /// [`FifoError::CapacityMismatch`] otherwise). The region must be
-    /// [`REGION_ALIGN`]-aligned and at least [`region_bytes`]`(capacity)`
+    /// [`REGION_ALIGN`](crate::REGION_ALIGN)-aligned and at least
+    /// [`region_bytes`](crate::region_bytes)`(capacity)`
     /// long; these are checked.
     ///
     /// # Safety
     ///
     /// * `ptr` must be valid for reads and writes of `len` bytes until the
-    ///   returned `Fifo` (and every [`Consumer`] borrowing it) is dropped;
+    ///   returned `Fifo` (and every [`Consumer`](crate::Consumer) borrowing it) is dropped;
     ///   keep the mapping alive at least that long.
     /// * Every other access to the region, in this or any process, must be
     ///   an atomic access of its 8-byte words, i.e. another `Fifo` over the
@@ -325,7 +331,6 @@ impl Fifo {
         let ring = unsafe { Ring::from_raw(ptr, len, capacity, init)? };
         Ok(Fifo::with_ring(ring))
     }
-
 }
 
 #[cfg(all(test, not(loom)))]

@@ -7,18 +7,15 @@ use std::time::{Duration, Instant};
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-use uep_fifo::{Fifo, Slot, TransferCmd};
+use uep_fifo::{Consumer, Fifo, PushError, Slot, TransferCmd};
 
-/// Bounded preemptions keep the exploration to seconds; `LOOM_MAX_PREEMPTIONS`
-/// in the environment overrides.
+/// Bounded preemptions (3 unless a test says otherwise) keep the whole file
+/// to seconds; `LOOM_MAX_PREEMPTIONS` in the environment overrides.
 fn builder() -> loom::model::Builder {
     let mut b = loom::model::Builder::new();
     if b.preemption_bound.is_none() {
-        b.preemption_bound = Some(2);
+        b.preemption_bound = Some(3);
     }
-    // Waiting (a full ring, an empty poll) is a yield loop; each turn is a
-    // few branches, more than loom's default 1000 allow in one execution.
-    b.max_branches = b.max_branches.max(100_000);
     b
 }
 
@@ -35,54 +32,111 @@ fn cmd(producer: u64, seq: u64) -> TransferCmd {
     }
 }
 
-/// Two producers push three commands (producer 0 two, producer 1 one: more
-/// than capacity two, so a push meets back-pressure) while one consumer
-/// pops: each command arrives exactly once, untorn, in its producer's
-/// order, at consecutive slots.
-/// Commands each producer pushes.
-const PUSHES: [u64; 2] = [2, 1];
+/// Producers `p` push `pushes[p]` commands each into a FIFO of `capacity`
+/// while one consumer pops: each command arrives exactly once, untorn, in
+/// its producer's order, at consecutive slots.
+/// How many times a waiting thread in [`producers_and_consumer`] retries
+/// before giving up. Loom's scheduler may let two waiting threads take
+/// turns forever while the thread they wait on never runs (loom issue #53),
+/// so unbounded waits there would never finish exploring; bounded waits
+/// cut those starving schedules short, and the checks below hold whether
+/// or not a thread gave up.
+const RETRIES: usize = 2;
 
-#[test]
-fn two_producers_backpressure() {
-    builder().check(|| {
-        let fifo = Arc::new(Fifo::new_heap(2).unwrap());
-        let producers: Vec<_> = (0..2)
+/// Producers `p` push up to `pushes[p]` commands each into a FIFO of
+/// `capacity` while one consumer pops; afterwards the main thread drains
+/// what is left. Every command pushed arrives exactly once, untorn, in its
+/// producer's order, at consecutive slots; nothing else arrives; a push is
+/// refused only when the ring is really full.
+fn producers_and_consumer(capacity: usize, pushes: &'static [u64], preemptions: usize) {
+    let mut b = builder();
+    if std::env::var_os("LOOM_MAX_PREEMPTIONS").is_none() {
+        b.preemption_bound = Some(preemptions);
+    }
+    b.check(move || {
+        let fifo = Arc::new(Fifo::new_heap(capacity).unwrap());
+        let producers: Vec<_> = (0..pushes.len() as u64)
             .map(|p| {
                 let fifo = fifo.clone();
                 thread::spawn(move || {
                     let mut last = None;
-                    for i in 0..PUSHES[p as usize] {
-                        let slot = fifo.push(cmd(p, i), far()).unwrap();
+                    for i in 0..pushes[p as usize] {
+                        let mut tries = 0;
+                        let slot = loop {
+                            match fifo.try_push(cmd(p, i)) {
+                                Ok(slot) => break slot,
+                                Err(PushError::Full {
+                                    head,
+                                    tail,
+                                    capacity: cap,
+                                }) => {
+                                    assert_eq!((head - tail, cap), (capacity as u64, capacity));
+                                }
+                                Err(e) => panic!("{e}"),
+                            }
+                            tries += 1;
+                            if tries > RETRIES {
+                                return i; // gave up: pushed 0..i
+                            }
+                            thread::yield_now();
+                        };
                         assert!(last < Some(slot));
                         last = Some(slot);
                     }
+                    pushes[p as usize]
                 })
             })
             .collect();
         let mut consumer = fifo.consumer().unwrap();
-        let mut next = [0u64; 2];
+        let mut next = vec![0u64; pushes.len()];
         let mut got = 0;
-        while got < PUSHES.iter().sum::<u64>() {
+        let mut receive = |consumer: &mut Consumer<&Fifo>, slot: Slot, c: TransferCmd| {
+            assert_eq!(slot, Slot(got));
+            assert_eq!(c.word1, !c.word0, "torn command {c:x?}");
+            let p = ((c.word0 >> 8) - 1) as usize;
+            assert_eq!(c.word0 & 0xFF, next[p], "producer {p} out of order");
+            next[p] += 1;
+            consumer.pop(slot).unwrap();
+            got += 1;
+        };
+        let mut idle = 0;
+        while idle <= RETRIES {
             match consumer.poll() {
-                Some((slot, c)) => {
-                    assert_eq!(slot, Slot(got));
-                    assert_eq!(c.word1, !c.word0, "torn command {c:x?}");
-                    let p = ((c.word0 >> 8) - 1) as usize;
-                    assert_eq!(c.word0 & 0xFF, next[p], "producer {p} out of order");
-                    next[p] += 1;
-                    consumer.pop(slot).unwrap();
-                    got += 1;
+                Some((slot, c)) => receive(&mut consumer, slot, c),
+                None => {
+                    idle += 1;
+                    thread::yield_now();
                 }
-                None => thread::yield_now(),
             }
         }
-        for p in producers {
-            p.join().unwrap();
+        let pushed: Vec<u64> = producers.into_iter().map(|p| p.join().unwrap()).collect();
+        // Joined: every successful push is published and visible.
+        while let Some((slot, c)) = consumer.poll() {
+            receive(&mut consumer, slot, c);
         }
-        assert_eq!(next, PUSHES);
-        assert!(consumer.poll().is_none());
+        assert_eq!(next, pushed, "delivered vs pushed per producer");
         assert!(fifo.is_empty());
     });
+}
+
+/// Two producers, three commands, capacity two: a push meets back-pressure.
+#[test]
+fn two_producers_backpressure() {
+    producers_and_consumer(2, &[2, 1], 3);
+}
+
+/// Two producers, two commands each, capacity two: both can meet
+/// back-pressure, and slots are reused across laps.
+#[test]
+fn two_producers_two_laps() {
+    // Two preemptions: three take ~40 s.
+    producers_and_consumer(2, &[2, 2], 2);
+}
+
+/// Two producers racing for the single slot of a capacity-one ring.
+#[test]
+fn two_producers_capacity_one() {
+    producers_and_consumer(1, &[1, 1], 3);
 }
 
 /// A producer that sees its slot consumed also sees what the consumer did
@@ -109,7 +163,10 @@ fn is_consumed_publishes_completion() {
         while !fifo.is_consumed(slot) {
             thread::yield_now();
         }
-        assert!(done.load(Ordering::Relaxed), "consumed before completion was visible");
+        assert!(
+            done.load(Ordering::Relaxed),
+            "consumed before completion was visible"
+        );
         consumer.join().unwrap();
     });
 }

@@ -31,7 +31,10 @@ fn check(next: &mut HashMap<u64, u64>, c: TransferCmd) {
     let producer = (c.word0 >> 40) - 1;
     let seq = c.word0 & ((1 << 40) - 1);
     let want = next.entry(producer).or_insert(0);
-    assert_eq!(seq, *want, "producer {producer}: out of order or duplicated");
+    assert_eq!(
+        seq, *want,
+        "producer {producer}: out of order or duplicated"
+    );
     *want += 1;
 }
 
@@ -50,7 +53,10 @@ fn consume(fifo: &Fifo, total: u64, processed: &AtomicU64, deadline: Instant) ->
                 got += 1;
             }
             None => {
-                assert!(Instant::now() < deadline, "consumer starved after {got} of {total}: {fifo:?}");
+                assert!(
+                    Instant::now() < deadline,
+                    "consumer starved after {got} of {total}: {fifo:?}"
+                );
                 thread::yield_now();
             }
         }
@@ -121,13 +127,18 @@ const CROSS_EACH: u64 = 5_000;
 fn child_producer(spec: &str) {
     let (path, producer) = spec.rsplit_once(':').expect("child spec is path:id");
     let producer: u64 = producer.parse().unwrap();
-    let file = OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
     // SAFETY: the parent keeps the file alive and sized until we exit, and
     // only Fifo instances touch the mapping.
     let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.unwrap();
     // SAFETY: `map` outlives `fifo` (dropped first, declared later) and the
     // region is only accessed through Fifos; the parent initialised it.
-    let fifo = unsafe { Fifo::from_raw(map.as_mut_ptr(), map.len(), false, CROSS_CAPACITY) }.unwrap();
+    let fifo =
+        unsafe { Fifo::from_raw(map.as_mut_ptr(), map.len(), false, CROSS_CAPACITY) }.unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     for i in 0..CROSS_EACH {
         fifo.push(cmd(producer, i), deadline).unwrap();
@@ -136,7 +147,12 @@ fn child_producer(spec: &str) {
 
 fn spawn_child(path: &str, producer: u64) -> Child {
     Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "cross_process_producers", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "cross_process_producers",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, format!("{path}:{producer}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -157,8 +173,13 @@ fn cross_process_producers() {
     } else {
         std::env::temp_dir()
     };
-    let file = tempfile::Builder::new().prefix("uep-fifo-test").tempfile_in(dir).unwrap();
-    file.as_file().set_len(region_bytes(CROSS_CAPACITY) as u64).unwrap();
+    let file = tempfile::Builder::new()
+        .prefix("uep-fifo-test")
+        .tempfile_in(dir)
+        .unwrap();
+    file.as_file()
+        .set_len(region_bytes(CROSS_CAPACITY) as u64)
+        .unwrap();
     // SAFETY: the temp file lives until the end of the test, after the
     // children have exited; it is only accessed through Fifos.
     let mut map = unsafe { memmap2::MmapMut::map_mut(file.as_file()) }.unwrap();
@@ -171,7 +192,12 @@ fn cross_process_producers() {
     let mut children = [spawn_child(&path, 0), spawn_child(&path, 1)];
     let processed = AtomicU64::new(0);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        consume(&fifo, 2 * CROSS_EACH, &processed, Instant::now() + Duration::from_secs(60))
+        consume(
+            &fifo,
+            2 * CROSS_EACH,
+            &processed,
+            Instant::now() + Duration::from_secs(60),
+        )
     }));
     if result.is_err() {
         for c in &mut children {
