@@ -9,11 +9,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use uep_bootstrap::{launch_local, Group, LaunchSpec, WorldInfo};
+use uep_bootstrap::{launch_local, EnvSource, Group, LaunchSpec, WorldInfo};
 use uep_ep::quant::{dequantize, quantize};
 use uep_ep::reference;
 use uep_ep::workload::{self, RankInput, Routing, Shape, TokenData, WorkloadSpec};
 use uep_ep::{Buffer, BufferConfig, DispatchArgs, RecvTokens, Tokens};
+use uep_transport::{FabricOptions, FaultConfig};
 
 use crate::check::Mismatches;
 use crate::report::{gbps, render_json, render_table, OpReport, Progress, Samples};
@@ -86,6 +87,20 @@ pub struct BenchArgs {
     /// Normal mode: pad outputs to this many rows: 0 (no padding) or ranks * tokens.
     #[arg(long, default_value_t = 0)]
     pub num_worst_tokens: usize,
+    /// libfabric provider for ranks on other nodes (default: UEP_FI_PROVIDER or tcp;ofi_rxm).
+    #[arg(long)]
+    pub provider: Option<String>,
+    /// Proxy threads per rank when there are several nodes (0: cores / ranks, at most 4).
+    #[arg(long, default_value_t = 0)]
+    pub proxy_threads: usize,
+    /// Inject faults into the network path: reorder, delay and split bursts of writes
+    /// (seeded, reproducible).
+    #[arg(long, value_name = "SEED")]
+    pub faults: Option<u64>,
+    /// TESTS ONLY: apply announcements as they arrive, without the ordering emulation
+    /// (shows that the emulation is what keeps results exact on unordered transports).
+    #[arg(long, hide = true)]
+    pub no_ordering_emulation: bool,
     /// Kernel threads per rank (0: cores / ranks).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -294,6 +309,8 @@ struct Measured {
     mode: &'static str,
     tokens: usize,
     bytes: u64,
+    /// Of `bytes`, what goes to ranks on other nodes (through the proxy).
+    net_bytes: u64,
     timer: Timer,
 }
 
@@ -304,7 +321,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         .map(Duration::from_secs_f64)
         .or_else(uep_ep::buffer::timeout_from_env);
     let group = Group::connect(&info, timeout.unwrap_or(Duration::from_secs(60)))?;
-    let (rank, world) = (group.rank(), group.world_size());
+    let (rank, world, lws) = (group.rank(), group.world_size(), group.local_world_size());
     let is_root = rank == 0;
     let shape = Shape {
         num_ranks: world,
@@ -339,6 +356,21 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     };
     let mut cfg = BufferConfig::new(args.experts, args.hidden, args.topk, max_normal, max_ll);
     cfg.device_threads = threads;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if let Some(p) = &args.provider {
+        cfg.net.fabric.provider = p.clone();
+    }
+    // Local ranks play the nodes of a cluster: keep their traffic on loopback.
+    if info.source == EnvSource::Uep && cfg.net.fabric.node.is_none() {
+        cfg.net.fabric = FabricOptions::loopback(&cfg.net.fabric.provider);
+    }
+    cfg.net.proxy.threads = if args.proxy_threads > 0 {
+        args.proxy_threads
+    } else {
+        (cores / group.local_world_size()).clamp(1, 4)
+    };
+    cfg.net.proxy.emulate_ordering = !args.no_ordering_emulation;
+    cfg.net.faults = args.faults.map(FaultConfig::with_seed);
     if let Some(t) = timeout {
         cfg.timeout = t;
     }
@@ -377,6 +409,10 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         let mut t_combine = Timer::new(args.warmup, args.iters);
         let layout = buffer.get_dispatch_layout(&mine.topk_idx)?;
         let copies: usize = layout.num_tokens_per_rank.iter().map(|&n| n as usize).sum();
+        let net_copies: usize = (0..world)
+            .filter(|&r| r / lws != rank / lws)
+            .map(|r| layout.num_tokens_per_rank[r] as usize)
+            .sum();
         let expected_combine = reference::normal_combine_identity(&sent, &shape, rank)?;
         let mut y: Vec<bf16> = Vec::new();
         let mut cached: Option<uep_ep::NormalHandle> = None;
@@ -465,6 +501,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             mode: "layout",
             tokens: mine.num_tokens,
             bytes: 0,
+            net_bytes: 0,
             timer: t_layout,
         });
         measured.push(Measured {
@@ -472,6 +509,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             mode: "normal",
             tokens: mine.num_tokens,
             bytes: copies as u64 * token_bytes,
+            net_bytes: net_copies as u64 * token_bytes,
             timer: t_dispatch,
         });
         measured.push(Measured {
@@ -479,6 +517,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             mode: "normal",
             tokens: mine.num_tokens,
             bytes: copies as u64 * 2 * h as u64,
+            net_bytes: net_copies as u64 * 2 * h as u64,
             timer: t_combine,
         });
     }
@@ -493,6 +532,12 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         let expected_combine =
             reference::ll_combine_identity(&ll_inputs, &shape, rank, args.fp8, args.round_scale)?;
         let copies = mine.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
+        let epr = (args.experts / world) as i64;
+        let net_copies = mine
+            .topk_idx
+            .iter()
+            .filter(|&&e| e >= 0 && (e / epr) as usize / lws != rank / lws)
+            .count() as u64;
         let mut t_dispatch = Timer::new(args.warmup, args.iters);
         let mut t_combine = Timer::new(args.warmup, args.iters);
         let mut y = vec![bf16::ZERO; args.experts / world * world * max_ll * h];
@@ -537,6 +582,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             mode: "low_latency",
             tokens: mine.num_tokens,
             bytes: copies * token_bytes,
+            net_bytes: net_copies * token_bytes,
             timer: t_dispatch,
         });
         measured.push(Measured {
@@ -544,6 +590,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             mode: "low_latency",
             tokens: mine.num_tokens,
             bytes: copies * 2 * h as u64,
+            net_bytes: net_copies * 2 * h as u64,
             timer: t_combine,
         });
     }
@@ -554,6 +601,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     blob.extend_from_slice(&(bad.count() as u64).to_le_bytes());
     for m in &measured {
         blob.extend_from_slice(&m.bytes.to_le_bytes());
+        blob.extend_from_slice(&m.net_bytes.to_le_bytes());
         blob.extend_from_slice(&(m.timer.samples.len() as u64).to_le_bytes());
         for d in m.timer.samples.durations() {
             blob.extend_from_slice(&(d.as_nanos() as u64).to_le_bytes());
@@ -566,23 +614,25 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     }
     let mut total_bad = 0u64;
     let mut reports = Vec::new();
-    let mut merged: Vec<(Samples, u64)> = measured.iter().map(|_| (Samples::new(), 0)).collect();
+    let mut merged: Vec<(Samples, u64, u64)> =
+        measured.iter().map(|_| (Samples::new(), 0, 0)).collect();
     for b in &all {
         let mut words = b
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
         total_bad += words.next().unwrap_or(1);
-        for (samples, bytes) in merged.iter_mut() {
+        for (samples, bytes, net) in merged.iter_mut() {
             *bytes += words.next().unwrap_or(0);
+            *net += words.next().unwrap_or(0);
             let n = words.next().unwrap_or(0);
             for _ in 0..n {
                 samples.push(Duration::from_nanos(words.next().unwrap_or(0)));
             }
         }
     }
-    for (m, (samples, bytes)) in measured.iter().zip(&merged) {
+    for (m, (samples, bytes, net)) in measured.iter().zip(&merged) {
         let s = samples.summary().expect("iters >= 1");
-        let bytes = bytes / world as u64;
+        let (bytes, net) = (bytes / world as u64, net / world as u64);
         reports.push(OpReport {
             op: m.op.into(),
             mode: m.mode.into(),
@@ -598,9 +648,9 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
                 dtype.into()
             },
             bytes_per_rank: bytes,
-            net_bytes_per_rank: 0,
+            net_bytes_per_rank: net,
             gbps: gbps(bytes, s.avg_us),
-            net_gbps: 0.0,
+            net_gbps: gbps(net, s.avg_us),
             limit_gbps: None,
             avg_us: s.avg_us,
             min_us: s.min_us,

@@ -10,13 +10,14 @@ use uep_shm::Region;
 use crate::device::{wait_at_least, HostDevice, Until};
 use crate::error::{EpError, Result};
 use crate::invalid;
-use crate::symm::{RegionMap, Symmetric, ABORT_MSG_BYTES};
+use crate::net::{wait_packet, Net, NetConfig};
+use crate::symm::{Channel, RegionMap, Symmetric, ABORT_MSG_BYTES};
 
 /// Default deadline of every wait, unless `UEP_TIMEOUT_S` or the config says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(100);
 
 /// What a Buffer is sized for. Every rank must pass the same values.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct BufferConfig {
     /// Experts across all ranks; a multiple of the number of ranks.
     pub num_experts: usize,
@@ -32,6 +33,8 @@ pub struct BufferConfig {
     pub timeout: Duration,
     /// Kernel threads of the host device.
     pub device_threads: usize,
+    /// The network path to ranks on other nodes (used only when there are several).
+    pub net: NetConfig,
 }
 
 impl BufferConfig {
@@ -51,12 +54,14 @@ impl BufferConfig {
             num_max_ll_tokens_per_rank: ll_max_tokens,
             timeout: timeout_from_env().unwrap_or(DEFAULT_TIMEOUT),
             device_threads: 1,
+            net: NetConfig::default(),
         }
     }
 
-    /// Bytes of registered memory each rank needs for this config on `num_ranks` ranks.
-    pub fn bytes_needed(&self, num_ranks: usize) -> usize {
-        RegionMap::new(self, num_ranks).total
+    /// Bytes of registered memory each rank needs for this config on `num_ranks` ranks
+    /// spread over `num_nodes` nodes (most of it is touched only when used).
+    pub fn bytes_needed(&self, num_ranks: usize, num_nodes: usize) -> usize {
+        RegionMap::new(self, num_ranks, num_nodes > 1).total
     }
 
     fn validate(&self, num_ranks: usize) -> Result<()> {
@@ -214,6 +219,16 @@ pub struct Buffer {
     pub(crate) combine_seq: u32,
     pub(crate) ll_seq: u32,
     pub(crate) barrier_seq: u64,
+    /// The proxy, when some ranks are on other nodes. Declared after `symm` is not
+    /// enough: `Drop` stops it explicitly before the memory it writes goes away.
+    pub(crate) net: Option<Net>,
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // The proxy's threads and transports write into `symm`: stop them first.
+        self.net.take();
+    }
 }
 
 impl std::fmt::Debug for Buffer {
@@ -237,15 +252,7 @@ impl Buffer {
             group.abort(&e.to_string());
             return Err(e);
         }
-        if group.num_nodes() != 1 {
-            let e = invalid!(
-                "{} nodes requested: this build runs one node (shared memory); multi-node needs the proxy path",
-                group.num_nodes()
-            );
-            group.abort(&e.to_string());
-            return Err(e);
-        }
-        let map = RegionMap::new(&cfg, num_ranks);
+        let map = RegionMap::new(&cfg, num_ranks, group.num_nodes() > 1);
         // Every rank must agree on the config: compare it through the bootstrap first,
         // so a mismatch is a clear error rather than a size mismatch of segments.
         let fingerprint = format!("{cfg:?}/{}", map.total);
@@ -290,6 +297,11 @@ impl Buffer {
             )));
         }
         symm.unlink()?;
+        let net = if group.num_nodes() > 1 {
+            Some(Net::start(&group, &map, symm.local(), &cfg.net)?)
+        } else {
+            None
+        };
         let mut id = [0u8; 8];
         id[..4].copy_from_slice(&(rank as u32).to_le_bytes());
         id[4..].copy_from_slice(&std::process::id().to_le_bytes());
@@ -306,6 +318,7 @@ impl Buffer {
             combine_seq: 0,
             ll_seq: 0,
             barrier_seq: 0,
+            net,
         })
     }
 
@@ -427,23 +440,83 @@ impl Buffer {
             .ok_or_else(|| invalid!("rank {peer} shares no memory with rank {}", self.rank))
     }
 
-    /// A barrier over all ranks, through the registered memory.
+    /// A barrier over all ranks: release stores for the node's ranks, announcements
+    /// through the proxy for the others.
     pub fn barrier(&mut self) -> Result<()> {
         self.barrier_seq += 1;
         let seq = self.barrier_seq;
-        for peer in 0..self.num_ranks {
-            let region = self.peer_region(peer)?;
-            region
-                .atomic_u64(self.map.barrier + 8 * self.rank)?
-                .store(seq, Ordering::Release);
-        }
         let until = self.until()?;
         for peer in 0..self.num_ranks {
-            self.wait_local(self.map.barrier + 8 * peer, seq, peer, until, || {
-                format!("rank {}: barrier {seq}: waiting for rank {peer}", self.rank)
-            })?;
+            if self.is_local(peer) {
+                let region = self.peer_region(peer)?;
+                region
+                    .atomic_u64(self.map.barrier + 8 * self.rank)?
+                    .store(seq, Ordering::Release);
+            } else {
+                self.send_staged(Channel::Barrier, peer, 0)?;
+            }
+        }
+        for peer in 0..self.num_ranks {
+            let what = || format!("rank {}: barrier {seq}: waiting for rank {peer}", self.rank);
+            if self.is_local(peer) {
+                self.wait_local(self.map.barrier + 8 * peer, seq, peer, until, what)?;
+            } else {
+                self.wait_packet(peer, until, what)?;
+            }
         }
         Ok(())
+    }
+
+    /// Whether `peer` shares memory with this rank (same node).
+    pub(crate) fn is_local(&self, peer: usize) -> bool {
+        self.symm.peer(peer).is_some()
+    }
+
+    fn net(&self) -> Result<&Net> {
+        self.net
+            .as_ref()
+            .ok_or_else(|| invalid!("rank {} has no network path (one node)", self.rank))
+    }
+
+    /// Wait until this rank's staging packet for (`ch`, `dst`) may be rewritten.
+    pub(crate) fn reclaim(&self, ch: Channel, dst: usize, until: Until<'_>) -> Result<()> {
+        let until = Until {
+            abort: None,
+            ..until
+        };
+        self.net()?.reclaim(ch, dst, until)
+    }
+
+    /// Send the `len`-byte packet staged for (`ch`, `dst`) and announce it.
+    pub(crate) fn send_staged(&self, ch: Channel, dst: usize, len: usize) -> Result<()> {
+        let deadline = Instant::now() + self.cfg.timeout;
+        self.net()?
+            .send(&self.map, self.rank, ch, dst, len, deadline)
+    }
+
+    /// Stage `len` bytes for (`ch`, `dst`) with `fill(region, offset)` and send them.
+    pub(crate) fn stage_and_send(
+        &self,
+        ch: Channel,
+        dst: usize,
+        len: usize,
+        until: Until<'_>,
+        fill: impl FnOnce(&Region, usize) -> uep_shm::Result<()>,
+    ) -> Result<()> {
+        self.reclaim(ch, dst, until)?;
+        fill(self.symm.local(), self.map.net.staging(ch, dst))?;
+        self.send_staged(ch, dst, len)
+    }
+
+    /// Wait for the next packet from `src` (on another node).
+    pub(crate) fn wait_packet(
+        &self,
+        src: usize,
+        until: Until<'_>,
+        what: impl Fn() -> String,
+    ) -> Result<()> {
+        wait_packet(self.net()?, self.symm.local(), &self.map, src, until, what)
+            .map_err(|e| self.explain_abort(e))
     }
 
     /// Fail this rank's peers' pending bootstrap collectives with `reason` (used when a

@@ -26,6 +26,17 @@ use crate::device::{epoch_word, wait_at_least, wait_epoch};
 use crate::error::Result;
 use crate::invalid;
 use crate::quant::{bf16_bits_to_f32, quantize_token, round_row_to_bf16};
+use crate::symm::{packet, Channel};
+
+/// Where one kernel stores the copies bound for one rank: a same-node peer's slots
+/// (`first` = None), or a staging packet whose expert `le` starts at row `first[le]`.
+struct LlSink {
+    region: uep_shm::Region,
+    x: usize,
+    scales: usize,
+    src: usize,
+    first: Option<Vec<usize>>,
+}
 
 /// Where every packed LL row came from; [`Buffer::low_latency_combine`] needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,22 +136,51 @@ impl Buffer {
                 );
             }
         }
-        let regions: Vec<_> = (0..r_n)
-            .map(|r| self.peer_region(r))
-            .collect::<Result<_>>()?;
-        for (r, region) in regions.iter().enumerate() {
-            // Buffer b of rank r was last used by step seq-2; r must have moved past it.
-            wait_at_least(
-                region.atomic_u64(map.ll_entered)?,
-                seq as u64 - 1,
-                until.watching(r, self.peer_pid(r)),
-                || {
-                    format!(
-                        "rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}"
-                    )
-                },
-            )
-            .map_err(|e| self.explain_abort(e))?;
+        let ch = Channel::ll_dispatch(b);
+        // Where copies for each rank go: the same-node peer's slots for this source, or
+        // this rank's staging packet for a peer on another node (experts ascending).
+        let mut sinks = Vec::with_capacity(r_n);
+        for r in 0..r_n {
+            if self.is_local(r) {
+                let region = self.peer_region(r)?;
+                // Buffer b of rank r was last used by step seq-2; r must have moved past it.
+                wait_at_least(region.atomic_u64(map.ll_entered)?, seq as u64 - 1, until.watching(r, self.peer_pid(r)), || {
+                    format!("rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}")
+                })
+                .map_err(|e| self.explain_abort(e))?;
+                sinks.push(LlSink {
+                    region,
+                    x: areas.recv_x,
+                    scales: areas.recv_scales,
+                    src: areas.recv_src,
+                    first: None,
+                });
+            } else {
+                self.reclaim(ch, r, until)?;
+                let counts = &per_expert[r * epr..(r + 1) * epr];
+                let sec = packet::ll_dispatch(
+                    epr,
+                    counts.iter().sum::<u32>() as usize,
+                    row_bytes,
+                    groups,
+                );
+                let base = map.net.staging(ch, r);
+                self.symm
+                    .local()
+                    .write(base + sec.at[0], bytemuck::cast_slice(counts))?;
+                let first = counts.iter().scan(0usize, |acc, &c| {
+                    let f = *acc;
+                    *acc += c as usize;
+                    Some(f)
+                });
+                sinks.push(LlSink {
+                    region: *self.symm.local(),
+                    x: base + sec.at[1],
+                    scales: base + sec.at[2],
+                    src: base + sec.at[3],
+                    first: Some(first.collect()),
+                });
+            }
         }
         self.device.launch(t_n, |range| {
             for t in range {
@@ -150,45 +190,97 @@ impl Buffer {
                         continue;
                     }
                     let (r, le) = (e as usize / epr, e as usize % epr);
-                    let row = le * r_n * m + me * m + pos[t * k + s] as usize;
-                    let dst = &regions[r];
+                    let sink = &sinks[r];
+                    let pos = pos[t * k + s] as usize;
+                    let row = match &sink.first {
+                        None => le * r_n * m + me * m + pos,
+                        Some(first) => first[le] + pos,
+                    };
                     if use_fp8 {
-                        dst.write(areas.recv_x + row * row_bytes, &q[t * h..(t + 1) * h])?;
-                        dst.write(
-                            areas.recv_scales + row * groups * 4,
+                        sink.region
+                            .write(sink.x + row * row_bytes, &q[t * h..(t + 1) * h])?;
+                        sink.region.write(
+                            sink.scales + row * groups * 4,
                             bytemuck::cast_slice(&scales[t * groups..(t + 1) * groups]),
                         )?;
                     } else {
-                        dst.write(
-                            areas.recv_x + row * row_bytes,
+                        sink.region.write(
+                            sink.x + row * row_bytes,
                             bytemuck::cast_slice(&x[t * h..(t + 1) * h]),
                         )?;
                     }
-                    dst.write(
-                        areas.recv_src + row * 4,
-                        &((t * k + s) as i32).to_le_bytes(),
-                    )?;
+                    sink.region
+                        .write(sink.src + row * 4, &((t * k + s) as i32).to_le_bytes())?;
                 }
             }
             Ok(())
         })?;
         // Count signals, after all rows (the launch joined every kernel thread).
-        for (r, region) in regions.iter().enumerate() {
-            for le in 0..epr {
-                let word = epoch_word(seq, per_expert[r * epr + le]);
-                region
-                    .atomic_u64(map.ll_count_at(b, le, me))?
-                    .store(word, Ordering::Release);
+        for (r, sink) in sinks.iter().enumerate() {
+            if sink.first.is_none() {
+                for le in 0..epr {
+                    let word = epoch_word(seq, per_expert[r * epr + le]);
+                    sink.region
+                        .atomic_u64(map.ll_count_at(b, le, me))?
+                        .store(word, Ordering::Release);
+                }
+            } else {
+                let n = per_expert[r * epr..(r + 1) * epr].iter().sum::<u32>() as usize;
+                self.send_staged(ch, r, packet::ll_dispatch(epr, n, row_bytes, groups).len)?;
             }
         }
         let mut counts = vec![0u32; epr * r_n];
-        for le in 0..epr {
-            for src in 0..r_n {
-                let at = map.ll_count_at(b, le, src);
-                counts[le * r_n + src] = wait_epoch(self.symm.local().atomic_u64(at)?, seq, until.watching(src, self.peer_pid(src)), || {
-                    format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s count for local expert {le}")
-                })
-                .map_err(|e| self.explain_abort(e))?;
+        for src in 0..r_n {
+            if self.is_local(src) {
+                for le in 0..epr {
+                    let at = map.ll_count_at(b, le, src);
+                    counts[le * r_n + src] =
+                        wait_epoch(self.symm.local().atomic_u64(at)?, seq, until.watching(src, self.peer_pid(src)), || {
+                            format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s count for local expert {le}")
+                        })
+                        .map_err(|e| self.explain_abort(e))?;
+                }
+            } else {
+                self.wait_packet(src, until, || {
+                    format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s rows")
+                })?;
+                let base = map.net.landing(ch, src);
+                let local = *self.symm.local();
+                let mut header = vec![0u32; epr];
+                local.read(base, bytemuck::cast_slice_mut(&mut header))?;
+                let total: usize = header.iter().map(|&c| c as usize).sum();
+                if header.iter().any(|&c| c as usize > m) || total > m * k.min(epr) {
+                    return self.fail(invalid!("rank {src} announced {header:?} rows for rank {me}'s experts; at most {m} each"));
+                }
+                let sec = packet::ll_dispatch(epr, total, row_bytes, groups);
+                let mut first = 0;
+                for (le, &c) in header.iter().enumerate() {
+                    let (n, row) = (c as usize, le * r_n * m + src * m);
+                    local.copy_from(
+                        areas.recv_x + row * row_bytes,
+                        &local,
+                        base + sec.at[1] + first * row_bytes,
+                        n * row_bytes,
+                    )?;
+                    if use_fp8 {
+                        local.copy_from(
+                            areas.recv_scales + row * groups * 4,
+                            &local,
+                            base + sec.at[2] + first * groups * 4,
+                            n * groups * 4,
+                        )?;
+                    }
+                    local.copy_from(
+                        areas.recv_src + row * 4,
+                        &local,
+                        base + sec.at[3] + first * 4,
+                        n * 4,
+                    )?;
+                    counts[le * r_n + src] = c;
+                    first += n;
+                }
+            }
+            for le in 0..epr {
                 if counts[le * r_n + src] as usize > m {
                     return self.fail(invalid!(
                         "rank {src} sent {} rows to expert {} of rank {me}, more than the {m} it may send",
@@ -373,39 +465,85 @@ impl Buffer {
         let map = self.map.clone();
         let areas = map.ll[handle.buffer];
         let seq = handle.seq;
-        let regions: Vec<_> = (0..r_n)
-            .map(|r| self.peer_region(r))
-            .collect::<Result<_>>()?;
+        let until = self.until()?;
+        let ch = Channel::ll_combine(handle.buffer);
+        // Rows for a same-node source go to its [token, slot] rows; for a source on another
+        // node, into a staging packet in (expert, row) order, which the source can replay.
+        let mut sinks = Vec::with_capacity(r_n);
+        for src in 0..r_n {
+            if self.is_local(src) {
+                sinks.push((self.peer_region(src)?, None));
+            } else {
+                self.reclaim(ch, src, until)?;
+                let mut first = Vec::with_capacity(epr);
+                let mut n = 0;
+                for le in 0..epr {
+                    first.push(n);
+                    n += handle.layout_range[le * r_n + src].1 as usize;
+                }
+                sinks.push((
+                    *self.symm.local(),
+                    Some((map.net.staging(ch, src), first, n)),
+                ));
+            }
+        }
         self.device.launch(epr, |experts| {
             for le in experts {
-                for (src, region) in regions.iter().enumerate() {
+                for (src, (region, staged)) in sinks.iter().enumerate() {
                     let (begin, n) = handle.layout_range[le * r_n + src];
                     for j in begin as usize..(begin + n) as usize {
                         let row = le * r_n * m + j;
                         let (t, s) = (handle.src_info[row] as usize, handle.src_slot[row] as usize);
-                        region.write(
-                            areas.combine_x + (t * k + s) * h * 2,
-                            bytemuck::cast_slice(&y[row * h..(row + 1) * h]),
-                        )?;
+                        let at = match staged {
+                            None => areas.combine_x + (t * k + s) * h * 2,
+                            Some((base, first, _)) => {
+                                base + (first[le] + j - begin as usize) * h * 2
+                            }
+                        };
+                        region.write(at, bytemuck::cast_slice(&y[row * h..(row + 1) * h]))?;
                     }
                 }
             }
             Ok(())
         })?;
-        for region in &regions {
-            region
-                .atomic_u64(map.ll_combine_done + 8 * (handle.buffer * r_n + me))?
-                .store(seq as u64, Ordering::Release);
+        for (src, (region, staged)) in sinks.iter().enumerate() {
+            match staged {
+                None => region
+                    .atomic_u64(map.ll_combine_done + 8 * (handle.buffer * r_n + me))?
+                    .store(seq as u64, Ordering::Release),
+                Some((_, _, n)) => self.send_staged(ch, src, packet::ll_combine(*n, h).len)?,
+            }
         }
-        let until = self.until()?;
         for src in 0..r_n {
-            self.wait_local(
-                map.ll_combine_done + 8 * (handle.buffer * r_n + src),
-                seq as u64,
-                src,
-                until,
-                || format!("rank {me}: LL combine {seq}: waiting for rank {src}'s expert outputs"),
-            )?;
+            let what =
+                || format!("rank {me}: LL combine {seq}: waiting for rank {src}'s expert outputs");
+            if self.is_local(src) {
+                self.wait_local(
+                    map.ll_combine_done + 8 * (handle.buffer * r_n + src),
+                    seq as u64,
+                    src,
+                    until,
+                    what,
+                )?;
+                continue;
+            }
+            self.wait_packet(src, until, what)?;
+            // The packet holds, expert by expert, my (token, slot) copies in order.
+            let base = map.net.landing(ch, src);
+            let local = *self.symm.local();
+            let mut j = 0;
+            for le in 0..epr {
+                let e = (src * epr + le) as i64;
+                for (i, _) in topk_idx.iter().enumerate().filter(|(_, &v)| v == e) {
+                    local.copy_from(
+                        areas.combine_x + i * h * 2,
+                        &local,
+                        base + j * h * 2,
+                        h * 2,
+                    )?;
+                    j += 1;
+                }
+            }
         }
         let rows: &[u16] = self.symm.view(areas.combine_x, t_n * k * h)?;
         let mut out = vec![bf16::ZERO; t_n * h];

@@ -26,6 +26,8 @@ use crate::error::Result;
 use crate::invalid;
 use crate::layout::{get_dispatch_layout, DispatchLayout};
 use crate::quant::{bf16_bits_to_f32, round_row_to_bf16};
+use crate::symm::{packet, Channel};
+use uep_shm::Region;
 
 /// Arguments of [`Buffer::dispatch`]; build with [`DispatchArgs::new`] and the setters.
 #[derive(Clone, Copy, Debug)]
@@ -155,6 +157,17 @@ pub struct CombineOutput {
     pub combined_topk_weights: Option<Vec<f32>>,
 }
 
+/// Where one kernel stores the rows (and their metadata) bound for one rank.
+#[derive(Clone, Copy)]
+struct RowSink {
+    region: Region,
+    x: usize,
+    scales: usize,
+    topk: usize,
+    weights: usize,
+    src: usize,
+}
+
 /// The routing one dispatch works with, whichever way it was given.
 struct Routing<'a> {
     in_rank: std::borrow::Cow<'a, [bool]>,
@@ -195,29 +208,47 @@ impl Buffer {
         let map = self.map.clone();
         let parity = (seq % 2) as usize;
 
-        // 1. notify: my counts into every peer's slot, then the epoch.
+        // 1. notify: my counts into every peer's slot (or packet), then the epoch.
         let mut counts: Vec<u32> = Vec::with_capacity(r_n + e_n);
         counts.extend(routing.per_rank.iter().map(|&c| c as u32));
         counts.extend(routing.per_expert.iter().map(|&c| c as u32));
+        let counts_bytes: &[u8] = bytemuck::cast_slice(&counts);
         let slot = map.notify_slot(parity, me);
-        for peer in 0..r_n {
-            let region = self.peer_region(peer)?;
-            region.write(slot + 8, bytemuck::cast_slice(&counts))?;
-            region
-                .atomic_u64(slot)?
-                .store(seq as u64, Ordering::Release);
-        }
         let until = self.until()?;
+        for peer in 0..r_n {
+            if self.is_local(peer) {
+                let region = self.peer_region(peer)?;
+                region.write(slot + 16, counts_bytes)?;
+                region
+                    .atomic_u64(slot)?
+                    .store(seq as u64, Ordering::Release);
+            } else {
+                self.stage_and_send(
+                    Channel::Notify,
+                    peer,
+                    counts_bytes.len(),
+                    until,
+                    |local, at| local.write(at, counts_bytes),
+                )?;
+            }
+        }
         let mut matrix = vec![0u32; r_n * r_n];
         let mut recv_per_expert = vec![0usize; epr];
-        let local = self.symm.local();
         let mut row = vec![0u32; r_n + e_n];
         for src in 0..r_n {
-            let slot = map.notify_slot(parity, src);
-            self.wait_local(slot, seq as u64, src, until, || {
-                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s token counts")
-            })?;
-            local.read(slot + 8, bytemuck::cast_slice_mut(&mut row))?;
+            let what =
+                || format!("rank {me}: dispatch {seq}: waiting for rank {src}'s token counts");
+            let at = if self.is_local(src) {
+                let slot = map.notify_slot(parity, src);
+                self.wait_local(slot, seq as u64, src, until, what)?;
+                slot + 16
+            } else {
+                self.wait_packet(src, until, what)?;
+                map.net.landing(Channel::Notify, src)
+            };
+            self.symm
+                .local()
+                .read(at, bytemuck::cast_slice_mut(&mut row))?;
             matrix[src * r_n..(src + 1) * r_n].copy_from_slice(&row[..r_n]);
             for (le, n) in recv_per_expert.iter_mut().enumerate() {
                 *n += row[r_n + me * epr + le] as usize;
@@ -246,6 +277,7 @@ impl Buffer {
 
         // 2. data: each token to each of its ranks, at its final row there.
         let out_base: Vec<usize> = (0..r_n).map(|r| column_sum(me, r)).collect();
+        let recv_base = |src: usize| column_sum(src, me);
         let row_bytes = args.x.row_bytes(h);
         let groups = h / 128;
         let with_topk = args.handle.is_none() && args.topk_idx.is_some();
@@ -263,9 +295,35 @@ impl Buffer {
                 }
             }
         }
-        let regions: Vec<_> = (0..r_n)
-            .map(|r| self.peer_region(r))
-            .collect::<Result<_>>()?;
+        // Where rows for each rank go: straight into a same-node peer's output rows, or
+        // into this rank's staging packet for a peer on another node.
+        let mut sinks = Vec::with_capacity(r_n);
+        for r in 0..r_n {
+            let n = matrix[me * r_n + r] as usize;
+            sinks.push(if self.is_local(r) {
+                let j = out_base[r];
+                RowSink {
+                    region: self.peer_region(r)?,
+                    x: map.recv_x + j * row_bytes,
+                    scales: map.recv_scales + j * groups * 4,
+                    topk: map.recv_topk_idx + j * k * 8,
+                    weights: map.recv_topk_weights + j * k * 4,
+                    src: map.recv_src_idx + j * 4,
+                }
+            } else {
+                self.reclaim(Channel::Dispatch, r, until)?;
+                let base = map.net.staging(Channel::Dispatch, r);
+                let sec = packet::dispatch(n, row_bytes, groups, k);
+                RowSink {
+                    region: *self.symm.local(),
+                    x: base + sec.at[0],
+                    scales: base + sec.at[1],
+                    topk: base + sec.at[2],
+                    weights: base + sec.at[3],
+                    src: base + sec.at[4],
+                }
+            });
+        }
         let x = args.x;
         let (topk_idx, topk_weights) = (args.topk_idx, args.topk_weights);
         self.device.launch(t_n, |range| {
@@ -278,13 +336,13 @@ impl Buffer {
                     if !in_rank[t * r_n + r] {
                         continue;
                     }
-                    let dst = &regions[r];
-                    let j = out_base[r] + pos[r];
+                    let sink = &sinks[r];
+                    let j = pos[r];
                     pos[r] += 1;
-                    dst.write(map.recv_x + j * row_bytes, x.row(t, h))?;
+                    sink.region.write(sink.x + j * row_bytes, x.row(t, h))?;
                     if x.is_fp8() {
-                        dst.write(
-                            map.recv_scales + j * groups * 4,
+                        sink.region.write(
+                            sink.scales + j * groups * 4,
                             bytemuck::cast_slice(x.row_scales(t, h)),
                         )?;
                     }
@@ -299,36 +357,77 @@ impl Buffer {
                                 _ => 0.0,
                             };
                         }
-                        dst.write(
-                            map.recv_topk_idx + j * k * 8,
-                            bytemuck::cast_slice(&idx_row),
-                        )?;
+                        sink.region
+                            .write(sink.topk + j * k * 8, bytemuck::cast_slice(&idx_row))?;
                         if topk_weights.is_some() {
-                            dst.write(
-                                map.recv_topk_weights + j * k * 4,
-                                bytemuck::cast_slice(&w_row),
-                            )?;
+                            sink.region
+                                .write(sink.weights + j * k * 4, bytemuck::cast_slice(&w_row))?;
                         }
                     }
-                    dst.write(map.recv_src_idx + j * 4, &(t as i32).to_le_bytes())?;
+                    sink.region
+                        .write(sink.src + j * 4, &(t as i32).to_le_bytes())?;
                 }
             }
             Ok(())
         })?;
 
-        // 3. done: publish, then wait for every source.
-        for region in &regions {
-            region
-                .atomic_u64(map.dispatch_done + 8 * me)?
-                .store(seq as u64, Ordering::Release);
+        // 3. done: publish (a release store, or the packet and its announcement), then
+        // wait for every source; a packet is unpacked into this rank's output rows.
+        for r in 0..r_n {
+            if self.is_local(r) {
+                sinks[r]
+                    .region
+                    .atomic_u64(map.dispatch_done + 8 * me)?
+                    .store(seq as u64, Ordering::Release);
+            } else {
+                let n = matrix[me * r_n + r] as usize;
+                let len = packet::dispatch(n, row_bytes, groups, k).len;
+                self.send_staged(Channel::Dispatch, r, len)?;
+            }
         }
         for src in 0..r_n {
-            self.wait_local(map.dispatch_done + 8 * src, seq as u64, src, until, || {
-                format!(
-                    "rank {me}: dispatch {seq}: waiting for rank {src}'s {} rows",
-                    matrix[src * r_n + me]
-                )
-            })?;
+            let n = matrix[src * r_n + me] as usize;
+            let what = || format!("rank {me}: dispatch {seq}: waiting for rank {src}'s {n} rows");
+            if self.is_local(src) {
+                self.wait_local(map.dispatch_done + 8 * src, seq as u64, src, until, what)?;
+            } else {
+                self.wait_packet(src, until, what)?;
+                let base = map.net.landing(Channel::Dispatch, src);
+                let sec = packet::dispatch(n, row_bytes, groups, k);
+                let j = recv_base(src);
+                let local = *self.symm.local();
+                local.copy_from(
+                    map.recv_x + j * row_bytes,
+                    &local,
+                    base + sec.at[0],
+                    n * row_bytes,
+                )?;
+                if x.is_fp8() {
+                    local.copy_from(
+                        map.recv_scales + j * groups * 4,
+                        &local,
+                        base + sec.at[1],
+                        n * groups * 4,
+                    )?;
+                }
+                if with_topk {
+                    local.copy_from(
+                        map.recv_topk_idx + j * k * 8,
+                        &local,
+                        base + sec.at[2],
+                        n * k * 8,
+                    )?;
+                    if topk_weights.is_some() {
+                        local.copy_from(
+                            map.recv_topk_weights + j * k * 4,
+                            &local,
+                            base + sec.at[3],
+                            n * k * 4,
+                        )?;
+                    }
+                }
+                local.copy_from(map.recv_src_idx + j * 4, &local, base + sec.at[4], n * 4)?;
+            }
         }
         if rows > num_recv && with_topk {
             self.symm
@@ -580,38 +679,93 @@ impl Buffer {
         let seq = self.combine_seq;
         let map = self.map.clone();
         let t_max = self.cfg.num_max_dispatch_tokens_per_rank;
-        let regions: Vec<_> = (0..r_n)
-            .map(|r| self.peer_region(r))
-            .collect::<Result<_>>()?;
+        let until = self.until()?;
         let src_rank = handle.recv_src_rank(me);
+        let recv_base = |s: usize| {
+            if s == 0 {
+                0
+            } else {
+                handle.rank_prefix_matrix[(s - 1) * r_n + me] as usize
+            }
+        };
+        let rows_from = |s: usize| handle.rank_prefix_matrix[s * r_n + me] as usize - recv_base(s);
+        // Rows for a same-node source land in its [this rank][token] slot; rows for a
+        // source on another node are packed in received order into a staging packet.
+        let mut sinks = Vec::with_capacity(r_n);
+        for s in 0..r_n {
+            sinks.push(if self.is_local(s) {
+                (self.peer_region(s)?, None)
+            } else {
+                self.reclaim(Channel::Combine, s, until)?;
+                let sec = packet::combine(rows_from(s), h, k);
+                let base = map.net.staging(Channel::Combine, s);
+                (
+                    *self.symm.local(),
+                    Some((base + sec.at[0], base + sec.at[1])),
+                )
+            });
+        }
         self.device.launch(n, |range| {
             for i in range {
                 let (s, t) = (src_rank[i] as usize, handle.recv_src_idx[i] as usize);
-                let slot = me * t_max + t;
-                let dst = &regions[s];
-                dst.write(
-                    map.combine_x + slot * h * 2,
-                    bytemuck::cast_slice(&x[i * h..(i + 1) * h]),
-                )?;
+                let (region, staged) = &sinks[s];
+                let (x_at, w_at) = match staged {
+                    None => (
+                        map.combine_x + (me * t_max + t) * h * 2,
+                        map.combine_weights + (me * t_max + t) * k * 4,
+                    ),
+                    Some((x0, w0)) => {
+                        let j = i - recv_base(s);
+                        (x0 + j * h * 2, w0 + j * k * 4)
+                    }
+                };
+                region.write(x_at, bytemuck::cast_slice(&x[i * h..(i + 1) * h]))?;
                 if let Some(w) = topk_weights {
-                    dst.write(
-                        map.combine_weights + slot * k * 4,
-                        bytemuck::cast_slice(&w[i * k..(i + 1) * k]),
-                    )?;
+                    region.write(w_at, bytemuck::cast_slice(&w[i * k..(i + 1) * k]))?;
                 }
             }
             Ok(())
         })?;
-        for region in &regions {
-            region
-                .atomic_u64(map.combine_done + 8 * me)?
-                .store(seq as u64, Ordering::Release);
+        for (s, (region, staged)) in sinks.iter().enumerate() {
+            if staged.is_none() {
+                region
+                    .atomic_u64(map.combine_done + 8 * me)?
+                    .store(seq as u64, Ordering::Release);
+            } else {
+                self.send_staged(Channel::Combine, s, packet::combine(rows_from(s), h, k).len)?;
+            }
         }
-        let until = self.until()?;
+        let t_n = handle.num_tokens;
         for src in 0..r_n {
-            self.wait_local(map.combine_done + 8 * src, seq as u64, src, until, || {
-                format!("rank {me}: combine {seq}: waiting for rank {src}'s rows")
-            })?;
+            let what = || format!("rank {me}: combine {seq}: waiting for rank {src}'s rows");
+            if self.is_local(src) {
+                self.wait_local(map.combine_done + 8 * src, seq as u64, src, until, what)?;
+                continue;
+            }
+            self.wait_packet(src, until, what)?;
+            // Row j of the packet is my j-th token sent to `src`.
+            let base = map.net.landing(Channel::Combine, src);
+            let n_src = handle.num_tokens_per_rank[src] as usize;
+            let sec = packet::combine(n_src, h, k);
+            let local = *self.symm.local();
+            let tokens = (0..t_n).filter(|&t| handle.is_token_in_rank[t * r_n + src]);
+            for (j, t) in tokens.enumerate() {
+                let slot = src * t_max + t;
+                local.copy_from(
+                    map.combine_x + slot * h * 2,
+                    &local,
+                    base + sec.at[0] + j * h * 2,
+                    h * 2,
+                )?;
+                if topk_weights.is_some() {
+                    local.copy_from(
+                        map.combine_weights + slot * k * 4,
+                        &local,
+                        base + sec.at[1] + j * k * 4,
+                        k * 4,
+                    )?;
+                }
+            }
         }
 
         // Reduce: per token, the returned rows in rank order, in f32, rounded once.

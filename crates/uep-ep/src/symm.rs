@@ -16,6 +16,9 @@ use crate::error::Result;
 /// share one and rows start where wide loads like them.
 const ALIGN: usize = 128;
 
+/// Bytes reserved for the proxy's LL-signal, barrier and atomic counters.
+pub const PROXY_COUNTER_BYTES: usize = 64 * 1024;
+
 /// Room for the reason a failing rank leaves in its peers' regions.
 pub const ABORT_MSG_BYTES: usize = 504;
 
@@ -78,8 +81,141 @@ pub struct RegionMap {
 
     /// Low-latency areas, one per buffer index.
     pub ll: [LlAreas; 2],
+    /// Areas for peers on other nodes (reached through the proxy); empty on one node.
+    pub net: NetAreas,
     /// Total bytes.
     pub total: usize,
+}
+
+/// What travels to a peer on another node: one *packet* per (operation, peer), written
+/// into the peer's landing area for this rank of that channel by one or more writes, then
+/// announced by a zero-length write. The proxy applies announcements in order per peer,
+/// so a counter that says "k packets" means k packets' bytes are here. Every rank runs
+/// the same sequence of collective calls and each call sends exactly one packet to each
+/// peer on another node, so the k-th packet from a peer is the one the k-th wait expects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(usize)]
+pub enum Channel {
+    /// Normal dispatch: the sender's token counts.
+    Notify = 0,
+    /// Normal dispatch rows.
+    Dispatch = 1,
+    /// Normal combine rows.
+    Combine = 2,
+    /// Low-latency dispatch rows, buffer 0.
+    LlDispatch0 = 3,
+    /// Low-latency dispatch rows, buffer 1.
+    LlDispatch1 = 4,
+    /// Low-latency combine rows, buffer 0.
+    LlCombine0 = 5,
+    /// Low-latency combine rows, buffer 1.
+    LlCombine1 = 6,
+    /// Barrier arrivals (announcements only).
+    Barrier = 7,
+}
+
+/// Number of [`Channel`]s.
+pub const CHANNELS: usize = 8;
+
+impl Channel {
+    /// The low-latency dispatch channel of buffer `b`.
+    pub fn ll_dispatch(b: usize) -> Channel {
+        if b == 0 {
+            Channel::LlDispatch0
+        } else {
+            Channel::LlDispatch1
+        }
+    }
+
+    /// The low-latency combine channel of buffer `b`.
+    pub fn ll_combine(b: usize) -> Channel {
+        if b == 0 {
+            Channel::LlCombine0
+        } else {
+            Channel::LlCombine1
+        }
+    }
+}
+
+/// Offsets of the sections of one packet; every section starts 16-byte aligned, as
+/// one-sided writes want.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Sections {
+    /// Start of each section.
+    pub at: Vec<usize>,
+    /// Total bytes.
+    pub len: usize,
+}
+
+impl Sections {
+    /// Lay out sections of the given byte lengths.
+    pub fn new(lens: &[usize]) -> Sections {
+        let mut at = Vec::with_capacity(lens.len());
+        let mut off = 0;
+        for &l in lens {
+            at.push(off);
+            off += l.div_ceil(16) * 16;
+        }
+        Sections { at, len: off }
+    }
+}
+
+/// Packet layouts shared by sender and receiver (both compute them from counts they know).
+pub mod packet {
+    use super::Sections;
+
+    /// Normal dispatch of `n` rows: x, scales, top-k ids, weights, source index.
+    pub fn dispatch(n: usize, row_bytes: usize, groups: usize, k: usize) -> Sections {
+        Sections::new(&[n * row_bytes, n * groups * 4, n * k * 8, n * k * 4, n * 4])
+    }
+
+    /// Normal combine of `n` rows: bf16 rows, weights.
+    pub fn combine(n: usize, hidden: usize, k: usize) -> Sections {
+        Sections::new(&[n * hidden * 2, n * k * 4])
+    }
+
+    /// Low-latency dispatch of `n` copies to `experts` local experts: per-expert counts,
+    /// rows, scales, (token * K + slot) codes.
+    pub fn ll_dispatch(experts: usize, n: usize, row_bytes: usize, groups: usize) -> Sections {
+        Sections::new(&[experts * 4, n * row_bytes, n * groups * 4, n * 4])
+    }
+
+    /// Low-latency combine of `n` rows.
+    pub fn ll_combine(n: usize, hidden: usize) -> Sections {
+        Sections::new(&[n * hidden * 2])
+    }
+}
+
+/// Offsets of the network areas.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NetAreas {
+    /// `[src R]` u64: packets announced per peer, applied in order by the proxy.
+    pub tails: usize,
+    /// Small counter areas the proxy's other emulations may use.
+    pub proxy_counters: usize,
+    /// Capacity of one packet of each channel.
+    pub cap: [usize; CHANNELS],
+    /// `[channel][dst R]` packets being sent.
+    pub staging: [usize; CHANNELS],
+    /// `[channel][src R]` packets received.
+    pub landing: [usize; CHANNELS],
+}
+
+impl NetAreas {
+    /// Offset of the announcement counter of `src`.
+    pub fn tail(&self, src: usize) -> usize {
+        self.tails + 8 * src
+    }
+
+    /// Offset of the packet this rank sends to `dst` on `ch`.
+    pub fn staging(&self, ch: Channel, dst: usize) -> usize {
+        self.staging[ch as usize] + dst * self.cap[ch as usize]
+    }
+
+    /// Offset of the packet from `src` on `ch`.
+    pub fn landing(&self, ch: Channel, src: usize) -> usize {
+        self.landing[ch as usize] + src * self.cap[ch as usize]
+    }
 }
 
 /// Offsets of one low-latency buffer.
@@ -97,7 +233,7 @@ pub struct LlAreas {
 
 impl RegionMap {
     /// The layout for `cfg` on `num_ranks` ranks.
-    pub fn new(cfg: &BufferConfig, num_ranks: usize) -> RegionMap {
+    pub fn new(cfg: &BufferConfig, num_ranks: usize, multi_node: bool) -> RegionMap {
         let (r, e, h, k) = (num_ranks, cfg.num_experts, cfg.hidden, cfg.topk);
         let t = cfg.num_max_dispatch_tokens_per_rank;
         let m = cfg.num_max_ll_tokens_per_rank;
@@ -109,7 +245,7 @@ impl RegionMap {
             at = align_up(at + bytes);
             off
         };
-        let notify_slot_bytes = align_up(8 + 4 * (r + e));
+        let notify_slot_bytes = align_up(16 + 4 * (r + e));
         let notify = take(2 * r * notify_slot_bytes);
         let pid = take(8);
         let abort = take(8 + ABORT_MSG_BYTES);
@@ -139,6 +275,27 @@ impl RegionMap {
                 };
             }
         }
+        let mut net = NetAreas::default();
+        if multi_node {
+            let row = h * 2;
+            let ll_rows = (m * k).min(epr * m);
+            net.cap = [
+                align_up(4 * (r + e)),
+                align_up(packet::dispatch(t, row, groups, k).len),
+                align_up(packet::combine(t, h, k).len),
+                align_up(packet::ll_dispatch(epr, ll_rows, row, groups).len),
+                align_up(packet::ll_dispatch(epr, ll_rows, row, groups).len),
+                align_up(packet::ll_combine(ll_rows, h).len),
+                align_up(packet::ll_combine(ll_rows, h).len),
+                0,
+            ];
+            net.tails = take(8 * r);
+            net.proxy_counters = take(PROXY_COUNTER_BYTES);
+            for ch in 0..CHANNELS {
+                net.staging[ch] = take(r * net.cap[ch]);
+                net.landing[ch] = take(r * net.cap[ch]);
+            }
+        }
         RegionMap {
             num_ranks: r,
             num_experts: e,
@@ -164,6 +321,7 @@ impl RegionMap {
             combine_x,
             combine_weights,
             ll,
+            net,
             total: at,
         }
     }

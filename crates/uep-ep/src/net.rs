@@ -1,0 +1,273 @@
+//! The network path: peers on other nodes, reached through the CPU proxy.
+//!
+//! Kernels never talk to the NIC. For a peer on another node a kernel writes the
+//! packet it would have stored into the peer's memory into its own *staging* area
+//! instead, then pushes 16-byte commands into a FIFO: writes of the packet into the
+//! peer's *landing* area for this rank, and one zero-length write that announces it
+//! on the operation's channel. The proxy posts them as one-sided writes with
+//! immediates; the receiving proxy applies announcements strictly in order per
+//! (peer, channel), so once the receiver's counter says `k` packets, `k` packets'
+//! bytes have landed, whatever order the transport delivered them in.
+//!
+//! All commands to one peer go through one FIFO (ordering holds only within one), and a
+//! `Quiet` after each packet tells this rank when its staging area may be reused.
+
+use std::time::{Duration, Instant};
+
+use uep_bootstrap::Group;
+use uep_fifo::Slot;
+use uep_proxy::{cmds, CounterLayout, Proxy, ProxyConfig};
+use uep_shm::Region;
+use uep_transport::{
+    FabricOptions, FaultConfig, FaultyTransport, LibfabricTransport, PeerAddr, RegionRef, Transport,
+};
+
+use crate::device::{wait_at_least, Backoff, Until};
+use crate::error::{EpError, Result};
+use crate::invalid;
+use crate::symm::{Channel, RegionMap, CHANNELS};
+
+/// The one wire channel: every packet from a peer is announced in one ordered stream.
+const WIRE_CHANNEL: u8 = 0;
+
+/// Largest single write of a packet: big enough to stream, small enough that the
+/// proxy interleaves peers and the first bytes move while the last are staged.
+const CHUNK: usize = 1 << 20;
+
+/// How the network path is set up.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NetConfig {
+    /// libfabric options (provider, interface).
+    pub fabric: FabricOptions,
+    /// Proxy threads, FIFOs, flow control.
+    pub proxy: ProxyConfig,
+    /// Wrap every transport in a fault injector (tests and soak runs).
+    pub faults: Option<FaultConfig>,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        NetConfig {
+            fabric: FabricOptions::from_env(),
+            proxy: ProxyConfig::default(),
+            faults: None,
+        }
+    }
+}
+
+/// This rank's proxy and what it has in flight.
+pub(crate) struct Net {
+    proxy: Proxy,
+    threads: usize,
+    fifos_per_thread: usize,
+    num_ranks: usize,
+    /// `[channel][dst]`: the Quiet that follows the last packet staged there.
+    quiets: std::cell::RefCell<Vec<Option<(usize, usize, Slot)>>>,
+    /// `[src]`: packets awaited so far (the next wait expects one more).
+    expected: Vec<std::cell::Cell<u64>>,
+}
+
+impl std::fmt::Debug for Net {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Net")
+            .field("threads", &self.threads)
+            .finish()
+    }
+}
+
+impl Net {
+    /// Register `region`, connect one endpoint per proxy thread to the same thread of
+    /// every peer (addresses exchanged through `group`), and start the proxy.
+    pub(crate) fn start(
+        group: &Group,
+        map: &RegionMap,
+        region: &Region,
+        cfg: &NetConfig,
+    ) -> Result<Net> {
+        let (rank, num_ranks) = (group.rank(), group.world_size());
+        let threads = cfg.proxy.threads.max(1);
+        let mut transports: Vec<Box<dyn Transport>> = Vec::with_capacity(threads);
+        for t in 0..threads {
+            let region_ref = region_ref(region)?;
+            let mut tr: Box<dyn Transport> = Box::new(
+                LibfabricTransport::new(&cfg.fabric, region_ref)
+                    .map_err(|e| invalid!("libfabric: {e}"))?,
+            );
+            let addrs = group.all_gather(&tr.local_addr().0)?;
+            let peers: Vec<PeerAddr> = addrs
+                .into_iter()
+                .enumerate()
+                .map(|(r, a)| {
+                    if r == rank {
+                        PeerAddr(Vec::new())
+                    } else {
+                        PeerAddr(a)
+                    }
+                })
+                .collect();
+            tr.connect(&peers)
+                .map_err(|e| invalid!("rank {rank}: connecting proxy thread {t}: {e}"))?;
+            if let Some(f) = &cfg.faults {
+                let f = FaultConfig {
+                    seed: f.seed ^ ((rank * threads + t) as u64 * 0x9e37_79b9),
+                    ..f.clone()
+                };
+                tr = Box::new(
+                    FaultyTransport::new(tr, f).map_err(|e| invalid!("fault injector: {e}"))?,
+                );
+            }
+            transports.push(tr);
+        }
+        let counters = CounterLayout {
+            num_ranks,
+            tail_base: map.net.tails as u64,
+            num_channels: 1,
+            // LL fences and native-style atomics are not used by this layer: packets
+            // are ordered per peer by the tail stream alone.
+            ll_base: map.net.proxy_counters as u64,
+            num_local_experts: 0,
+            barrier_base: map.net.proxy_counters as u64,
+            atomic_base: map.net.proxy_counters as u64,
+            num_atomic_slots: 0,
+        };
+        let proxy = Proxy::start(
+            rank,
+            num_ranks,
+            cfg.proxy.clone(),
+            *region,
+            counters,
+            transports,
+        )
+        .map_err(|e| invalid!("rank {rank}: starting the proxy: {e}"))?;
+        let fifos_per_thread = cfg.proxy.fifos_per_thread.max(1);
+        Ok(Net {
+            proxy,
+            threads,
+            fifos_per_thread,
+            num_ranks,
+            quiets: std::cell::RefCell::new(vec![None; CHANNELS * num_ranks]),
+            expected: (0..num_ranks).map(|_| std::cell::Cell::new(0)).collect(),
+        })
+    }
+
+    /// The FIFO that carries everything for `dst`.
+    fn fifo_of(&self, dst: usize) -> (usize, usize) {
+        (
+            dst % self.threads,
+            (dst / self.threads) % self.fifos_per_thread,
+        )
+    }
+
+    /// Wait until the staging area of (`ch`, `dst`) is free again.
+    pub(crate) fn reclaim(&self, ch: Channel, dst: usize, until: Until<'_>) -> Result<()> {
+        let pending = self.quiets.borrow_mut()[ch as usize * self.num_ranks + dst].take();
+        let Some((t, i, slot)) = pending else {
+            return Ok(());
+        };
+        let fifo = self.proxy.fifo(t, i).map_err(|e| invalid!("{e}"))?;
+        let mut backoff = Backoff::new();
+        while !fifo.is_consumed(slot) {
+            self.check()?;
+            if Instant::now() >= until.deadline {
+                return Err(EpError::Timeout(format!(
+                    "waiting for the proxy to finish sending a {ch:?} packet to rank {dst} (FIFO {t}.{i}, slot {})",
+                    slot.0
+                )));
+            }
+            backoff.snooze();
+        }
+        Ok(())
+    }
+
+    /// Send the `len`-byte packet staged for `dst` on `ch` into `dst`'s landing area for
+    /// `me`, then announce it.
+    pub(crate) fn send(
+        &self,
+        map: &RegionMap,
+        me: usize,
+        ch: Channel,
+        dst: usize,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<()> {
+        let (t, i) = self.fifo_of(dst);
+        let fifo = self.proxy.fifo(t, i).map_err(|e| invalid!("{e}"))?.clone();
+        let (src, land) = (
+            map.net.staging(ch, dst) as u64,
+            map.net.landing(ch, me) as u64,
+        );
+        let push = |cmd| {
+            fifo.push(cmd, deadline).map_err(|e| {
+                EpError::Timeout(format!("rank {me}: FIFO {t}.{i} to rank {dst}: {e}"))
+            })
+        };
+        let wire = |e: uep_proxy::ProxyError| invalid!("rank {me}: {e}");
+        let mut off = 0;
+        while off < len {
+            let n = CHUNK.min(len - off);
+            push(
+                cmds::normal_write(
+                    dst,
+                    src + off as u64,
+                    land + off as u64,
+                    n as u32,
+                    WIRE_CHANNEL,
+                    0,
+                )
+                .map_err(wire)?,
+            )?;
+            off += n;
+        }
+        push(cmds::normal_write(dst, src, land, 0, WIRE_CHANNEL, 1).map_err(wire)?)?;
+        let slot = push(cmds::quiet())?;
+        self.quiets.borrow_mut()[ch as usize * self.num_ranks + dst] = Some((t, i, slot));
+        Ok(())
+    }
+
+    /// A fatal error of a proxy thread, if any.
+    pub(crate) fn check(&self) -> Result<()> {
+        self.proxy
+            .check()
+            .map_err(|e| EpError::Peer(format!("proxy: {e}")))
+    }
+}
+
+fn region_ref(region: &Region) -> Result<RegionRef> {
+    // SAFETY: the region is a live mapping of this rank's segment, owned by the Buffer,
+    // which drops its proxy (and so every transport) before unmapping.
+    unsafe { RegionRef::from_raw(region.as_ptr(), region.len()) }
+        .map_err(|e| invalid!("registering memory: {e}"))
+}
+
+/// Wait for the next packet from `src` (what the caller calls `what`).
+pub(crate) fn wait_packet(
+    net: &Net,
+    region: &Region,
+    map: &RegionMap,
+    src: usize,
+    until: Until<'_>,
+    what: impl Fn() -> String,
+) -> Result<()> {
+    let target = net.expected[src].get() + 1;
+    let counter = region.atomic_u64(map.net.tail(src))?;
+    // Short slices of waiting, so proxy failures surface before the deadline.
+    loop {
+        let slice = Until {
+            deadline: until
+                .deadline
+                .min(Instant::now() + Duration::from_millis(20)),
+            ..until
+        };
+        match wait_at_least(counter, target, slice, &what) {
+            Ok(_) => {
+                net.expected[src].set(target);
+                return Ok(());
+            }
+            Err(EpError::Timeout(m)) if Instant::now() >= until.deadline => {
+                return Err(EpError::Timeout(m))
+            }
+            Err(EpError::Timeout(_)) => net.check()?,
+            Err(e) => return Err(e),
+        }
+    }
+}

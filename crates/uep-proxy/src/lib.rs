@@ -1,0 +1,432 @@
+//! uep CPU proxy (SPEC §2): device kernels push 16-byte commands into FIFOs;
+//! proxy threads pop them and post one-sided writes carrying 32-bit
+//! immediates on a [`Transport`]; the receiving proxies apply the ordering
+//! and atomics emulation into the rank's registered region, which the
+//! kernels poll.
+//!
+//! Every transport is treated as UNORDERED and without remote atomics
+//! (EFA-like), whatever its [`uep_transport::Caps`] say.
+//!
+//! # Using it
+//!
+//! 1. Open one transport per proxy thread and connect thread *i*'s
+//!    transports of all ranks to each other (the bootstrap's job).
+//! 2. [`Proxy::start`] with the rank's [`uep_shm::Region`] (the same memory
+//!    the transports registered) and a [`CounterLayout`] saying where the
+//!    receive-side counters live in it (the same on every rank).
+//! 3. Producers build commands with [`cmds`] and push them into
+//!    [`Proxy::fifo`]s; commands that must stay ordered use one FIFO.
+//!    [`uep_fifo::Fifo::is_consumed`] of a Quiet or Barrier slot is its
+//!    completion signal. Call [`Proxy::wake`] before a burst of pushes to
+//!    cut the latency of a parked proxy.
+//! 4. Poll [`Proxy::check`] while waiting (a fatal error stops a thread);
+//!    [`Proxy::shutdown`] drains and joins.
+//!
+//! # What each thread does
+//!
+//! Round-robin over its FIFOs: poll the tail, decode (an undecodable
+//! command is a fatal [`ProxyError::Undecodable`]), map the piggyback to an
+//! immediate (table in [`cmds`]), bounds-check against the local region and
+//! the transport's `validate_write` (a bad command is a fatal
+//! [`ProxyError::Rejected`]; nothing is posted), respect
+//! [`ProxyConfig::max_writes_in_flight_per_fifo`] and
+//! [`ProxyConfig::max_bytes_in_flight_per_thread`], post (`post_write`, or
+//! `post_imm` when the length is zero; back-pressure is retried after
+//! polling), then pop. Write and Atomic pop once posted; Quiet pops once
+//! every earlier command of its FIFO has its send completion; Barrier first
+//! waits for the same, sends a barrier message to every peer in scope and
+//! pops once each such peer's barrier counter reached its seq. Between
+//! rounds it retires send completions and applies arrived immediates
+//! (validated first; malformed ones are counted in
+//! [`ProxyStats::malformed_imms`], logged, never applied):
+//!
+//! * tail increments: `fetch_add` (Release) of the (source, channel) tail,
+//!   strictly in sequence order through a reorder window;
+//! * LL count signals: once N arrivals of (buffer, expert, source) were
+//!   seen, store `(k << 32) | N` (Release), k = 1, 2, ... per signal, and
+//!   consume N arrivals; an early signal waits;
+//! * atomics: `fetch_add` of the value; barriers: raise the source's
+//!   counter to the (unwrapped) barrier seq.
+//!
+//! The send side and the receive side of a signal meet on the same thread
+//! index, so a count signal and the data it counts, or a channel's writes,
+//! must be pushed to FIFOs of the same thread (one FIFO keeps them ordered
+//! at the sender too).
+//!
+//! A command waiting longer than [`ProxyConfig::timeout`] (or operations
+//! whose completions stop coming) is a fatal [`ProxyError::Timeout`] naming
+//! the FIFO, the command and what it waits for.
+//!
+//! # Idling
+//!
+//! An idle thread spins for half of [`ProxyConfig::spin_before_park`],
+//! yields for the other half, then parks with sleeps growing from 50 µs to
+//! [`ProxyConfig::max_park`] (at most 50 µs while operations are
+//! outstanding). [`Proxy::wake`] unparks at once.
+#![forbid(unsafe_code)]
+
+pub mod cmds;
+mod error;
+mod layout;
+mod recv;
+mod stats;
+mod worker;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_utils::CachePadded;
+use uep_fifo::{Consumer, Fifo, DEFAULT_CAPACITY};
+use uep_shm::Region;
+use uep_transport::Transport;
+use uep_wire::MAX_RANKS;
+
+pub use error::{ProxyError, Result};
+pub use layout::{CounterLayout, COUNTER_BYTES};
+pub use stats::ProxyStats;
+
+use stats::ThreadStats;
+use worker::{Shared, WorkerInit};
+
+/// How a [`Proxy`] runs. `Default` gives the SPEC's figures.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyConfig {
+    /// Proxy threads, one transport each (default 4).
+    pub threads: usize,
+    /// FIFOs per thread (default 8).
+    pub fifos_per_thread: usize,
+    /// Slots per FIFO, a power of two (default 2048).
+    pub fifo_capacity: usize,
+    /// Most operations in flight from one FIFO (default 8, normal mode; the
+    /// EP layer may use 32 for LL).
+    pub max_writes_in_flight_per_fifo: usize,
+    /// Most bytes in flight from one thread; a single larger write may go
+    /// alone (default 16 MiB).
+    pub max_bytes_in_flight_per_thread: usize,
+    /// How long a command may wait (for completions, back-pressure or
+    /// barrier peers), and how long the drain at shutdown may take, before
+    /// the thread fails with [`ProxyError::Timeout`] (default 60 s).
+    pub timeout: Duration,
+    /// How long an idle thread spins and yields before it parks
+    /// (default 50 µs).
+    pub spin_before_park: Duration,
+    /// Longest sleep of a parked idle thread, i.e. the worst added latency
+    /// without [`Proxy::wake`] (default 1 ms).
+    pub max_park: Duration,
+    /// Ranks per node for `SameRail` / `NodeLeader` barriers (ranks
+    /// `n * rpn .. (n + 1) * rpn` form node `n`); `None` = one node.
+    pub ranks_per_node: Option<usize>,
+    /// TESTS ONLY (default `true`). When `false` the receiver applies tail
+    /// increments and LL count signals the moment they arrive, ignoring
+    /// sequence numbers and arrival counts: used to show that the emulation
+    /// is what keeps counters behind their data.
+    pub emulate_ordering: bool,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            threads: 4,
+            fifos_per_thread: 8,
+            fifo_capacity: DEFAULT_CAPACITY,
+            max_writes_in_flight_per_fifo: 8,
+            max_bytes_in_flight_per_thread: 16 << 20,
+            timeout: Duration::from_secs(60),
+            spin_before_park: Duration::from_micros(50),
+            max_park: Duration::from_millis(1),
+            ranks_per_node: None,
+            emulate_ordering: true,
+        }
+    }
+}
+
+impl ProxyConfig {
+    /// Checks every field against its documented range for a job of
+    /// `num_ranks` ranks.
+    pub fn validate(&self, num_ranks: usize) -> Result<()> {
+        let bad = |what: String| Err(ProxyError::Invalid(what));
+        if !(1..=256).contains(&self.threads) {
+            return bad(format!(
+                "ProxyConfig.threads = {} (allowed 1..=256)",
+                self.threads
+            ));
+        }
+        if !(1..=4096).contains(&self.fifos_per_thread) {
+            return bad(format!(
+                "ProxyConfig.fifos_per_thread = {} (allowed 1..=4096)",
+                self.fifos_per_thread
+            ));
+        }
+        if self.max_writes_in_flight_per_fifo == 0 {
+            return bad("ProxyConfig.max_writes_in_flight_per_fifo is 0 (allowed >= 1)".into());
+        }
+        if self.max_bytes_in_flight_per_thread == 0 {
+            return bad("ProxyConfig.max_bytes_in_flight_per_thread is 0 (allowed >= 1)".into());
+        }
+        if self.timeout.is_zero() {
+            return bad("ProxyConfig.timeout is 0 (allowed > 0)".into());
+        }
+        if self.max_park.is_zero() || self.max_park > Duration::from_secs(1) {
+            return bad(format!(
+                "ProxyConfig.max_park = {:?} (allowed > 0 and <= 1 s)",
+                self.max_park
+            ));
+        }
+        if let Some(rpn) = self.ranks_per_node {
+            if rpn == 0 || num_ranks % rpn != 0 {
+                return bad(format!(
+                    "ProxyConfig.ranks_per_node = {rpn} must be >= 1 and divide the {num_ranks} \
+                     ranks"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A rank's running proxy: its threads and their FIFOs.
+///
+/// Dropping it stops the threads at once (without draining: queued
+/// commands and operations in flight are abandoned), joins them and logs
+/// their errors; [`Proxy::shutdown`] is the orderly way.
+pub struct Proxy {
+    rank: usize,
+    num_ranks: usize,
+    cfg: ProxyConfig,
+    /// Thread-major: FIFO `index` of thread `t` is at `t * fifos_per_thread + index`.
+    fifos: Vec<Arc<Fifo>>,
+    threads: Vec<Option<JoinHandle<()>>>,
+    shared: Arc<Shared>,
+    stats: Vec<Arc<CachePadded<ThreadStats>>>,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy")
+            .field("rank", &self.rank)
+            .field("num_ranks", &self.num_ranks)
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Proxy {
+    /// Starts `cfg.threads` proxy threads for `rank` of `num_ranks`.
+    ///
+    /// `region` is this rank's registered symmetric region (the memory the
+    /// transports registered). The caller must keep its mapping (e.g. the
+    /// `uep_shm::Segment`) alive until the proxy is shut down or dropped:
+    /// the threads use it until then. `counters` places the receive-side counters in it;
+    /// `transports[i]`, ALREADY connected to thread `i` of every peer, goes
+    /// to thread `i`. Fails, starting nothing, on an invalid configuration
+    /// or layout.
+    pub fn start(
+        rank: usize,
+        num_ranks: usize,
+        cfg: ProxyConfig,
+        region: Region,
+        counters: CounterLayout,
+        transports: Vec<Box<dyn Transport>>,
+    ) -> Result<Proxy> {
+        if num_ranks == 0 || num_ranks > MAX_RANKS || rank >= num_ranks {
+            return Err(ProxyError::Invalid(format!(
+                "rank {rank} of {num_ranks} ranks (allowed: 1..={MAX_RANKS} ranks, rank below \
+                 the count)"
+            )));
+        }
+        cfg.validate(num_ranks)?;
+        if transports.len() != cfg.threads {
+            return Err(ProxyError::Invalid(format!(
+                "{} transports for {} proxy threads: pass exactly one connected transport per \
+                 thread",
+                transports.len(),
+                cfg.threads
+            )));
+        }
+        if counters.num_ranks != num_ranks {
+            return Err(ProxyError::Invalid(format!(
+                "CounterLayout.num_ranks = {} but the job has {num_ranks} ranks",
+                counters.num_ranks
+            )));
+        }
+        counters.validate(region.len())?;
+
+        let mut fifos = Vec::with_capacity(cfg.threads * cfg.fifos_per_thread);
+        for t in 0..cfg.threads {
+            for i in 0..cfg.fifos_per_thread {
+                let label = format!("rank {rank} proxy thread {t} FIFO {i}");
+                fifos.push(Arc::new(
+                    Fifo::new_heap(cfg.fifo_capacity)?.with_label(label),
+                ));
+            }
+        }
+        let shared = Arc::new(Shared::default());
+        let stats: Vec<_> = (0..cfg.threads)
+            .map(|_| Arc::new(CachePadded::new(ThreadStats::default())))
+            .collect();
+        let mut proxy = Proxy {
+            rank,
+            num_ranks,
+            cfg: cfg.clone(),
+            fifos,
+            threads: Vec::with_capacity(cfg.threads),
+            shared,
+            stats,
+        };
+        for (t, transport) in transports.into_iter().enumerate() {
+            let range = t * cfg.fifos_per_thread..(t + 1) * cfg.fifos_per_thread;
+            let consumers = proxy.fifos[range]
+                .iter()
+                .map(|f| Consumer::claim(Arc::clone(f)))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let init = WorkerInit {
+                rank,
+                thread: t,
+                num_ranks,
+                cfg: cfg.clone(),
+                region,
+                counters: counters.clone(),
+                transport,
+                consumers,
+                shared: Arc::clone(&proxy.shared),
+                stats: Arc::clone(&proxy.stats[t]),
+            };
+            let handle = std::thread::Builder::new()
+                .name(format!("uep-proxy-r{rank}-t{t}"))
+                .spawn(move || worker::run(init))
+                .map_err(|e| ProxyError::Spawn {
+                    rank,
+                    thread: t,
+                    msg: e.to_string(),
+                })?;
+            // On error above, dropping `proxy` stops the threads started so far.
+            proxy.threads.push(Some(handle));
+        }
+        tracing::debug!(rank, num_ranks, threads = cfg.threads, "proxy started");
+        Ok(proxy)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &ProxyConfig {
+        &self.cfg
+    }
+
+    /// Number of FIFOs (threads x FIFOs per thread).
+    pub fn num_fifos(&self) -> usize {
+        self.fifos.len()
+    }
+
+    /// FIFO `index` of proxy thread `thread`, for producers to push into.
+    pub fn fifo(&self, thread: usize, index: usize) -> Result<&Arc<Fifo>> {
+        if thread >= self.cfg.threads || index >= self.cfg.fifos_per_thread {
+            return Err(ProxyError::Invalid(format!(
+                "FIFO (thread {thread}, index {index}) does not exist: {} threads x {} FIFOs",
+                self.cfg.threads, self.cfg.fifos_per_thread
+            )));
+        }
+        Ok(&self.fifos[thread * self.cfg.fifos_per_thread + index])
+    }
+
+    /// Counters of every thread, summed.
+    pub fn stats(&self) -> ProxyStats {
+        let mut s = ProxyStats::default();
+        for t in &self.stats {
+            t.add_to(&mut s);
+        }
+        s
+    }
+
+    /// Unparks every proxy thread so that commands pushed now are seen at
+    /// once rather than after the current idle sleep.
+    pub fn wake(&self) {
+        for t in self.threads.iter().flatten() {
+            t.thread().unpark();
+        }
+    }
+
+    /// `Err` with the first fatal error of any thread (that thread has
+    /// stopped), or if a thread died without one; `Ok` while all run.
+    pub fn check(&self) -> Result<()> {
+        if let Some(e) = self.shared.first_error() {
+            return Err(e);
+        }
+        if !self.shared.stop.load(Ordering::Acquire) {
+            for (t, h) in self.threads.iter().enumerate() {
+                if h.as_ref().is_some_and(JoinHandle::is_finished) {
+                    return Err(ProxyError::ThreadDied {
+                        rank: self.rank,
+                        thread: t,
+                        what: "exited unexpectedly (panicked?)".into(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Asks every thread to drain (finish the commands already pushed and
+    /// wait for their completions) and exit, without waiting. Useful when
+    /// several ranks live in one process: stop all, then shut each down,
+    /// so that none stops polling while a peer still needs its progress.
+    pub fn request_stop(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    fn join_all(&mut self) -> Vec<ProxyError> {
+        self.request_stop();
+        let mut died = Vec::new();
+        for (t, h) in self.threads.iter_mut().enumerate() {
+            if let Some(h) = h.take() {
+                if let Err(p) = h.join() {
+                    let msg = p
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    died.push(ProxyError::ThreadDied {
+                        rank: self.rank,
+                        thread: t,
+                        what: format!("panicked: {msg}"),
+                    });
+                }
+            }
+        }
+        died
+    }
+
+    /// Drains (see [`Proxy::request_stop`]), joins every thread, and returns
+    /// the first fatal error, if any.
+    pub fn shutdown(mut self) -> Result<()> {
+        let died = self.join_all();
+        if let Some(e) = self.shared.first_error() {
+            return Err(e);
+        }
+        match died.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        if self.threads.iter().all(Option::is_none) {
+            return;
+        }
+        // No drain: a dropped proxy (e.g. on an error path) must not wait
+        // for peers that may be gone.
+        self.shared.abort.store(true, Ordering::Release);
+        let died = self.join_all();
+        for e in self.shared.first_error().into_iter().chain(died) {
+            tracing::warn!(rank = self.rank, error = %e, "proxy stopped with an error");
+        }
+    }
+}

@@ -1,0 +1,849 @@
+//! One proxy thread: consumes its FIFOs, posts writes, retires completions
+//! and applies the receive-side emulation.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use uep_fifo::{Consumer, Fifo, Slot};
+use uep_shm::Region;
+use uep_transport::{Arrival, Completion, Transport, TransportError};
+use uep_wire::{
+    AtomicImm, BarrierImm, BarrierScope, Command, LlImm, LlSignal, TransferCmd, WriteImm,
+};
+
+use crate::cmds::{classify, Signal};
+use crate::error::{ProxyError, Result};
+use crate::layout::CounterLayout;
+use crate::recv::Recv;
+use crate::stats::{StatsRef, ThreadStats};
+use crate::ProxyConfig;
+
+/// Commands taken from one FIFO before moving to the next (fairness).
+const BURST: usize = 16;
+/// Shortest park, and the longest one while work is outstanding.
+const MIN_PARK: Duration = Duration::from_micros(50);
+
+/// State shared by the [`crate::Proxy`] handle and its threads.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    /// Drain and exit.
+    pub(crate) stop: AtomicBool,
+    /// Exit at once, abandoning queued commands and operations in flight
+    /// (used by `Drop`, so an error path never waits for a drain).
+    pub(crate) abort: AtomicBool,
+    /// The first fatal error of any thread.
+    pub(crate) error: Mutex<Option<ProxyError>>,
+}
+
+impl Shared {
+    /// Records `e` unless an earlier error is already recorded.
+    pub(crate) fn fail(&self, e: ProxyError) {
+        let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            *g = Some(e);
+        }
+    }
+
+    /// The first recorded error.
+    pub(crate) fn first_error(&self) -> Option<ProxyError> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// Everything a thread is started with.
+pub(crate) struct WorkerInit {
+    pub(crate) rank: usize,
+    pub(crate) thread: usize,
+    pub(crate) num_ranks: usize,
+    pub(crate) cfg: ProxyConfig,
+    pub(crate) region: Region,
+    pub(crate) counters: CounterLayout,
+    pub(crate) transport: Box<dyn Transport>,
+    pub(crate) consumers: Vec<Consumer<Arc<Fifo>>>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) stats: StatsRef,
+}
+
+/// A Barrier at a FIFO's tail, part-way done.
+#[derive(Debug)]
+struct BarrierProgress {
+    slot: Slot,
+    peers: Vec<usize>,
+    /// Barrier messages posted so far (to `peers[..sent]`).
+    sent: usize,
+}
+
+struct FifoState {
+    consumer: Consumer<Arc<Fifo>>,
+    /// Operations posted from this FIFO and not yet completed.
+    in_flight: usize,
+    /// The tail command that is waiting, and since when.
+    blocked: Option<(Slot, Instant)>,
+    barrier: Option<BarrierProgress>,
+}
+
+/// What executing the command at a FIFO's tail did.
+enum Step {
+    /// Finished: pop it.
+    Done,
+    /// Cannot finish yet; try again later.
+    Wait,
+}
+
+struct Worker {
+    rank: usize,
+    thread: usize,
+    num_ranks: usize,
+    cfg: ProxyConfig,
+    region: Region,
+    counters: CounterLayout,
+    transport: Box<dyn Transport>,
+    fifos: Vec<FifoState>,
+    /// Next normal-mode sequence number per (dst rank, channel).
+    send_seq: Vec<u64>,
+    bytes_in_flight: u64,
+    /// Operations in flight over all FIFOs.
+    total_in_flight: usize,
+    /// Last send completion, or when the first operation of a busy period
+    /// was posted.
+    last_completion: Instant,
+    recv: Recv,
+    shared: Arc<Shared>,
+    stats: StatsRef,
+    completions: Vec<Completion>,
+    arrivals: Vec<Arrival>,
+}
+
+/// Runs one proxy thread to completion, recording a fatal error in `shared`.
+pub(crate) fn run(init: WorkerInit) {
+    let shared = init.shared.clone();
+    let (rank, thread) = (init.rank, init.thread);
+    let mut w = Worker::new(init);
+    match w.main_loop() {
+        Ok(()) => tracing::debug!(rank, thread, "proxy thread drained and stopped"),
+        Err(e) => {
+            tracing::error!(rank, thread, error = %e, "proxy thread stopped on a fatal error");
+            shared.fail(e);
+        }
+    }
+}
+
+/// Packs the FIFO and the byte count of an operation into its context, so
+/// a completion retires both without a lookup table.
+fn ctx(fifo: usize, len: u32) -> u64 {
+    (fifo as u64) << 32 | u64::from(len)
+}
+
+impl Worker {
+    fn new(init: WorkerInit) -> Worker {
+        let recv = Recv::new(
+            init.counters.clone(),
+            init.region,
+            init.cfg.emulate_ordering,
+            Arc::clone(&init.stats),
+        );
+        Worker {
+            rank: init.rank,
+            thread: init.thread,
+            num_ranks: init.num_ranks,
+            send_seq: vec![0; init.num_ranks * init.counters.num_channels],
+            cfg: init.cfg,
+            region: init.region,
+            counters: init.counters,
+            transport: init.transport,
+            fifos: init
+                .consumers
+                .into_iter()
+                .map(|consumer| FifoState {
+                    consumer,
+                    in_flight: 0,
+                    blocked: None,
+                    barrier: None,
+                })
+                .collect(),
+            bytes_in_flight: 0,
+            total_in_flight: 0,
+            last_completion: Instant::now(),
+            recv,
+            shared: init.shared,
+            stats: init.stats,
+            completions: Vec::new(),
+            arrivals: Vec::new(),
+        }
+    }
+
+    fn main_loop(&mut self) -> Result<()> {
+        let mut idle = Idle::new();
+        let mut next = 0;
+        let mut stop_since: Option<Instant> = None;
+        loop {
+            if self.shared.abort.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let mut work = self.poll_send()?;
+            work |= self.poll_recv()?;
+            let n = self.fifos.len();
+            for i in 0..n {
+                work |= self.step_fifo((next + i) % n)?;
+            }
+            next = (next + 1) % n;
+            self.check_stuck()?;
+            if self.shared.stop.load(Ordering::Acquire) {
+                if self.drained() {
+                    return Ok(());
+                }
+                let since = *stop_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > self.cfg.timeout {
+                    return Err(self.timeout(
+                        since.elapsed(),
+                        format!("draining at shutdown: {}", self.describe_outstanding()),
+                    ));
+                }
+            }
+            if work {
+                idle.reset();
+            } else {
+                let busy = self.total_in_flight > 0
+                    || self.fifos.iter().any(|f| f.blocked.is_some())
+                    || self.recv.has_pending();
+                if idle.wait(&self.cfg, busy) {
+                    ThreadStats::bump(&self.stats.idle_parks, 1);
+                }
+            }
+        }
+    }
+
+    /// Nothing queued, nothing in flight.
+    fn drained(&mut self) -> bool {
+        self.total_in_flight == 0 && self.fifos.iter_mut().all(|f| f.consumer.poll().is_none())
+    }
+
+    fn transport_err(&self, op: impl Into<String>, source: TransportError) -> ProxyError {
+        ProxyError::Transport {
+            rank: self.rank,
+            thread: self.thread,
+            op: op.into(),
+            source,
+        }
+    }
+
+    fn timeout(&self, waited: Duration, what: String) -> ProxyError {
+        ProxyError::Timeout {
+            rank: self.rank,
+            thread: self.thread,
+            waited,
+            what,
+        }
+    }
+
+    /// Retires send completions; `true` if any.
+    fn poll_send(&mut self) -> Result<bool> {
+        let mut buf = std::mem::take(&mut self.completions);
+        buf.clear();
+        let polled = self.transport.poll_send(&mut buf);
+        // Entries appended before an error are valid: retire them first.
+        let retired = self.retire(&buf);
+        self.completions = buf;
+        retired?;
+        polled.map_err(|e| self.transport_err("polling send completions", e))?;
+        Ok(!self.completions.is_empty())
+    }
+
+    fn retire(&mut self, done: &[Completion]) -> Result<()> {
+        if done.is_empty() {
+            return Ok(());
+        }
+        let now = Instant::now();
+        for c in done {
+            let ctx = c.ctx();
+            let (f, len) = ((ctx >> 32) as usize, ctx & 0xFFFF_FFFF);
+            match self.fifos.get_mut(f) {
+                Some(fs) if fs.in_flight > 0 => {
+                    fs.in_flight -= 1;
+                    self.total_in_flight -= 1;
+                    // A completion is progress for a command waiting on it.
+                    if let Some((_, since)) = &mut fs.blocked {
+                        *since = now;
+                    }
+                    self.bytes_in_flight = self.bytes_in_flight.saturating_sub(len);
+                }
+                _ => {
+                    return Err(self.transport_err(
+                        "retiring a send completion",
+                        TransportError::Invalid(format!(
+                            "completion with ctx {ctx:#x} matches no operation in flight \
+                             (FIFO {f}, {len} bytes)"
+                        )),
+                    ))
+                }
+            }
+        }
+        self.last_completion = now;
+        ThreadStats::bump(&self.stats.completions, done.len() as u64);
+        Ok(())
+    }
+
+    /// Applies arrived immediates; `true` if any.
+    fn poll_recv(&mut self) -> Result<bool> {
+        let mut buf = std::mem::take(&mut self.arrivals);
+        buf.clear();
+        let polled = self.transport.poll_recv(&mut buf);
+        for a in &buf {
+            if let Err(why) = self.recv.apply(a.imm) {
+                ThreadStats::bump(&self.stats.malformed_imms, 1);
+                tracing::warn!(
+                    rank = self.rank,
+                    thread = self.thread,
+                    imm = format_args!("{:#010x}", a.imm),
+                    "malformed immediate ignored: {why}"
+                );
+            }
+        }
+        let any = !buf.is_empty();
+        self.arrivals = buf;
+        polled.map_err(|e| self.transport_err("polling receive completions", e))?;
+        Ok(any)
+    }
+
+    /// Executes commands at FIFO `f`'s tail; `true` if any was popped.
+    fn step_fifo(&mut self, f: usize) -> Result<bool> {
+        let mut popped = false;
+        for _ in 0..BURST {
+            let Some((slot, raw)) = self.fifos[f].consumer.poll() else {
+                self.fifos[f].blocked = None;
+                break;
+            };
+            match self.exec(f, slot, raw)? {
+                Step::Done => {
+                    let fs = &mut self.fifos[f];
+                    fs.blocked = None;
+                    fs.barrier = None;
+                    fs.consumer.pop(slot)?;
+                    ThreadStats::bump(&self.stats.commands, 1);
+                    popped = true;
+                }
+                Step::Wait => {
+                    let fs = &mut self.fifos[f];
+                    if fs.blocked.is_none_or(|(s, _)| s != slot) {
+                        fs.blocked = Some((slot, Instant::now()));
+                    }
+                    break;
+                }
+            }
+        }
+        Ok(popped)
+    }
+
+    fn reject(&self, f: usize, slot: Slot, cmd: &Command, reason: impl Into<String>) -> ProxyError {
+        ThreadStats::bump(&self.stats.rejected_commands, 1);
+        ProxyError::Rejected {
+            rank: self.rank,
+            thread: self.thread,
+            fifo: f,
+            slot: slot.0,
+            command: format!("{cmd:?}"),
+            reason: reason.into(),
+        }
+    }
+
+    fn exec(&mut self, f: usize, slot: Slot, raw: TransferCmd) -> Result<Step> {
+        let cmd = raw.decode().map_err(|source| {
+            ThreadStats::bump(&self.stats.rejected_commands, 1);
+            ProxyError::Undecodable {
+                rank: self.rank,
+                thread: self.thread,
+                fifo: f,
+                slot: slot.0,
+                word0: raw.word0,
+                word1: raw.word1,
+                source: Box::new(source),
+            }
+        })?;
+        match cmd {
+            Command::Write { .. } => self.exec_write(f, slot, &cmd),
+            Command::Atomic { .. } => self.exec_atomic(f, slot, &cmd),
+            Command::Quiet => {
+                if self.fifos[f].in_flight > 0 {
+                    return Ok(Step::Wait);
+                }
+                ThreadStats::bump(&self.stats.quiets, 1);
+                Ok(Step::Done)
+            }
+            Command::Barrier { scope, seq } => self.exec_barrier(f, slot, &cmd, scope, seq),
+        }
+    }
+
+    /// Posts a write (or a zero-length signal); maps back-pressure to Wait.
+    #[allow(clippy::too_many_arguments)]
+    fn post(
+        &mut self,
+        f: usize,
+        slot: Slot,
+        cmd: &Command,
+        dst: usize,
+        src_off: u64,
+        dst_off: u64,
+        len: u32,
+        imm: u32,
+    ) -> Result<Step> {
+        let c = ctx(f, len);
+        let r = if len == 0 {
+            self.transport.post_imm(dst, imm, c)
+        } else {
+            self.transport
+                .post_write(dst, src_off, dst_off, len as usize, imm, c)
+        };
+        match r {
+            Ok(()) => {
+                if self.total_in_flight == 0 {
+                    // A new busy period: the completion timeout counts from now.
+                    self.last_completion = Instant::now();
+                }
+                self.total_in_flight += 1;
+                self.fifos[f].in_flight += 1;
+                self.bytes_in_flight += u64::from(len);
+                Ok(Step::Done)
+            }
+            Err(TransportError::WouldBlock) => {
+                ThreadStats::bump(&self.stats.would_block, 1);
+                Ok(Step::Wait)
+            }
+            Err(
+                e @ (TransportError::OutOfBounds { .. }
+                | TransportError::TooLarge { .. }
+                | TransportError::BadPeer { .. }
+                | TransportError::Misaligned { .. }),
+            ) => Err(self.reject(f, slot, cmd, e.to_string())),
+            Err(e) => {
+                Err(self.transport_err(format!("posting {cmd:?} from FIFO {f} slot {}", slot.0), e))
+            }
+        }
+    }
+
+    fn check_peer(&self, f: usize, slot: Slot, cmd: &Command, dst: usize) -> Result<()> {
+        if dst >= self.num_ranks {
+            return Err(self.reject(
+                f,
+                slot,
+                cmd,
+                format!(
+                    "dst rank {dst} is not a rank (allowed 0..{})",
+                    self.num_ranks
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn exec_write(&mut self, f: usize, slot: Slot, cmd: &Command) -> Result<Step> {
+        let Command::Write {
+            flags,
+            dst_rank,
+            src_off,
+            dst_off,
+            len,
+            piggyback,
+        } = *cmd
+        else {
+            return Ok(Step::Wait);
+        };
+        let dst = usize::from(dst_rank);
+        self.check_peer(f, slot, cmd, dst)?;
+        let signal =
+            classify(flags, piggyback, len).map_err(|why| self.reject(f, slot, cmd, why))?;
+        let end = src_off.checked_add(len.into());
+        if end.is_none_or(|e| e > self.region.len() as u64) {
+            return Err(self.reject(
+                f,
+                slot,
+                cmd,
+                format!(
+                    "source range [{src_off}, {src_off}+{len}) is outside the local region of {} \
+                     bytes",
+                    self.region.len()
+                ),
+            ));
+        }
+        self.transport
+            .validate_write(dst, src_off, dst_off, len as usize)
+            .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
+        let mut seq_key = None;
+        let imm = match signal {
+            Signal::Normal {
+                channel,
+                tail_inc,
+                combine,
+            } => {
+                let nc = self.counters.num_channels;
+                if usize::from(channel) >= nc {
+                    return Err(self.reject(
+                        f,
+                        slot,
+                        cmd,
+                        format!("channel {channel} is out of range (allowed 0..{nc})"),
+                    ));
+                }
+                let key = dst * nc + usize::from(channel);
+                seq_key = Some(key);
+                WriteImm {
+                    combine,
+                    // Validated at start: num_ranks * num_channels <= 64.
+                    channel: (self.rank * nc + usize::from(channel)) as u8,
+                    seq: WriteImm::wrap_seq(self.send_seq[key]),
+                    count: tail_inc,
+                }
+                .encode()
+            }
+            Signal::LlArrival { buffer, expert } | Signal::LlCount { buffer, expert, .. } => {
+                let ne = self.counters.num_local_experts;
+                if usize::from(expert) >= ne {
+                    return Err(self.reject(
+                        f,
+                        slot,
+                        cmd,
+                        format!("local expert {expert} is out of range (allowed 0..{ne})"),
+                    ));
+                }
+                let signal = match signal {
+                    Signal::LlCount { count, .. } => LlSignal::Count(count),
+                    _ => LlSignal::Arrival,
+                };
+                LlImm {
+                    buffer,
+                    expert,
+                    src_rank: self.rank as u8,
+                    signal,
+                }
+                .encode()
+            }
+        }
+        .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
+        // Flow control: per-FIFO writes and per-thread bytes in flight (one
+        // write larger than the byte budget may go alone).
+        if self.fifos[f].in_flight >= self.cfg.max_writes_in_flight_per_fifo
+            || (self.bytes_in_flight > 0
+                && self.bytes_in_flight + u64::from(len)
+                    > self.cfg.max_bytes_in_flight_per_thread as u64)
+        {
+            return Ok(Step::Wait);
+        }
+        let step = self.post(f, slot, cmd, dst, src_off, dst_off, len, imm)?;
+        if let Step::Done = step {
+            if let Some(key) = seq_key {
+                self.send_seq[key] += 1;
+            }
+            ThreadStats::bump(&self.stats.writes_posted, 1);
+            ThreadStats::bump(&self.stats.bytes_posted, len.into());
+        }
+        Ok(step)
+    }
+
+    fn exec_atomic(&mut self, f: usize, slot: Slot, cmd: &Command) -> Result<Step> {
+        let Command::Atomic {
+            dst_rank,
+            dst_off,
+            slot: counter,
+            value,
+            ..
+        } = *cmd
+        else {
+            return Ok(Step::Wait);
+        };
+        let dst = usize::from(dst_rank);
+        self.check_peer(f, slot, cmd, dst)?;
+        let value = i16::try_from(value).map_err(|_| {
+            self.reject(
+                f,
+                slot,
+                cmd,
+                format!(
+                    "value {value} does not fit the 16-bit AtomicImm (allowed {}..={})",
+                    i16::MIN,
+                    i16::MAX
+                ),
+            )
+        })?;
+        let expect = self
+            .counters
+            .atomic(counter.into())
+            .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
+        if dst_off != expect {
+            return Err(self.reject(
+                f,
+                slot,
+                cmd,
+                format!(
+                    "dst_off {dst_off} is not atomic counter slot {counter}, which is at offset \
+                     {expect} (use uep_proxy::cmds::atomic)"
+                ),
+            ));
+        }
+        self.transport
+            .validate_write(dst, 0, 0, 0)
+            .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
+        let imm = AtomicImm {
+            slot: counter,
+            value,
+        }
+        .encode()
+        .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
+        if self.fifos[f].in_flight >= self.cfg.max_writes_in_flight_per_fifo {
+            return Ok(Step::Wait);
+        }
+        let step = self.post(f, slot, cmd, dst, 0, 0, 0, imm)?;
+        if let Step::Done = step {
+            ThreadStats::bump(&self.stats.atomics_posted, 1);
+        }
+        Ok(step)
+    }
+
+    /// The peers a barrier of `scope` waits for (never this rank).
+    fn barrier_peers(&self, scope: BarrierScope) -> std::result::Result<Vec<usize>, String> {
+        let rpn = self.cfg.ranks_per_node.unwrap_or(self.num_ranks);
+        let me = self.rank;
+        let keep = |r: usize| -> bool {
+            r != me
+                && match scope {
+                    BarrierScope::AllPeers => true,
+                    BarrierScope::SameRail => r % rpn == me % rpn,
+                    BarrierScope::NodeLeader => r % rpn == 0,
+                }
+        };
+        if scope == BarrierScope::NodeLeader && me % rpn != 0 {
+            return Err(format!(
+                "rank {me} is not a node leader ({rpn} ranks per node; leaders are multiples of \
+                 {rpn}), so it cannot take part in a NodeLeader barrier"
+            ));
+        }
+        Ok((0..self.num_ranks).filter(|&r| keep(r)).collect())
+    }
+
+    fn barrier_reached(&self, peer: usize, seq: u32) -> Result<bool> {
+        let off = self.counters.barrier(peer)?;
+        let ctr = self
+            .region
+            .atomic_u64(off as usize)
+            .map_err(|e| ProxyError::Invalid(e.to_string()))?;
+        Ok(ctr.load(Ordering::Acquire) >= u64::from(seq))
+    }
+
+    fn exec_barrier(
+        &mut self,
+        f: usize,
+        slot: Slot,
+        cmd: &Command,
+        scope: BarrierScope,
+        seq: u32,
+    ) -> Result<Step> {
+        if seq == 0 {
+            return Err(self.reject(f, slot, cmd, "barrier seq 0 is reserved; start at 1"));
+        }
+        if self.fifos[f]
+            .barrier
+            .as_ref()
+            .is_none_or(|b| b.slot != slot)
+        {
+            // Earlier commands of this FIFO complete before the barrier
+            // message leaves, so peers that pass it may rely on them.
+            if self.fifos[f].in_flight > 0 {
+                return Ok(Step::Wait);
+            }
+            let peers = self
+                .barrier_peers(scope)
+                .map_err(|why| self.reject(f, slot, cmd, why))?;
+            for &p in &peers {
+                self.transport
+                    .validate_write(p, 0, 0, 0)
+                    .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
+            }
+            self.fifos[f].barrier = Some(BarrierProgress {
+                slot,
+                peers,
+                sent: 0,
+            });
+        }
+        let imm = BarrierImm {
+            scope,
+            src_rank: self.rank as u8,
+            seq: BarrierImm::wrap_seq(seq.into()),
+        }
+        .encode()
+        .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
+        loop {
+            let Some(b) = &self.fifos[f].barrier else {
+                return Ok(Step::Wait);
+            };
+            let Some(&peer) = b.peers.get(b.sent) else {
+                break;
+            };
+            if self.fifos[f].in_flight >= self.cfg.max_writes_in_flight_per_fifo {
+                return Ok(Step::Wait);
+            }
+            match self.post(f, slot, cmd, peer, 0, 0, 0, imm)? {
+                Step::Done => {
+                    if let Some(b) = &mut self.fifos[f].barrier {
+                        b.sent += 1;
+                    }
+                    ThreadStats::bump(&self.stats.barrier_imms_posted, 1);
+                }
+                Step::Wait => return Ok(Step::Wait),
+            }
+        }
+        let peers = match &self.fifos[f].barrier {
+            Some(b) => b.peers.clone(),
+            None => Vec::new(),
+        };
+        for p in peers {
+            if !self.barrier_reached(p, seq)? {
+                return Ok(Step::Wait);
+            }
+        }
+        ThreadStats::bump(&self.stats.barriers, 1);
+        Ok(Step::Done)
+    }
+
+    /// Fails a command that has waited longer than the timeout, or
+    /// operations whose completions stopped coming.
+    fn check_stuck(&mut self) -> Result<()> {
+        let limit = self.cfg.timeout;
+        let blocked = self.fifos.iter().enumerate().find_map(|(f, fs)| {
+            fs.blocked
+                .filter(|(_, t)| t.elapsed() > limit)
+                .map(|b| (f, b))
+        });
+        if let Some((f, (slot, since))) = blocked {
+            let what = self.describe_blocked(f, slot);
+            return Err(self.timeout(since.elapsed(), what));
+        }
+        if self.total_in_flight > 0 && self.last_completion.elapsed() > limit {
+            return Err(self.timeout(
+                self.last_completion.elapsed(),
+                format!("no send completion: {}", self.describe_outstanding()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn describe_outstanding(&self) -> String {
+        let per_fifo: Vec<String> = self
+            .fifos
+            .iter()
+            .enumerate()
+            .filter(|(_, fs)| fs.in_flight > 0 || !fs.consumer.fifo().is_empty())
+            .map(|(f, fs)| {
+                format!(
+                    "FIFO {f}: {} in flight, {} queued",
+                    fs.in_flight,
+                    fs.consumer.fifo().len()
+                )
+            })
+            .collect();
+        format!(
+            "{} operations ({} bytes) in flight; {}",
+            self.total_in_flight,
+            self.bytes_in_flight,
+            if per_fifo.is_empty() {
+                "no FIFO has work".to_string()
+            } else {
+                per_fifo.join(", ")
+            }
+        )
+    }
+
+    fn describe_blocked(&mut self, f: usize, slot: Slot) -> String {
+        let decoded = self.fifos[f]
+            .consumer
+            .poll()
+            .map(|(_, raw)| (raw, raw.decode()));
+        let (cmd, barrier_seq) = match decoded {
+            Some((_, Ok(c @ Command::Barrier { seq, .. }))) => (format!("{c:?}"), Some(seq)),
+            Some((_, Ok(c))) => (format!("{c:?}"), None),
+            Some((raw, Err(_))) => (format!("{raw:?}"), None),
+            None => ("<gone>".to_string(), None),
+        };
+        let fs = &self.fifos[f];
+        let mut what = format!(
+            "FIFO {f} slot {}: {cmd} is blocked; this FIFO has {} operations in flight (max {}), \
+             the thread {} bytes (max {})",
+            slot.0,
+            fs.in_flight,
+            self.cfg.max_writes_in_flight_per_fifo,
+            self.bytes_in_flight,
+            self.cfg.max_bytes_in_flight_per_thread
+        );
+        if let (Some(b), Some(seq)) = (&fs.barrier, barrier_seq) {
+            let missing: Vec<String> = b
+                .peers
+                .iter()
+                .filter(|&&p| !self.barrier_reached(p, seq).unwrap_or(false))
+                .map(|&p| {
+                    let v = self
+                        .counters
+                        .barrier(p)
+                        .ok()
+                        .and_then(|o| self.region.atomic_u64(o as usize).ok())
+                        .map(|c| c.load(Ordering::Acquire));
+                    format!("rank {p} (counter {v:?})")
+                })
+                .collect();
+            what += &format!(
+                "; barrier seq {seq}: sent to {} of {} peers, waiting for {}",
+                b.sent,
+                b.peers.len(),
+                if missing.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    missing.join(", ")
+                }
+            );
+        }
+        what
+    }
+}
+
+/// Idle back-off: spin, then yield, then park with growing sleeps (short
+/// ones while work is outstanding).
+struct Idle {
+    since: Option<Instant>,
+    park: Duration,
+}
+
+impl Idle {
+    fn new() -> Idle {
+        Idle {
+            since: None,
+            park: MIN_PARK,
+        }
+    }
+
+    fn reset(&mut self) {
+        self.since = None;
+        self.park = MIN_PARK;
+    }
+
+    /// One idle step; `true` if it parked.
+    fn wait(&mut self, cfg: &ProxyConfig, busy: bool) -> bool {
+        let now = Instant::now();
+        let idle_for = now - *self.since.get_or_insert(now);
+        if idle_for < cfg.spin_before_park / 2 {
+            for _ in 0..16 {
+                std::hint::spin_loop();
+            }
+            return false;
+        }
+        if idle_for < cfg.spin_before_park {
+            std::thread::yield_now();
+            return false;
+        }
+        let cap = if busy {
+            MIN_PARK.min(cfg.max_park)
+        } else {
+            cfg.max_park
+        };
+        // Woken early by `Proxy::wake` (unpark).
+        std::thread::park_timeout(self.park.min(cap));
+        self.park = (self.park * 2).min(cfg.max_park);
+        true
+    }
+}
