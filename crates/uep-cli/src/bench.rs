@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// (shows that the emulation is what keeps results exact on unordered transports).
     #[arg(long, hide = true)]
     pub no_ordering_emulation: bool,
+    /// Draw new tokens and routing for every step (verifying every step), instead of
+    /// repeating one set.
+    #[arg(long, conflicts_with_all = ["cached", "inputs"])]
+    pub fresh: bool,
     /// Kernel threads per rank (0: cores / ranks).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -281,6 +285,81 @@ fn identity_expert(
     Ok(())
 }
 
+/// One normal-mode step's inputs and what the reference says every output must be.
+struct NormalCase {
+    sent: Vec<RankInput>,
+    expected: reference::NormalRecv,
+    expected_combine: (Vec<bf16>, Option<Vec<f32>>),
+    layout: uep_ep::DispatchLayout,
+}
+
+impl NormalCase {
+    fn new(
+        buffer: &Buffer,
+        inputs: Vec<RankInput>,
+        args: &BenchArgs,
+        shape: &Shape,
+    ) -> anyhow::Result<Self> {
+        let rank = buffer.rank();
+        let sent: Vec<RankInput> = if args.fp8 {
+            inputs
+                .iter()
+                .map(|i| to_fp8(i, args.hidden))
+                .collect::<anyhow::Result<_>>()?
+        } else {
+            inputs
+        };
+        let expected = reference::normal_dispatch(&sent, shape, rank, args.expert_alignment, true)?;
+        let expected_combine = reference::normal_combine_identity(&sent, shape, rank)?;
+        let layout = buffer.get_dispatch_layout(&sent[rank].topk_idx)?;
+        Ok(NormalCase {
+            sent,
+            expected,
+            expected_combine,
+            layout,
+        })
+    }
+
+    fn x(&self, rank: usize) -> Tokens<'_> {
+        match &self.sent[rank].x {
+            TokenData::Bf16(v) => Tokens::Bf16(v),
+            TokenData::Fp8 { data, scales } => Tokens::Fp8 { data, scales },
+        }
+    }
+}
+
+/// One low-latency step's inputs and expected outputs.
+struct LlCase {
+    inputs: Vec<RankInput>,
+    expected: reference::LlRecv,
+    expected_combine: Vec<bf16>,
+}
+
+impl LlCase {
+    fn new(
+        rank: usize,
+        inputs: Vec<RankInput>,
+        args: &BenchArgs,
+        shape: &Shape,
+        max_ll: usize,
+    ) -> anyhow::Result<Self> {
+        let expected =
+            reference::ll_dispatch(&inputs, shape, rank, max_ll, args.fp8, args.round_scale)?;
+        let expected_combine =
+            reference::ll_combine_identity(&inputs, shape, rank, args.fp8, args.round_scale)?;
+        Ok(LlCase {
+            inputs,
+            expected,
+            expected_combine,
+        })
+    }
+}
+
+/// Salt of step `step`'s inputs: step 0 uses the base seed; `--fresh` steps draw anew.
+fn step_salt(mode_salt: u64, step: u64) -> u64 {
+    mode_salt ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
 struct Timer {
     samples: Samples,
     warmup: usize,
@@ -389,39 +468,38 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     };
 
     if run_normal {
-        let mine = &normal_inputs[rank];
-        let sent: Vec<RankInput> = if args.fp8 {
-            normal_inputs
-                .iter()
-                .map(|i| to_fp8(i, h))
-                .collect::<anyhow::Result<_>>()?
-        } else {
-            normal_inputs.clone()
-        };
-        let expected =
-            reference::normal_dispatch(&sent, &shape, rank, args.expert_alignment, true)?;
-        let x = match &sent[rank].x {
-            TokenData::Bf16(v) => Tokens::Bf16(v),
-            TokenData::Fp8 { data, scales } => Tokens::Fp8 { data, scales },
-        };
+        let mut case = NormalCase::new(&buffer, normal_inputs.clone(), args, &shape)?;
+        let t_n = case.sent[rank].num_tokens;
         let mut t_layout = Timer::new(args.warmup, args.iters);
         let mut t_dispatch = Timer::new(args.warmup, args.iters);
         let mut t_combine = Timer::new(args.warmup, args.iters);
-        let layout = buffer.get_dispatch_layout(&mine.topk_idx)?;
-        let copies: usize = layout.num_tokens_per_rank.iter().map(|&n| n as usize).sum();
-        let net_copies: usize = (0..world)
-            .filter(|&r| r / lws != rank / lws)
-            .map(|r| layout.num_tokens_per_rank[r] as usize)
-            .sum();
-        let expected_combine = reference::normal_combine_identity(&sent, &shape, rank)?;
+        let (mut copies, mut net_copies) = (0usize, 0usize);
         let mut y: Vec<bf16> = Vec::new();
         let mut cached: Option<uep_ep::NormalHandle> = None;
         // Outputs live across steps, as a framework's allocator would hand them out.
         let mut combined = uep_ep::CombineOutput {
-            combined_x: vec![bf16::ZERO; mine.num_tokens * h],
-            combined_topk_weights: Some(vec![0f32; mine.num_tokens * args.topk]),
+            combined_x: vec![bf16::ZERO; t_n * h],
+            combined_topk_weights: Some(vec![0f32; t_n * args.topk]),
         };
         for step in 0..steps {
+            if args.fresh && step > 0 {
+                let inputs = make_inputs(args, &shape, args.tokens, step_salt(0, step))?;
+                case = NormalCase::new(&buffer, inputs, args, &shape)?;
+            }
+            let check = args.fresh || step == 0 || step + 1 == steps;
+            let mine = &case.sent[rank];
+            let (x, layout) = (case.x(rank), &case.layout);
+            if step >= args.warmup as u64 {
+                copies += layout
+                    .num_tokens_per_rank
+                    .iter()
+                    .map(|&n| n as usize)
+                    .sum::<usize>();
+                net_copies += (0..world)
+                    .filter(|&r| r / lws != rank / lws)
+                    .map(|r| layout.num_tokens_per_rank[r] as usize)
+                    .sum::<usize>();
+            }
             progress.set_message("layout");
             buffer.barrier()?;
             let start = Instant::now();
@@ -440,15 +518,15 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
                 Some(handle) => DispatchArgs::new(x).cached(handle),
                 None => DispatchArgs::new(x)
                     .topk(&mine.topk_idx, Some(&mine.topk_weights))
-                    .layout(&layout),
+                    .layout(layout),
             }
             .expert_alignment(args.expert_alignment)
             .num_worst_tokens(args.num_worst_tokens);
             let start = Instant::now();
             let out = buffer.dispatch(args_d)?;
             t_dispatch.record(start.elapsed());
-            if step == 0 || step + 1 == steps {
-                crate::check::normal_dispatch(&mut bad, &out, &expected);
+            if check {
+                crate::check::normal_dispatch(&mut bad, &out, &case.expected);
             }
             let mut dump = match &args.dump {
                 Some(_) if step + 1 == steps => Some(crate::dump::Dump::normal(&out)),
@@ -473,23 +551,23 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
                 .filter(|_| w.is_some());
             buffer.combine_into(&y, w.as_deref(), &handle, &mut combined.combined_x, out_w)?;
             t_combine.record(start.elapsed());
-            if step == 0 || step + 1 == steps {
+            if check {
                 bad.bits(
                     "combine.combined_x",
                     &combined.combined_x,
-                    &expected_combine.0,
+                    &case.expected_combine.0,
                 );
                 if let (Some(got), Some(want), true) = (
                     &combined.combined_topk_weights,
-                    &expected_combine.1,
+                    &case.expected_combine.1,
                     w.is_some(),
                 ) {
                     bad.bits("combine.combined_topk_weights", got, want);
                 }
                 if let (Some(dump), Some(dir)) = (dump.as_mut(), &args.dump) {
-                    dump.bf16("combined_x", &[mine.num_tokens, h], &combined.combined_x);
+                    dump.bf16("combined_x", &[t_n, h], &combined.combined_x);
                     if let (Some(cw), true) = (&combined.combined_topk_weights, w.is_some()) {
-                        dump.f32("combined_topk_weights", &[mine.num_tokens, args.topk], cw);
+                        dump.f32("combined_topk_weights", &[t_n, args.topk], cw);
                     }
                     dump.write(dir, rank)?;
                 }
@@ -499,7 +577,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         measured.push(Measured {
             op: "layout",
             mode: "layout",
-            tokens: mine.num_tokens,
+            tokens: t_n,
             bytes: 0,
             net_bytes: 0,
             timer: t_layout,
@@ -507,48 +585,54 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         measured.push(Measured {
             op: "dispatch",
             mode: "normal",
-            tokens: mine.num_tokens,
-            bytes: copies as u64 * token_bytes,
-            net_bytes: net_copies as u64 * token_bytes,
+            tokens: t_n,
+            bytes: copies as u64 * token_bytes / args.iters as u64,
+            net_bytes: net_copies as u64 * token_bytes / args.iters as u64,
             timer: t_dispatch,
         });
         measured.push(Measured {
             op: "combine",
             mode: "normal",
-            tokens: mine.num_tokens,
-            bytes: copies as u64 * 2 * h as u64,
-            net_bytes: net_copies as u64 * 2 * h as u64,
+            tokens: t_n,
+            bytes: copies as u64 * 2 * h as u64 / args.iters as u64,
+            net_bytes: net_copies as u64 * 2 * h as u64 / args.iters as u64,
             timer: t_combine,
         });
     }
 
     if run_ll {
-        let mine = &ll_inputs[rank];
-        let TokenData::Bf16(x) = &mine.x else {
-            unreachable!("workload inputs are bf16")
-        };
-        let expected =
-            reference::ll_dispatch(&ll_inputs, &shape, rank, max_ll, args.fp8, args.round_scale)?;
-        let expected_combine =
-            reference::ll_combine_identity(&ll_inputs, &shape, rank, args.fp8, args.round_scale)?;
-        let copies = mine.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
+        let mut case = LlCase::new(rank, ll_inputs.clone(), args, &shape, max_ll)?;
+        let t_n = case.inputs[rank].num_tokens;
         let epr = (args.experts / world) as i64;
-        let net_copies = mine
-            .topk_idx
-            .iter()
-            .filter(|&&e| e >= 0 && (e / epr) as usize / lws != rank / lws)
-            .count() as u64;
+        let (mut copies, mut net_copies) = (0u64, 0u64);
         let mut t_dispatch = Timer::new(args.warmup, args.iters);
         let mut t_combine = Timer::new(args.warmup, args.iters);
         let mut y = vec![bf16::ZERO; args.experts / world * world * max_ll * h];
         for step in 0..steps {
+            if args.fresh && step > 0 {
+                let inputs = make_inputs(args, &shape, args.ll_tokens, step_salt(0x11, step))?;
+                case = LlCase::new(rank, inputs, args, &shape, max_ll)?;
+            }
+            let check = args.fresh || step == 0 || step + 1 == steps;
+            let mine = &case.inputs[rank];
+            let TokenData::Bf16(x) = &mine.x else {
+                unreachable!("workload inputs are bf16")
+            };
+            if step >= args.warmup as u64 {
+                copies += mine.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
+                net_copies += mine
+                    .topk_idx
+                    .iter()
+                    .filter(|&&e| e >= 0 && (e / epr) as usize / lws != rank / lws)
+                    .count() as u64;
+            }
             progress.set_message("ll_dispatch");
             buffer.barrier()?;
             let start = Instant::now();
             let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
             t_dispatch.record(start.elapsed());
-            if step == 0 || step + 1 == steps {
-                crate::check::ll_dispatch(&mut bad, &out, &expected, h);
+            if check {
+                crate::check::ll_dispatch(&mut bad, &out, &case.expected, h);
             }
             let mut dump = match &args.dump {
                 Some(_) if step + 1 == steps => Some(crate::dump::Dump::ll(&out, h)),
@@ -568,10 +652,10 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             let combined =
                 buffer.low_latency_combine(&y, &mine.topk_idx, &mine.topk_weights, &handle)?;
             t_combine.record(start.elapsed());
-            if step == 0 || step + 1 == steps {
-                bad.bits("ll_combine.combined_x", &combined, &expected_combine);
+            if check {
+                bad.bits("ll_combine.combined_x", &combined, &case.expected_combine);
                 if let (Some(dump), Some(dir)) = (dump.as_mut(), &args.dump) {
-                    dump.bf16("ll_combined_x", &[mine.num_tokens, h], &combined);
+                    dump.bf16("ll_combined_x", &[t_n, h], &combined);
                     dump.write(dir, rank)?;
                 }
             }
@@ -580,17 +664,17 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         measured.push(Measured {
             op: "ll_dispatch",
             mode: "low_latency",
-            tokens: mine.num_tokens,
-            bytes: copies * token_bytes,
-            net_bytes: net_copies * token_bytes,
+            tokens: t_n,
+            bytes: copies * token_bytes / args.iters as u64,
+            net_bytes: net_copies * token_bytes / args.iters as u64,
             timer: t_dispatch,
         });
         measured.push(Measured {
             op: "ll_combine",
             mode: "low_latency",
-            tokens: mine.num_tokens,
-            bytes: copies * 2 * h as u64,
-            net_bytes: net_copies * 2 * h as u64,
+            tokens: t_n,
+            bytes: copies * 2 * h as u64 / args.iters as u64,
+            net_bytes: net_copies * 2 * h as u64 / args.iters as u64,
             timer: t_combine,
         });
     }

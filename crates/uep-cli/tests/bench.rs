@@ -179,3 +179,124 @@ fn bad_flags_are_rejected_with_a_reason() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// Run `uep bench` and return whether it verified, and its combined output.
+fn bench_outcome(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_uep"))
+        .args(["bench", "--timeout", "60"])
+        .args(args)
+        .output()
+        .expect("run uep");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn net_small<'a>(ranks: &'a str, nodes: &'a str) -> Vec<&'a str> {
+    vec![
+        "--ranks",
+        ranks,
+        "--nodes",
+        nodes,
+        "--experts",
+        "16",
+        "--tokens",
+        "64",
+        "--ll-tokens",
+        "16",
+        "--hidden",
+        "256",
+        "--topk",
+        "4",
+        "--routing",
+        "mixed",
+        "--drop-prob",
+        "0.1",
+    ]
+}
+
+#[test]
+fn multi_node_through_libfabric_tcp() {
+    // 4 ranks as 2 nodes of 2 (shared memory inside a node, the proxy across) and as 4
+    // nodes of 1 (everything through the proxy), bf16 and FP8, cached dispatch too.
+    for nodes in ["2", "4"] {
+        let reports = bench(&net_small("4", nodes));
+        let dispatch = reports.iter().find(|r| r["op"] == "dispatch").unwrap();
+        assert_eq!(dispatch["nodes"].as_u64().unwrap().to_string(), nodes);
+        assert!(
+            dispatch["net_bytes_per_rank"].as_u64().unwrap() > 0,
+            "{dispatch}"
+        );
+        let mut args = net_small("4", nodes);
+        args.extend(["--fp8", "--round-scale"]);
+        bench(&args);
+        let mut args = net_small("4", nodes);
+        args.extend(["--mode", "normal", "--cached", "--num-worst-tokens", "256"]);
+        bench(&args);
+    }
+    let mut args = net_small("3", "3");
+    args.extend(["--experts", "18", "--routing", "empty-ranks"]);
+    bench(&args);
+    for nodes in ["2", "4"] {
+        for routing in ["uniform", "same-rank", "one-expert", "empty-ranks"] {
+            let mut args = net_small("4", nodes);
+            args.extend(["--routing", routing, "--iters", "1", "--warmup", "0"]);
+            bench(&args);
+        }
+    }
+}
+
+#[test]
+fn multi_node_exact_under_injected_faults() {
+    // Reordered, delayed and split bursts of writes, fresh tokens every step.
+    for seed in ["1", "2", "3"] {
+        let mut args = net_small("4", "4");
+        args.extend(["--faults", seed, "--fresh", "--iters", "8", "--warmup", "0"]);
+        bench(&args);
+        let mut args = net_small("4", "2");
+        args.extend([
+            "--faults", seed, "--fresh", "--iters", "6", "--warmup", "0", "--fp8",
+        ]);
+        bench(&args);
+    }
+}
+
+#[test]
+fn ordering_emulation_is_load_bearing() {
+    // Without the receiver's in-order application of announcements, the fault injector
+    // makes some step read a packet before its bytes have landed.
+    let mut broke = None;
+    for seed in 1..=12 {
+        let seed = seed.to_string();
+        let mut args = net_small("4", "4");
+        args.extend([
+            "--faults",
+            &seed,
+            "--fresh",
+            "--iters",
+            "12",
+            "--warmup",
+            "0",
+            "--no-ordering-emulation",
+        ]);
+        let (ok, text) = bench_outcome(&args);
+        if !ok {
+            assert!(
+                text.contains("MISMATCH"),
+                "seed {seed} failed without a mismatch:\n{text}"
+            );
+            broke = Some(seed);
+            break;
+        }
+    }
+    let seed = broke.expect("no seed in 1..=12 showed a mismatch without the ordering emulation");
+    // The same faults with the emulation on stay exact.
+    let mut args = net_small("4", "4");
+    args.extend([
+        "--faults", &seed, "--fresh", "--iters", "12", "--warmup", "0",
+    ]);
+    bench(&args);
+}

@@ -255,7 +255,16 @@ impl Buffer {
         let map = RegionMap::new(&cfg, num_ranks, group.num_nodes() > 1);
         // Every rank must agree on the config: compare it through the bootstrap first,
         // so a mismatch is a clear error rather than a size mismatch of segments.
-        let fingerprint = format!("{cfg:?}/{}", map.total);
+        // Local settings (deadline, threads, fault injection) may differ between ranks.
+        let fingerprint = format!(
+            "num_experts {}, hidden {}, topk {}, max tokens {}, LL max tokens {}, {} bytes",
+            cfg.num_experts,
+            cfg.hidden,
+            cfg.topk,
+            cfg.num_max_dispatch_tokens_per_rank,
+            cfg.num_max_ll_tokens_per_rank,
+            map.total
+        );
         let all = group.all_gather(fingerprint.as_bytes())?;
         if let Some((peer, other)) = all
             .iter()
@@ -384,6 +393,7 @@ impl Buffer {
             what,
         )
         .map_err(|e| self.explain_abort(e))
+        .or_else(|e| self.fail(e))
     }
 
     /// The process id of `peer`, when it shares this machine's memory.
@@ -396,36 +406,78 @@ impl Buffer {
         (pid != 0).then_some(pid as u32)
     }
 
-    /// Add the aborting peer's reason to a peer-failure error.
+    /// Add the aborting peer's reason to a peer-failure error (and the deadline to a timeout).
     pub(crate) fn explain_abort(&self, e: EpError) -> EpError {
-        let EpError::Peer(msg) = e else { return e };
-        let mut reason = [0u8; ABORT_MSG_BYTES];
-        let _ = self.symm.local().read(self.map.abort + 8, &mut reason);
-        let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
-        EpError::Peer(format!(
-            "{msg}: {}",
-            String::from_utf8_lossy(&reason[..end])
-        ))
+        let EpError::Peer(msg) = e else {
+            return self.explain_timeout(e);
+        };
+        match self.abort_reason() {
+            Some((_, reason)) if !msg.contains(&reason) => {
+                EpError::Peer(format!("{msg}: {reason}"))
+            }
+            _ => EpError::Peer(msg),
+        }
     }
 
-    /// Reject a call: tell every peer (so none waits for this rank) and return `e`.
+    /// Say how long was waited and how to wait longer.
+    pub(crate) fn explain_timeout(&self, e: EpError) -> EpError {
+        match e {
+            EpError::Timeout(m) => EpError::Timeout(format!(
+                "{m} after {:?} (raise it with UEP_TIMEOUT_S or Buffer::set_timeout)",
+                self.cfg.timeout
+            )),
+            e => e,
+        }
+    }
+
+    /// The first rank that failed and why, if any rank did.
+    fn abort_reason(&self) -> Option<(usize, String)> {
+        let local = self.symm.local();
+        let who = local
+            .atomic_u64(self.map.abort)
+            .ok()?
+            .load(Ordering::Acquire);
+        let who = (who as usize).checked_sub(1)?;
+        let mut reason = [0u8; ABORT_MSG_BYTES];
+        let _ = local.read(
+            self.map.abort + 8 + who.min(self.num_ranks - 1) * ABORT_MSG_BYTES,
+            &mut reason,
+        );
+        let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
+        Some((who, String::from_utf8_lossy(&reason[..end]).into_owned()))
+    }
+
+    /// Calls after a failure would pair with the wrong calls of other ranks: refuse them.
+    pub(crate) fn ensure_usable(&self) -> Result<()> {
+        match self.abort_reason() {
+            None => Ok(()),
+            Some((who, reason)) => Err(EpError::Peer(format!(
+                "rank {}: this Buffer is unusable after rank {who} failed ({reason}); create a new Buffer",
+                self.rank
+            ))),
+        }
+    }
+
+    /// Fail a call: tell every rank that shares memory with this one, this rank included
+    /// (so none waits for it, and later calls refuse to run), and return `e`.
     pub(crate) fn fail<T>(&self, e: EpError) -> Result<T> {
         let msg = format!("rank {}: {e}", self.rank);
-        let bytes = &msg.as_bytes()[..msg.len().min(ABORT_MSG_BYTES - 1)];
+        let mut bytes = msg.into_bytes();
+        bytes.truncate(ABORT_MSG_BYTES - 1);
+        bytes.push(0);
+        let slot = self.map.abort + 8 + self.rank * ABORT_MSG_BYTES;
         for peer in 0..self.num_ranks {
-            if let Ok(region) = self.peer_region(peer) {
-                if peer != self.rank
-                    && region.write(self.map.abort + 8, bytes).is_ok()
-                    && region.write(self.map.abort + 8 + bytes.len(), &[0]).is_ok()
-                {
-                    if let Ok(word) = region.atomic_u64(self.map.abort) {
-                        let _ = word.compare_exchange(
-                            0,
-                            self.rank as u64 + 1,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        );
-                    }
+            let Ok(region) = self.peer_region(peer) else {
+                continue;
+            };
+            if region.write(slot, &bytes).is_ok() {
+                if let Ok(word) = region.atomic_u64(self.map.abort) {
+                    let _ = word.compare_exchange(
+                        0,
+                        self.rank as u64 + 1,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
                 }
             }
         }
@@ -443,6 +495,7 @@ impl Buffer {
     /// A barrier over all ranks: release stores for the node's ranks, announcements
     /// through the proxy for the others.
     pub fn barrier(&mut self) -> Result<()> {
+        self.ensure_usable()?;
         self.barrier_seq += 1;
         let seq = self.barrier_seq;
         let until = self.until()?;
@@ -457,7 +510,12 @@ impl Buffer {
             }
         }
         for peer in 0..self.num_ranks {
-            let what = || format!("rank {}: barrier {seq}: waiting for rank {peer}", self.rank);
+            let what = || {
+                format!(
+                    "rank {}: barrier {seq}: waiting for rank {peer} (barrier[{peer}])",
+                    self.rank
+                )
+            };
             if self.is_local(peer) {
                 self.wait_local(self.map.barrier + 8 * peer, seq, peer, until, what)?;
             } else {
@@ -517,6 +575,7 @@ impl Buffer {
     ) -> Result<()> {
         wait_packet(self.net()?, self.symm.local(), &self.map, src, until, what)
             .map_err(|e| self.explain_abort(e))
+            .or_else(|e| self.fail(e))
     }
 
     /// Fail this rank's peers' pending bootstrap collectives with `reason` (used when a

@@ -87,6 +87,7 @@ impl Buffer {
         use_fp8: bool,
         round_scale: bool,
     ) -> Result<LlDispatchOutput<'_>> {
+        self.ensure_usable()?;
         if let Err(e) = self.check_ll_dispatch(x, topk_idx, use_fp8) {
             return self.fail(e);
         }
@@ -147,7 +148,8 @@ impl Buffer {
                 wait_at_least(region.atomic_u64(map.ll_entered)?, seq as u64 - 1, until.watching(r, self.peer_pid(r)), || {
                     format!("rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}")
                 })
-                .map_err(|e| self.explain_abort(e))?;
+                .map_err(|e| self.explain_abort(e))
+                .or_else(|e| self.fail(e))?;
                 sinks.push(LlSink {
                     region,
                     x: areas.recv_x,
@@ -236,9 +238,10 @@ impl Buffer {
                     let at = map.ll_count_at(b, le, src);
                     counts[le * r_n + src] =
                         wait_epoch(self.symm.local().atomic_u64(at)?, seq, until.watching(src, self.peer_pid(src)), || {
-                            format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s count for local expert {le}")
+                            format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s count for local expert {le} (ll_count[{b}][{le}][{src}])")
                         })
-                        .map_err(|e| self.explain_abort(e))?;
+                        .map_err(|e| self.explain_abort(e))
+                        .or_else(|e| self.fail(e))?;
                 }
             } else {
                 self.wait_packet(src, until, || {
@@ -423,6 +426,7 @@ impl Buffer {
         topk_weights: &[f32],
         handle: &LlHandle,
     ) -> Result<Vec<bf16>> {
+        self.ensure_usable()?;
         let (r_n, me, e_n, k, h) = (
             self.num_ranks,
             self.rank,
@@ -515,8 +519,9 @@ impl Buffer {
             }
         }
         for src in 0..r_n {
-            let what =
-                || format!("rank {me}: LL combine {seq}: waiting for rank {src}'s expert outputs");
+            let what = || {
+                format!("rank {me}: LL combine {seq}: waiting for rank {src}'s expert outputs (ll_combine_done[{}][{src}])", handle.buffer)
+            };
             if self.is_local(src) {
                 self.wait_local(
                     map.ll_combine_done + 8 * (handle.buffer * r_n + src),

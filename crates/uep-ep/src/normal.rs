@@ -190,6 +190,7 @@ impl Buffer {
     /// Normal dispatch: every token once to every rank hosting one of its experts.
     /// Collective. Bad input is rejected before anything is sent, and peers are told.
     pub fn dispatch(&mut self, args: DispatchArgs<'_>) -> Result<DispatchOutput<'_>> {
+        self.ensure_usable()?;
         let routing = match self.check_dispatch(&args) {
             Ok(r) => r,
             Err(e) => return self.fail(e),
@@ -236,8 +237,9 @@ impl Buffer {
         let mut recv_per_expert = vec![0usize; epr];
         let mut row = vec![0u32; r_n + e_n];
         for src in 0..r_n {
-            let what =
-                || format!("rank {me}: dispatch {seq}: waiting for rank {src}'s token counts");
+            let what = || {
+                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s token counts (notify[{parity}][{src}])")
+            };
             let at = if self.is_local(src) {
                 let slot = map.notify_slot(parity, src);
                 self.wait_local(slot, seq as u64, src, until, what)?;
@@ -387,7 +389,9 @@ impl Buffer {
         }
         for src in 0..r_n {
             let n = matrix[src * r_n + me] as usize;
-            let what = || format!("rank {me}: dispatch {seq}: waiting for rank {src}'s {n} rows");
+            let what = || {
+                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s {n} rows (dispatch_done[{src}])")
+            };
             if self.is_local(src) {
                 self.wait_local(map.dispatch_done + 8 * src, seq as u64, src, until, what)?;
             } else {
@@ -638,6 +642,7 @@ impl Buffer {
         combined_x: &mut [bf16],
         combined_topk_weights: Option<&mut [f32]>,
     ) -> Result<()> {
+        self.ensure_usable()?;
         let (r_n, me, k, h) = (self.num_ranks, self.rank, self.cfg.topk, self.cfg.hidden);
         let n = handle.num_recv_tokens;
         let check = || -> Result<()> {
@@ -658,8 +663,12 @@ impl Buffer {
                     .is_some_and(|w| w.len() != handle.num_tokens * k)
             {
                 return Err(invalid!(
-                    "combine outputs must be [tokens = {}, hidden = {h}] and [tokens, topk = {k}]",
-                    handle.num_tokens
+                    "combine outputs have {} and {:?} values; expected [tokens = {}, hidden = {h}] = {} and [tokens, topk = {k}] = {}",
+                    combined_x.len(),
+                    combined_topk_weights.as_ref().map(|w| w.len()),
+                    handle.num_tokens,
+                    handle.num_tokens * h,
+                    handle.num_tokens * k
                 ));
             }
             if let Some(w) = topk_weights {
@@ -737,7 +746,11 @@ impl Buffer {
         }
         let t_n = handle.num_tokens;
         for src in 0..r_n {
-            let what = || format!("rank {me}: combine {seq}: waiting for rank {src}'s rows");
+            let what = || {
+                format!(
+                    "rank {me}: combine {seq}: waiting for rank {src}'s rows (combine_done[{src}])"
+                )
+            };
             if self.is_local(src) {
                 self.wait_local(map.combine_done + 8 * src, seq as u64, src, until, what)?;
                 continue;

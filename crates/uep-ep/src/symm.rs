@@ -49,7 +49,8 @@ pub struct RegionMap {
     pub notify_slot_bytes: usize,
     /// u64: the owning process's id (peers watch it while they wait).
     pub pid: usize,
-    /// u64 abort word (failed rank + 1), then a message of up to `ABORT_MSG_BYTES`.
+    /// u64 abort word (first failed rank + 1), then `[src R]` messages of up to
+    /// `ABORT_MSG_BYTES` (one slot per rank, so several failing ranks don't mix words).
     pub abort: usize,
     /// `[src R]` u64 epoch: the source finished writing its dispatch rows here.
     pub dispatch_done: usize,
@@ -248,7 +249,7 @@ impl RegionMap {
         let notify_slot_bytes = align_up(16 + 4 * (r + e));
         let notify = take(2 * r * notify_slot_bytes);
         let pid = take(8);
-        let abort = take(8 + ABORT_MSG_BYTES);
+        let abort = take(8 + r * ABORT_MSG_BYTES);
         let dispatch_done = take(8 * r);
         let combine_done = take(8 * r);
         let barrier = take(8 * r);
