@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// (shows that the emulation is what keeps results exact on unordered transports).
     #[arg(long, hide = true)]
     pub no_ordering_emulation: bool,
+    /// Soak: this many steps, normal and low-latency alternating, fresh tokens every
+    /// step, every output verified; prints mismatches, faults injected and memory.
+    #[arg(long, value_name = "STEPS", conflicts_with_all = ["cached", "inputs", "mode"])]
+    pub soak: Option<u64>,
     /// Draw new tokens and routing for every step (verifying every step), instead of
     /// repeating one set.
     #[arg(long, conflicts_with_all = ["cached", "inputs"])]
@@ -193,7 +197,7 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
 
 /// Inputs of every rank for one mode (each rank rebuilds all of them: the reference
 /// needs every sender's tokens).
-fn make_inputs(
+pub(crate) fn make_inputs(
     args: &BenchArgs,
     shape: &Shape,
     tokens: usize,
@@ -261,7 +265,7 @@ fn to_fp8(input: &RankInput, hidden: usize) -> anyhow::Result<RankInput> {
 /// or their dequantised values rounded to bf16, written into `y` (which keeps its size,
 /// so other rows stay as they were, and is reused across steps: a real expert computes
 /// only the rows it got, into memory it keeps).
-fn identity_expert(
+pub(crate) fn identity_expert(
     x: RecvTokens<'_>,
     rows: std::ops::Range<usize>,
     hidden: usize,
@@ -286,15 +290,15 @@ fn identity_expert(
 }
 
 /// One normal-mode step's inputs and what the reference says every output must be.
-struct NormalCase {
-    sent: Vec<RankInput>,
-    expected: reference::NormalRecv,
-    expected_combine: (Vec<bf16>, Option<Vec<f32>>),
-    layout: uep_ep::DispatchLayout,
+pub(crate) struct NormalCase {
+    pub(crate) sent: Vec<RankInput>,
+    pub(crate) expected: reference::NormalRecv,
+    pub(crate) expected_combine: (Vec<bf16>, Option<Vec<f32>>),
+    pub(crate) layout: uep_ep::DispatchLayout,
 }
 
 impl NormalCase {
-    fn new(
+    pub(crate) fn new(
         buffer: &Buffer,
         inputs: Vec<RankInput>,
         args: &BenchArgs,
@@ -320,7 +324,7 @@ impl NormalCase {
         })
     }
 
-    fn x(&self, rank: usize) -> Tokens<'_> {
+    pub(crate) fn x(&self, rank: usize) -> Tokens<'_> {
         match &self.sent[rank].x {
             TokenData::Bf16(v) => Tokens::Bf16(v),
             TokenData::Fp8 { data, scales } => Tokens::Fp8 { data, scales },
@@ -329,14 +333,14 @@ impl NormalCase {
 }
 
 /// One low-latency step's inputs and expected outputs.
-struct LlCase {
-    inputs: Vec<RankInput>,
-    expected: reference::LlRecv,
-    expected_combine: Vec<bf16>,
+pub(crate) struct LlCase {
+    pub(crate) inputs: Vec<RankInput>,
+    pub(crate) expected: reference::LlRecv,
+    pub(crate) expected_combine: Vec<bf16>,
 }
 
 impl LlCase {
-    fn new(
+    pub(crate) fn new(
         rank: usize,
         inputs: Vec<RankInput>,
         args: &BenchArgs,
@@ -356,7 +360,7 @@ impl LlCase {
 }
 
 /// Salt of step `step`'s inputs: step 0 uses the base seed; `--fresh` steps draw anew.
-fn step_salt(mode_salt: u64, step: u64) -> u64 {
+pub(crate) fn step_salt(mode_salt: u64, step: u64) -> u64 {
     mode_salt ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
@@ -454,6 +458,9 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         cfg.timeout = t;
     }
     let mut buffer = Buffer::new(group, cfg)?;
+    if let Some(steps) = args.soak {
+        return crate::soak::run(&mut buffer, args, &shape, max_ll, steps);
+    }
     let steps = (args.warmup + args.iters) as u64;
     let total = steps * (run_normal as u64 * 3 + run_ll as u64 * 2);
     let progress = Progress::new(total, "uep bench", is_root && !args.json);

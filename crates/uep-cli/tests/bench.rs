@@ -300,3 +300,33 @@ fn ordering_emulation_is_load_bearing() {
     ]);
     bench(&args);
 }
+
+#[test]
+fn soak_over_faults_stays_exact_with_stable_memory() {
+    let mut args = net_small("4", "2");
+    args.extend(["--faults", "21", "--soak", "400", "--json"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_uep"))
+        .args(["bench", "--timeout", "60"])
+        .args(&args)
+        .output()
+        .expect("run uep");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_str(stdout.trim()).expect("JSON summary");
+    assert_eq!(s["steps"], 400);
+    assert_eq!(s["mismatches"], 0);
+    assert!(s["faults_injected"].as_u64().unwrap() > 0, "{s}");
+    let (start, end) = (
+        s["rss_start_kib"].as_u64().unwrap(),
+        s["rss_end_kib"].as_u64().unwrap(),
+    );
+    // Every buffer is touched by step 1; what grows after that is a leak.
+    assert!(
+        end <= start + 8 * 1024,
+        "RSS grew from {start} KiB to {end} KiB over the soak"
+    );
+}

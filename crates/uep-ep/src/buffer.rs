@@ -525,6 +525,11 @@ impl Buffer {
         Ok(())
     }
 
+    /// Faults injected into this rank's network path so far (see `NetConfig::faults`).
+    pub fn faults_injected(&self) -> u64 {
+        self.net.as_ref().map_or(0, Net::faults_injected)
+    }
+
     /// Whether `peer` shares memory with this rank (same node).
     pub(crate) fn is_local(&self, peer: usize) -> bool {
         self.symm.peer(peer).is_some()

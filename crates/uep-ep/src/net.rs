@@ -12,6 +12,8 @@
 //! All commands to one peer go through one FIFO (ordering holds only within one), and a
 //! `Quiet` after each packet tells this rank when its staging area may be reused.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use uep_bootstrap::Group;
@@ -19,7 +21,8 @@ use uep_fifo::Slot;
 use uep_proxy::{cmds, CounterLayout, Proxy, ProxyConfig};
 use uep_shm::Region;
 use uep_transport::{
-    FabricOptions, FaultConfig, FaultyTransport, LibfabricTransport, PeerAddr, RegionRef, Transport,
+    Arrival, Caps, Completion, FabricOptions, FaultConfig, FaultyTransport, LibfabricTransport,
+    PeerAddr, RegionRef, Transport, TransportError,
 };
 
 use crate::device::{wait_at_least, Backoff, Until};
@@ -65,6 +68,8 @@ pub(crate) struct Net {
     quiets: std::cell::RefCell<Vec<Option<(usize, usize, Slot)>>>,
     /// `[src]`: packets awaited so far (the next wait expects one more).
     expected: Vec<std::cell::Cell<u64>>,
+    /// Faults the injectors of all threads have injected so far.
+    faults: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Net {
@@ -86,6 +91,7 @@ impl Net {
     ) -> Result<Net> {
         let (rank, num_ranks) = (group.rank(), group.world_size());
         let threads = cfg.proxy.threads.max(1);
+        let faults = Arc::new(AtomicU64::new(0));
         let mut transports: Vec<Box<dyn Transport>> = Vec::with_capacity(threads);
         for t in 0..threads {
             let region_ref = region_ref(region)?;
@@ -112,9 +118,13 @@ impl Net {
                     seed: f.seed ^ ((rank * threads + t) as u64 * 0x9e37_79b9),
                     ..f.clone()
                 };
-                tr = Box::new(
-                    FaultyTransport::new(tr, f).map_err(|e| invalid!("fault injector: {e}"))?,
-                );
+                let faulty =
+                    FaultyTransport::new(tr, f).map_err(|e| invalid!("fault injector: {e}"))?;
+                tr = Box::new(Counted {
+                    inner: faulty,
+                    injected: faults.clone(),
+                    published: 0,
+                });
             }
             transports.push(tr);
         }
@@ -147,6 +157,7 @@ impl Net {
             num_ranks,
             quiets: std::cell::RefCell::new(vec![None; CHANNELS * num_ranks]),
             expected: (0..num_ranks).map(|_| std::cell::Cell::new(0)).collect(),
+            faults,
         })
     }
 
@@ -224,11 +235,89 @@ impl Net {
         Ok(())
     }
 
+    /// Faults injected so far (0 without `NetConfig::faults`).
+    pub(crate) fn faults_injected(&self) -> u64 {
+        self.faults.load(Ordering::Relaxed)
+    }
+
     /// A fatal error of a proxy thread, if any.
     pub(crate) fn check(&self) -> Result<()> {
         self.proxy
             .check()
             .map_err(|e| EpError::Peer(format!("proxy: {e}")))
+    }
+}
+
+/// A fault injector that also publishes how many faults it has injected (its proxy
+/// thread owns it, so the count crosses threads through an atomic).
+struct Counted<T: Transport> {
+    inner: FaultyTransport<T>,
+    injected: Arc<AtomicU64>,
+    /// What this injector last published, so several threads can share one total.
+    published: u64,
+}
+
+impl<T: Transport> Counted<T> {
+    fn publish(&mut self) {
+        let now = self.inner.fault_stats().injected();
+        self.injected
+            .fetch_add(now - self.published, Ordering::Relaxed);
+        self.published = now;
+    }
+}
+
+impl<T: Transport> Transport for Counted<T> {
+    fn caps(&self) -> &Caps {
+        self.inner.caps()
+    }
+    fn local_addr(&self) -> PeerAddr {
+        self.inner.local_addr()
+    }
+    fn connect(&mut self, peers: &[PeerAddr]) -> Result<(), TransportError> {
+        self.inner.connect(peers)
+    }
+    fn validate_write(
+        &self,
+        peer: usize,
+        local_off: u64,
+        remote_off: u64,
+        len: usize,
+    ) -> Result<(), TransportError> {
+        self.inner.validate_write(peer, local_off, remote_off, len)
+    }
+    fn post_write(
+        &mut self,
+        peer: usize,
+        local_off: u64,
+        remote_off: u64,
+        len: usize,
+        imm: u32,
+        ctx: u64,
+    ) -> Result<(), TransportError> {
+        self.inner
+            .post_write(peer, local_off, remote_off, len, imm, ctx)
+    }
+    fn post_imm(&mut self, peer: usize, imm: u32, ctx: u64) -> Result<(), TransportError> {
+        self.inner.post_imm(peer, imm, ctx)
+    }
+    fn post_atomic_add(
+        &mut self,
+        peer: usize,
+        remote_off: u64,
+        value: u64,
+        ctx: u64,
+    ) -> Result<(), TransportError> {
+        self.inner.post_atomic_add(peer, remote_off, value, ctx)
+    }
+    fn poll_send(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
+        let n = self.inner.poll_send(out);
+        self.publish();
+        n
+    }
+    fn poll_recv(&mut self, out: &mut Vec<Arrival>) -> Result<usize, TransportError> {
+        let n = self.inner.poll_recv(out);
+        self.publish();
+        n
     }
 }
 
