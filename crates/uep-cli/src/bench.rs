@@ -105,6 +105,17 @@ pub struct BenchArgs {
     /// step, every output verified; prints mismatches, faults injected and memory.
     #[arg(long, value_name = "STEPS", conflicts_with_all = ["cached", "inputs", "mode"])]
     pub soak: Option<u64>,
+    /// Run once per value of one parameter (KEY=V1,V2,..., e.g. tokens=1,8,32,128,512,4096,
+    /// ranks=2,3,4, hidden=...) and write sweep-KEY.csv and sweep-KEY.svg.
+    #[arg(long, value_name = "KEY=V1,V2,...")]
+    pub sweep: Option<String>,
+    /// Directory for --sweep's CSV and SVG.
+    #[arg(long, value_name = "DIR", default_value = ".")]
+    pub sweep_out: PathBuf,
+    /// Skip measuring the machine's limits (memcpy of the same bytes, a raw stream of
+    /// transport writes) that the table prints next to each op.
+    #[arg(long)]
+    pub no_limits: bool,
     /// Draw new tokens and routing for every step (verifying every step), instead of
     /// repeating one set.
     #[arg(long, conflicts_with_all = ["cached", "inputs"])]
@@ -128,6 +139,9 @@ pub struct BenchArgs {
 
 /// Run `uep bench`: as the launcher (spawning ranks) or as one rank.
 pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
+    if let Some(spec) = &args.sweep {
+        return crate::sweep::run_sweep(spec, &crate::sweep::base_args_from_env(), &args.sweep_out);
+    }
     if std::env::var_os("RANK").is_some()
         || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some()
         || std::env::var_os("SLURM_PROCID").is_some()
@@ -454,6 +468,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     };
     cfg.net.proxy.emulate_ordering = !args.no_ordering_emulation;
     cfg.net.faults = args.faults.map(FaultConfig::with_seed);
+    let provider = cfg.net.fabric.provider.clone();
     if let Some(t) = timeout {
         cfg.timeout = t;
     }
@@ -721,6 +736,34 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             }
         }
     }
+    // The machine's limits for the same bytes, measured here while the other ranks
+    // wait: all ranks of a node copying at once, and a raw stream of transport writes.
+    let mut limits = std::collections::HashMap::new();
+    if !args.no_limits {
+        for (m, (_, bytes, net)) in measured.iter().zip(&merged) {
+            let (bytes, net) = (bytes / world as u64, net / world as u64);
+            if bytes == 0 {
+                continue;
+            }
+            let intra = bytes - net;
+            let mut seconds = 0.0;
+            if intra > 0 {
+                let gbps = crate::limits::memcpy_gbps(intra, 2 * h, threads, lws);
+                seconds += intra as f64 / (gbps * 1e9);
+            }
+            if net > 0 {
+                let msg = (net as usize).min(1 << 20);
+                match crate::limits::transport_stream_gbps(&provider, net, msg) {
+                    Ok(gbps) => seconds += net as f64 / (gbps * 1e9),
+                    Err(e) => {
+                        eprintln!("uep bench: no transport limit for {}: {e}", m.op);
+                        continue;
+                    }
+                }
+            }
+            limits.insert(m.op, (seconds > 0.0).then(|| bytes as f64 / seconds / 1e9));
+        }
+    }
     for (m, (samples, bytes, net)) in measured.iter().zip(&merged) {
         let s = samples.summary().expect("iters >= 1");
         let (bytes, net) = (bytes / world as u64, net / world as u64);
@@ -742,7 +785,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             net_bytes_per_rank: net,
             gbps: gbps(bytes, s.avg_us),
             net_gbps: gbps(net, s.avg_us),
-            limit_gbps: None,
+            limit_gbps: limits.get(&m.op).copied().flatten(),
             avg_us: s.avg_us,
             min_us: s.min_us,
             max_us: s.max_us,

@@ -2,8 +2,13 @@
 pub mod bench;
 pub mod check;
 pub mod dump;
+pub mod fifo_bench;
+pub mod info;
+pub mod limits;
 pub mod npy;
 pub mod report;
+pub mod soak;
+pub mod sweep;
 
 /// `uep clean`: remove shared-memory segments whose creating process is gone.
 pub fn clean() -> anyhow::Result<bool> {

@@ -25,7 +25,7 @@ use crate::buffer::{Buffer, RecvTokens};
 use crate::device::{epoch_word, wait_at_least, wait_epoch};
 use crate::error::Result;
 use crate::invalid;
-use crate::quant::{bf16_bits_to_f32, quantize_token, round_row_to_bf16};
+use crate::quant::{quantize_token, reduce_rows};
 use crate::symm::{packet, Channel};
 
 /// Where one kernel stores the copies bound for one rank: a same-node peer's slots
@@ -553,20 +553,16 @@ impl Buffer {
         let rows: &[u16] = self.symm.view(areas.combine_x, t_n * k * h)?;
         let mut out = vec![bf16::ZERO; t_n * h];
         self.device.launch_rows(&mut out, h, |first, out| {
-            let mut acc = vec![0f32; h];
+            let mut parts = Vec::with_capacity(k);
             for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
-                acc.fill(0.0);
-                for s in 0..k {
-                    if topk_idx[t * k + s] < 0 {
-                        continue;
-                    }
-                    let w = topk_weights[t * k + s];
-                    let row = &rows[(t * k + s) * h..(t * k + s + 1) * h];
-                    for (a, &y) in acc.iter_mut().zip(row) {
-                        *a += w * bf16_bits_to_f32(y);
-                    }
+                parts.clear();
+                for s in (0..k).filter(|&s| topk_idx[t * k + s] >= 0) {
+                    parts.push((
+                        &rows[(t * k + s) * h..(t * k + s + 1) * h],
+                        topk_weights[t * k + s],
+                    ));
                 }
-                round_row_to_bf16(&acc, out_row);
+                reduce_rows(&parts, true, out_row);
             }
             Ok(())
         })?;

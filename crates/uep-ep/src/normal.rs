@@ -25,7 +25,7 @@ use crate::buffer::{Buffer, RecvTokens, Tokens};
 use crate::error::Result;
 use crate::invalid;
 use crate::layout::{get_dispatch_layout, DispatchLayout};
-use crate::quant::{bf16_bits_to_f32, round_row_to_bf16};
+use crate::quant::reduce_rows;
 use crate::symm::{packet, Channel};
 use uep_shm::Region;
 
@@ -717,6 +717,10 @@ impl Buffer {
         self.device.launch(n, |range| {
             for i in range {
                 let (s, t) = (src_rank[i] as usize, handle.recv_src_idx[i] as usize);
+                if s == me {
+                    // This rank's own rows are read straight from `x` by the reduction.
+                    continue;
+                }
                 let (region, staged) = &sinks[s];
                 let (x_at, w_at) = match staged {
                     None => (
@@ -785,25 +789,38 @@ impl Buffer {
         let rows: &[u16] = self.symm.view(map.combine_x, r_n * t_max * h)?;
         let wrows: &[f32] = self.symm.view(map.combine_weights, r_n * t_max * k)?;
         let in_rank = &handle.is_token_in_rank;
+        // Where this rank's own rows for its tokens are in `x`.
+        let mut own_row = vec![usize::MAX; t_n];
+        let own = recv_base(me)..recv_base(me) + rows_from(me);
+        for i in own {
+            own_row[handle.recv_src_idx[i] as usize] = i;
+        }
+        let x_bits: &[u16] = bytemuck::cast_slice(x);
         self.device.launch_rows(combined_x, h, |first, out| {
-            let mut acc = vec![0f32; h];
+            let mut parts = Vec::with_capacity(r_n);
             for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
-                acc.fill(0.0);
+                parts.clear();
                 for r in (0..r_n).filter(|&r| in_rank[t * r_n + r]) {
-                    let row = &rows[(r * t_max + t) * h..(r * t_max + t + 1) * h];
-                    for (a, &b) in acc.iter_mut().zip(row) {
-                        *a += bf16_bits_to_f32(b);
-                    }
+                    let row = if r == me {
+                        &x_bits[own_row[t] * h..(own_row[t] + 1) * h]
+                    } else {
+                        &rows[(r * t_max + t) * h..(r * t_max + t + 1) * h]
+                    };
+                    parts.push((row, 1.0));
                 }
-                round_row_to_bf16(&acc, out_row);
+                reduce_rows(&parts, false, out_row);
             }
             Ok(())
         })?;
-        if let (Some(out), Some(_)) = (combined_topk_weights, topk_weights) {
+        if let (Some(out), Some(own_w)) = (combined_topk_weights, topk_weights) {
             out.fill(0.0);
             for (t, out_row) in out.chunks_exact_mut(k).enumerate() {
                 for r in (0..r_n).filter(|&r| in_rank[t * r_n + r]) {
-                    let w = &wrows[(r * t_max + t) * k..(r * t_max + t + 1) * k];
+                    let w = if r == me {
+                        &own_w[own_row[t] * k..(own_row[t] + 1) * k]
+                    } else {
+                        &wrows[(r * t_max + t) * k..(r * t_max + t + 1) * k]
+                    };
                     for (a, &b) in out_row.iter_mut().zip(w) {
                         *a += b;
                     }

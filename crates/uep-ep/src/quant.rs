@@ -238,6 +238,35 @@ pub fn bf16_bits_to_f32(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
+/// Columns reduced at a time: the accumulators of one block stay in L1.
+const REDUCE_BLOCK: usize = 512;
+
+/// `out = bf16(0.0 + w0*r0 + w1*r1 + ...)` per column, accumulated in f32 in the order
+/// given and rounded once (with `weighted == false`, the plain sum `0.0 + r0 + r1 + ...`).
+/// Rows are bf16 bits. This is the combine kernels' inner loop; it computes exactly
+/// what the reference's straightforward loop computes, a column block at a time.
+pub fn reduce_rows(rows: &[(&[u16], f32)], weighted: bool, out: &mut [bf16]) {
+    let mut acc = [0f32; REDUCE_BLOCK];
+    for start in (0..out.len()).step_by(REDUCE_BLOCK) {
+        let end = (start + REDUCE_BLOCK).min(out.len());
+        let acc = &mut acc[..end - start];
+        acc.fill(0.0);
+        for &(row, w) in rows {
+            let row = &row[start..end];
+            if weighted {
+                for (a, &y) in acc.iter_mut().zip(row) {
+                    *a += w * bf16_bits_to_f32(y);
+                }
+            } else {
+                for (a, &y) in acc.iter_mut().zip(row) {
+                    *a += bf16_bits_to_f32(y);
+                }
+            }
+        }
+        round_row_to_bf16(acc, &mut out[start..end]);
+    }
+}
+
 /// Round a row of f32 accumulators to bf16 (`out.len() == acc.len()`).
 pub fn round_row_to_bf16(acc: &[f32], out: &mut [bf16]) {
     for (o, &a) in out.iter_mut().zip(acc) {

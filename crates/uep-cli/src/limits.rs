@@ -1,0 +1,337 @@
+//! What this machine can do at best when moving the bytes `uep bench` moves:
+//! the yardsticks its GB/s are compared against.
+//!
+//! * [`memcpy_gbps`]: the intra-node limit. Ranks on one node exchange tokens
+//!   through shared memory, i.e. by copying rows between buffers; this copies
+//!   the same bytes, in the same row size, with the same number of threads,
+//!   and nothing else.
+//! * [`transport_stream_gbps`]: the inter-node limit. A raw stream of
+//!   libfabric writes with immediates between two endpoints, as the proxies
+//!   post them but without any FIFO, ordering or bookkeeping.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use uep_transport::{
+    Arrival, Completion, FabricOptions, HeapRegion, LibfabricTransport, RegionRef, Transport,
+    TransportError,
+};
+
+/// Timed runs of each measurement; the best one counts (the others absorb
+/// warm-up and noise from other processes).
+pub const RUNS: usize = 3;
+/// Writes kept in flight by [`transport_stream_gbps`] (the SPEC's LL figure
+/// per FIFO).
+pub const STREAM_WINDOW: usize = 32;
+/// Largest message [`transport_stream_gbps`] accepts (bounds its buffers).
+pub const MAX_STREAM_MSG: usize = 32 << 20;
+/// Longest a transport stream may take before it is reported as stuck.
+const STREAM_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Why a limit could not be measured.
+#[derive(Debug, thiserror::Error)]
+pub enum LimitError {
+    /// An argument is out of range.
+    #[error("{0}")]
+    Invalid(String),
+    /// The transport failed while opening, connecting or streaming.
+    #[error("libfabric provider {provider:?} on 127.0.0.1: {stage} failed: {source}")]
+    Transport {
+        /// Provider asked for.
+        provider: String,
+        /// What was being done (open, connect, post, poll).
+        stage: &'static str,
+        /// The transport's error.
+        source: TransportError,
+    },
+    /// The stream did not finish in time.
+    #[error(
+        "libfabric provider {provider:?}: {arrived} of {expected} writes arrived and {completed} \
+         completed within {waited:?}; the stream is stuck"
+    )]
+    Stuck {
+        /// Provider asked for.
+        provider: String,
+        /// Writes whose immediate the receiver saw.
+        arrived: u64,
+        /// Writes completed at the sender.
+        completed: u64,
+        /// Writes posted in total.
+        expected: u64,
+        /// Time waited.
+        waited: Duration,
+    },
+}
+
+/// GB/s (1e9 bytes/s) per rank that plain memory copies reach when
+/// `ranks_sharing` ranks at once each copy `bytes_per_rank` bytes in rows of
+/// `chunk` bytes, each rank with `threads` threads splitting its rows.
+///
+/// Every rank has its own source and destination buffers, written before
+/// timing so page faults are not counted; all threads start together and a
+/// run lasts until the last one is done. Best of [`RUNS`] runs. This is the
+/// most the shared-memory path of dispatch/combine could reach for the same
+/// bytes on this machine.
+///
+/// Zero `chunk`, `threads` or `ranks_sharing` count as 1; zero bytes give 0.
+pub fn memcpy_gbps(bytes_per_rank: u64, chunk: usize, threads: usize, ranks_sharing: usize) -> f64 {
+    let (chunk, threads, ranks) = (chunk.max(1), threads.max(1), ranks_sharing.max(1));
+    let Ok(bytes) = usize::try_from(bytes_per_rank) else {
+        return 0.0;
+    };
+    if bytes == 0 {
+        return 0.0;
+    }
+    // Each thread gets whole rows; one thread's share of a rank's bytes.
+    let rows = bytes.div_ceil(chunk);
+    let per_thread: Vec<usize> = (0..threads)
+        .map(|i| (rows / threads + usize::from(i < rows % threads)) * chunk)
+        .collect();
+    // Non-zero fills touch (fault in) every page; a zeroed Vec could stay unmapped.
+    let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = (0..ranks * threads)
+        .map(|i| {
+            (
+                vec![0x5A; per_thread[i % threads]],
+                vec![0xA5; per_thread[i % threads]],
+            )
+        })
+        .collect();
+    let mut best = Duration::MAX;
+    for _ in 0..RUNS {
+        let start = Barrier::new(bufs.len() + 1);
+        let elapsed = std::thread::scope(|s| {
+            for (src, dst) in bufs.iter_mut() {
+                let start = &start;
+                s.spawn(move || {
+                    start.wait();
+                    for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                        d.copy_from_slice(s);
+                    }
+                });
+            }
+            start.wait();
+            let t0 = Instant::now();
+            // Leaving the scope joins every copier: the elapsed time covers the last.
+            t0
+        })
+        .elapsed();
+        best = best.min(elapsed);
+    }
+    // The bytes really copied (whole rows) over the best time.
+    let copied: usize = per_thread.iter().sum();
+    copied as f64 / best.as_secs_f64().max(1e-9) / 1e9
+}
+
+/// GB/s of a raw stream of libfabric writes of `msg` bytes, each with a
+/// 32-bit immediate, from one endpoint to another over `provider` on
+/// 127.0.0.1, keeping [`STREAM_WINDOW`] writes in flight, until `bytes`
+/// (rounded up to whole messages) have arrived. The receiver polls on its
+/// own thread, as a peer's proxy does; the time runs from the first timed
+/// post to the receiver seeing the last immediate. Best of [`RUNS`], after
+/// one untimed window that lets the provider connect.
+///
+/// Errors name the provider and the stage that failed: an unknown provider,
+/// a `msg` larger than the provider allows, or a stream that stops moving.
+pub fn transport_stream_gbps(provider: &str, bytes: u64, msg: usize) -> Result<f64, LimitError> {
+    if msg == 0 || bytes == 0 {
+        return Err(LimitError::Invalid(format!(
+            "transport stream: bytes ({bytes}) and msg ({msg}) must both be positive"
+        )));
+    }
+    let fail = |stage| {
+        let provider = provider.to_string();
+        move |source| LimitError::Transport {
+            provider,
+            stage,
+            source,
+        }
+    };
+    if msg > MAX_STREAM_MSG {
+        return Err(LimitError::Invalid(format!(
+            "transport stream: msg {msg} bytes is too large; at most {MAX_STREAM_MSG} bytes \
+             ({STREAM_WINDOW} of them are in flight at once)"
+        )));
+    }
+    let opts = FabricOptions::loopback(provider);
+    // Every write reads the same source bytes (they are never modified); each
+    // write in flight lands in its own destination slot.
+    let src_region = HeapRegion::new(msg);
+    let mut tx = LibfabricTransport::new(&opts, RegionRef::from_heap(&src_region))
+        .map_err(fail("open sender"))?;
+    let max = tx.caps().max_write_bytes;
+    if msg > max {
+        return Err(LimitError::Invalid(format!(
+            "transport stream: msg {msg} bytes exceeds provider {provider:?}'s largest write of {max} bytes"
+        )));
+    }
+    let dst_region = HeapRegion::new(msg * STREAM_WINDOW);
+    let mut rx = LibfabricTransport::new(&opts, RegionRef::from_heap(&dst_region))
+        .map_err(fail("open receiver"))?;
+    let addrs = [tx.local_addr(), rx.local_addr()];
+    tx.connect(&addrs).map_err(fail("connect sender"))?;
+    rx.connect(&addrs).map_err(fail("connect receiver"))?;
+
+    let count = bytes.div_ceil(msg as u64);
+    let mut best = Duration::MAX;
+    for run in 0..=RUNS {
+        // Run 0 is the untimed warm-up window.
+        let n = if run == 0 {
+            STREAM_WINDOW as u64
+        } else {
+            count
+        };
+        let (elapsed, tx_back, rx_back) = stream(provider, tx, rx, n, msg)?;
+        (tx, rx) = (tx_back, rx_back);
+        if run > 0 {
+            best = best.min(elapsed);
+        }
+    }
+    Ok((count * msg as u64) as f64 / best.as_secs_f64().max(1e-9) / 1e9)
+}
+
+/// Time of a stream and both endpoints, handed back for the next run.
+type Streamed = (Duration, LibfabricTransport, LibfabricTransport);
+
+/// Streams `n` writes of `msg` bytes from `tx` to `rx` (polled on its own
+/// thread); returns the time until the last arrival and both endpoints back.
+fn stream(
+    provider: &str,
+    mut tx: LibfabricTransport,
+    mut rx: LibfabricTransport,
+    n: u64,
+    msg: usize,
+) -> Result<Streamed, LimitError> {
+    let fail = |stage| {
+        let provider = provider.to_string();
+        move |source| LimitError::Transport {
+            provider,
+            stage,
+            source,
+        }
+    };
+    let start = Arc::new(Barrier::new(2));
+    // Set when the sender gives up, so the receiver stops waiting at once.
+    let stop = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now();
+    let deadline = t0 + STREAM_DEADLINE;
+    let receiver = {
+        let (start, stop) = (start.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut arrivals: Vec<Arrival> = Vec::with_capacity(STREAM_WINDOW * 2);
+            let mut sent: Vec<Completion> = Vec::new();
+            let mut seen = 0u64;
+            start.wait();
+            while seen < n && Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+                arrivals.clear();
+                let r = rx.poll_recv(&mut arrivals).map(|k| seen += k as u64);
+                // The receiver posts nothing, but manual-progress providers
+                // move data only while both queues are polled.
+                let s = rx.poll_send(&mut sent);
+                if let Err(e) = r.and(s.map(|_| ())) {
+                    return (Err((e, seen)), rx);
+                }
+            }
+            (Ok((Instant::now(), seen)), rx)
+        })
+    };
+    let mut done: Vec<Completion> = Vec::with_capacity(STREAM_WINDOW * 2);
+    let (mut posted, mut completed) = (0u64, 0u64);
+    let mut arrivals = Vec::new();
+    start.wait();
+    let t_start = Instant::now();
+    let mut send_err = None;
+    while completed < n && Instant::now() < deadline {
+        while posted < n && posted - completed < STREAM_WINDOW as u64 {
+            let slot = (posted % STREAM_WINDOW as u64) * msg as u64;
+            // The immediate names the message, as a proxy's carries a sequence.
+            match tx.post_write(1, 0, slot, msg, posted as u32, posted) {
+                Ok(()) => posted += 1,
+                Err(TransportError::WouldBlock) => break,
+                Err(e) => {
+                    send_err = Some(fail("post write")(e));
+                    break;
+                }
+            }
+        }
+        if send_err.is_some() {
+            break;
+        }
+        done.clear();
+        match tx.poll_send(&mut done) {
+            Ok(k) => completed += k as u64,
+            Err(e) => {
+                send_err = Some(fail("poll send completions")(e));
+                break;
+            }
+        }
+        // The sender's endpoint also needs its receive side polled for progress.
+        arrivals.clear();
+        if let Err(e) = tx.poll_recv(&mut arrivals) {
+            send_err = Some(fail("poll sender receive queue")(e));
+            break;
+        }
+    }
+    stop.store(send_err.is_some() || completed < n, Ordering::Relaxed);
+    let (result, rx) = receiver
+        .join()
+        .map_err(|_| LimitError::Invalid("transport stream receiver thread panicked".into()))?;
+    if let Some(e) = send_err {
+        return Err(e);
+    }
+    let (t_end, seen) = match result {
+        Ok(v) => v,
+        Err((e, _)) => return Err(fail("poll receive queue")(e)),
+    };
+    if seen < n || completed < n {
+        return Err(LimitError::Stuck {
+            provider: provider.to_string(),
+            arrived: seen,
+            completed,
+            expected: n,
+            waited: t0.elapsed(),
+        });
+    }
+    Ok((t_end.saturating_duration_since(t_start), tx, rx))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memcpy_is_positive_and_degenerate_inputs_do_not_panic() {
+        let g = memcpy_gbps(4 << 20, 14336, 2, 2);
+        assert!(g > 0.0 && g.is_finite(), "{g}");
+        // A row larger than the bytes, and zero counts, still measure something.
+        assert!(memcpy_gbps(1000, 1 << 20, 0, 0) > 0.0);
+        assert_eq!(memcpy_gbps(0, 16, 1, 1), 0.0);
+    }
+
+    #[test]
+    fn transport_stream_moves_bytes_over_tcp() {
+        let g = transport_stream_gbps("tcp;ofi_rxm", 4 << 20, 64 << 10).unwrap();
+        assert!(g > 0.0 && g.is_finite(), "{g}");
+        // A message count that is not a multiple of the window, and odd sizes.
+        let g = transport_stream_gbps("tcp;ofi_rxm", 100_000, 4000).unwrap();
+        assert!(g > 0.0, "{g}");
+    }
+
+    #[test]
+    fn transport_errors_are_clear() {
+        let e = transport_stream_gbps("no-such-provider", 1 << 20, 4096).unwrap_err();
+        let m = e.to_string();
+        assert!(
+            m.contains("no-such-provider") && m.contains("open sender"),
+            "{m}"
+        );
+        let m = transport_stream_gbps("tcp;ofi_rxm", 1 << 20, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("must both be positive"), "{m}");
+        let m = transport_stream_gbps("tcp;ofi_rxm", 1 << 30, 1 << 31)
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("too large") && m.contains("at most"), "{m}");
+    }
+}
