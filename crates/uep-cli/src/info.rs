@@ -13,8 +13,9 @@ pub fn report() -> anyhow::Result<String> {
         "cores: {}; default provider: {default} (set UEP_FI_PROVIDER or --provider to change)",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     )?;
-    writeln!(out, "libfabric providers ({} found):", providers.len())?;
-    let rows: Vec<[String; 7]> = providers
+    writeln!(out, "libfabric providers ({} entries, distinct ones below):", providers.len())?;
+    // libfabric lists one entry per address of an interface: show each kind once.
+    let mut rows: Vec<[String; 7]> = providers
         .iter()
         .map(|p| {
             [
@@ -37,6 +38,8 @@ pub fn report() -> anyhow::Result<String> {
             ]
         })
         .collect();
+    let mut seen = std::collections::HashSet::new();
+    rows.retain(|r| seen.insert(r.clone()));
     let header = [
         "provider",
         "domain",
