@@ -13,7 +13,11 @@ pub fn report() -> anyhow::Result<String> {
         "cores: {}; default provider: {default} (set UEP_FI_PROVIDER or --provider to change)",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     )?;
-    writeln!(out, "libfabric providers ({} entries, distinct ones below):", providers.len())?;
+    writeln!(
+        out,
+        "libfabric providers ({} entries, distinct ones below):",
+        providers.len()
+    )?;
     // libfabric lists one entry per address of an interface: show each kind once.
     let mut rows: Vec<[String; 7]> = providers
         .iter()

@@ -530,6 +530,26 @@ impl Buffer {
         self.net.as_ref().map_or(0, Net::faults_injected)
     }
 
+    /// `rows` received token rows at `x` (with FP8 scales at `scales`) of this rank's
+    /// region, as the view a dispatch returns.
+    pub(crate) fn recv_tokens(
+        &self,
+        x: usize,
+        scales: usize,
+        rows: usize,
+        fp8: bool,
+    ) -> Result<RecvTokens<'_>> {
+        let h = self.cfg.hidden;
+        Ok(if fp8 {
+            RecvTokens::Fp8 {
+                data: self.symm.view(x, rows * h)?,
+                scales: self.symm.view(scales, rows * (h / 128))?,
+            }
+        } else {
+            RecvTokens::Bf16(bytemuck::cast_slice(self.symm.view::<u16>(x, rows * h)?))
+        })
+    }
+
     /// Whether `peer` shares memory with this rank (same node).
     pub(crate) fn is_local(&self, peer: usize) -> bool {
         self.symm.peer(peer).is_some()

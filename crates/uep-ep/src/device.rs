@@ -111,29 +111,43 @@ impl<'a> Until<'a> {
     }
 }
 
-/// Wait until `counter >= target` (acquire), or fail at the deadline or on abort with
-/// `what()` in the message.
+/// Wait until `done(counter)` (acquire loads), or fail at the deadline, on abort, or when
+/// the watched peer dies; `what()` and `seen(value)` make the message.
+fn wait_for(
+    counter: &AtomicU64,
+    until: Until<'_>,
+    what: impl Fn() -> String,
+    done: impl Fn(u64) -> bool,
+    expected: impl Fn(u64) -> String,
+) -> Result<u64> {
+    let mut backoff = Backoff::new();
+    loop {
+        let seen = counter.load(Ordering::Acquire);
+        if done(seen) {
+            return Ok(seen);
+        }
+        until.check(&what, backoff.step)?;
+        if Instant::now() >= until.deadline {
+            return Err(EpError::Timeout(format!("{}: {}", what(), expected(seen))));
+        }
+        backoff.snooze();
+    }
+}
+
+/// Wait until `counter >= target`; returns the value seen.
 pub fn wait_at_least(
     counter: &AtomicU64,
     target: u64,
     until: Until<'_>,
     what: impl Fn() -> String,
 ) -> Result<u64> {
-    let mut backoff = Backoff::new();
-    loop {
-        let seen = counter.load(Ordering::Acquire);
-        if seen >= target {
-            return Ok(seen);
-        }
-        until.check(&what, backoff.step)?;
-        if Instant::now() >= until.deadline {
-            return Err(EpError::Timeout(format!(
-                "{}: expected >= {target}, saw {seen}",
-                what()
-            )));
-        }
-        backoff.snooze();
-    }
+    wait_for(
+        counter,
+        until,
+        what,
+        |v| v >= target,
+        |seen| format!("expected >= {target}, saw {seen}"),
+    )
 }
 
 /// Wait until the high 32 bits of `counter` (an epoch) equal `epoch`; returns the low 32
@@ -144,23 +158,20 @@ pub fn wait_epoch(
     until: Until<'_>,
     what: impl Fn() -> String,
 ) -> Result<u32> {
-    let mut backoff = Backoff::new();
-    loop {
-        let seen = counter.load(Ordering::Acquire);
-        if (seen >> 32) as u32 == epoch {
-            return Ok(seen as u32);
-        }
-        until.check(&what, backoff.step)?;
-        if Instant::now() >= until.deadline {
-            return Err(EpError::Timeout(format!(
-                "{}: expected epoch {epoch}, saw epoch {} (value {})",
-                what(),
+    let word = wait_for(
+        counter,
+        until,
+        what,
+        |v| (v >> 32) as u32 == epoch,
+        |seen| {
+            format!(
+                "expected epoch {epoch}, saw epoch {} (value {})",
                 seen >> 32,
                 seen as u32
-            )));
-        }
-        backoff.snooze();
-    }
+            )
+        },
+    )?;
+    Ok(word as u32)
 }
 
 /// Pack an epoch and a 32-bit value into one counter word.

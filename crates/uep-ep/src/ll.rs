@@ -333,16 +333,7 @@ impl Buffer {
             recv_count[le] = base as i32;
         }
         let rows = epr * rows_per_expert;
-        let recv_x = if use_fp8 {
-            RecvTokens::Fp8 {
-                data: self.symm.view::<u8>(areas.recv_x, rows * h)?,
-                scales: self.symm.view::<f32>(areas.recv_scales, rows * groups)?,
-            }
-        } else {
-            RecvTokens::Bf16(bytemuck::cast_slice(
-                self.symm.view::<u16>(areas.recv_x, rows * h)?,
-            ))
-        };
+        let recv_x = self.recv_tokens(areas.recv_x, areas.recv_scales, rows, use_fp8)?;
         Ok(LlDispatchOutput {
             recv_x,
             recv_count: recv_count.clone(),

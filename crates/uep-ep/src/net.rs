@@ -21,8 +21,7 @@ use uep_fifo::Slot;
 use uep_proxy::{cmds, CounterLayout, Proxy, ProxyConfig};
 use uep_shm::Region;
 use uep_transport::{
-    Arrival, Caps, Completion, FabricOptions, FaultConfig, FaultyTransport, LibfabricTransport,
-    PeerAddr, RegionRef, Transport, TransportError,
+    FabricOptions, FaultConfig, FaultyTransport, LibfabricTransport, PeerAddr, RegionRef, Transport,
 };
 
 use crate::device::{wait_at_least, Backoff, Until};
@@ -120,11 +119,7 @@ impl Net {
                 };
                 let faulty =
                     FaultyTransport::new(tr, f).map_err(|e| invalid!("fault injector: {e}"))?;
-                tr = Box::new(Counted {
-                    inner: faulty,
-                    injected: faults.clone(),
-                    published: 0,
-                });
+                tr = Box::new(faulty.mirror_injected(faults.clone()));
             }
             transports.push(tr);
         }
@@ -245,79 +240,6 @@ impl Net {
         self.proxy
             .check()
             .map_err(|e| EpError::Peer(format!("proxy: {e}")))
-    }
-}
-
-/// A fault injector that also publishes how many faults it has injected (its proxy
-/// thread owns it, so the count crosses threads through an atomic).
-struct Counted<T: Transport> {
-    inner: FaultyTransport<T>,
-    injected: Arc<AtomicU64>,
-    /// What this injector last published, so several threads can share one total.
-    published: u64,
-}
-
-impl<T: Transport> Counted<T> {
-    fn publish(&mut self) {
-        let now = self.inner.fault_stats().injected();
-        self.injected
-            .fetch_add(now - self.published, Ordering::Relaxed);
-        self.published = now;
-    }
-}
-
-impl<T: Transport> Transport for Counted<T> {
-    fn caps(&self) -> &Caps {
-        self.inner.caps()
-    }
-    fn local_addr(&self) -> PeerAddr {
-        self.inner.local_addr()
-    }
-    fn connect(&mut self, peers: &[PeerAddr]) -> Result<(), TransportError> {
-        self.inner.connect(peers)
-    }
-    fn validate_write(
-        &self,
-        peer: usize,
-        local_off: u64,
-        remote_off: u64,
-        len: usize,
-    ) -> Result<(), TransportError> {
-        self.inner.validate_write(peer, local_off, remote_off, len)
-    }
-    fn post_write(
-        &mut self,
-        peer: usize,
-        local_off: u64,
-        remote_off: u64,
-        len: usize,
-        imm: u32,
-        ctx: u64,
-    ) -> Result<(), TransportError> {
-        self.inner
-            .post_write(peer, local_off, remote_off, len, imm, ctx)
-    }
-    fn post_imm(&mut self, peer: usize, imm: u32, ctx: u64) -> Result<(), TransportError> {
-        self.inner.post_imm(peer, imm, ctx)
-    }
-    fn post_atomic_add(
-        &mut self,
-        peer: usize,
-        remote_off: u64,
-        value: u64,
-        ctx: u64,
-    ) -> Result<(), TransportError> {
-        self.inner.post_atomic_add(peer, remote_off, value, ctx)
-    }
-    fn poll_send(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
-        let n = self.inner.poll_send(out);
-        self.publish();
-        n
-    }
-    fn poll_recv(&mut self, out: &mut Vec<Arrival>) -> Result<usize, TransportError> {
-        let n = self.inner.poll_recv(out);
-        self.publish();
-        n
     }
 }
 

@@ -466,16 +466,7 @@ impl Buffer {
             num_recv_tokens: num_recv,
             num_rows: rows,
         };
-        let recv_x = if x.is_fp8() {
-            RecvTokens::Fp8 {
-                data: self.symm.view::<u8>(map.recv_x, rows * h)?,
-                scales: self.symm.view::<f32>(map.recv_scales, rows * groups)?,
-            }
-        } else {
-            RecvTokens::Bf16(bytemuck::cast_slice(
-                self.symm.view::<u16>(map.recv_x, rows * h)?,
-            ))
-        };
+        let recv_x = self.recv_tokens(map.recv_x, map.recv_scales, rows, x.is_fp8())?;
         Ok(DispatchOutput {
             recv_x,
             recv_topk_idx: if with_topk {

@@ -11,6 +11,8 @@
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::{Arrival, Caps, Completion, PeerAddr, Transport, TransportError};
 
@@ -141,6 +143,9 @@ pub struct FaultyTransport<T: Transport> {
     next_seq: u64,
     stats: FaultStats,
     caps: Caps,
+    /// A counter shared with other threads that mirrors `stats.injected()`, and what
+    /// this injector last added to it (several injectors may share one total).
+    mirror: Option<(Arc<AtomicU64>, u64)>,
 }
 
 impl<T: Transport> std::fmt::Debug for FaultyTransport<T> {
@@ -173,6 +178,7 @@ impl<T: Transport> FaultyTransport<T> {
             cfg,
             held: Vec::new(),
             next_seq: 0,
+            mirror: None,
             stats: FaultStats::default(),
             caps,
         })
@@ -222,6 +228,21 @@ impl<T: Transport> FaultyTransport<T> {
 
     /// One poll's worth of issuing: age delays, shuffle the ready set, maybe
     /// cut it short, and hand it to the inner transport in that order.
+    /// Also add every injected fault to `total`, which other threads can read while this
+    /// transport is owned by a proxy thread.
+    pub fn mirror_injected(mut self, total: Arc<AtomicU64>) -> Self {
+        self.mirror = Some((total, 0));
+        self
+    }
+
+    fn publish(&mut self) {
+        if let Some((total, published)) = &mut self.mirror {
+            let now = self.stats.injected();
+            total.fetch_add(now - *published, Ordering::Relaxed);
+            *published = now;
+        }
+    }
+
     fn tick(&mut self) -> Result<(), TransportError> {
         if self.held.is_empty() {
             return Ok(());
@@ -359,12 +380,14 @@ impl<T: Transport> Transport for FaultyTransport<T> {
 
     fn poll_send(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
         self.tick()?;
+        self.publish();
         self.inner.poll_send(out)
     }
 
     fn poll_recv(&mut self, out: &mut Vec<Arrival>) -> Result<usize, TransportError> {
         // Polls of either queue count as "later polls" for held operations.
         self.tick()?;
+        self.publish();
         self.inner.poll_recv(out)
     }
 }
