@@ -400,37 +400,23 @@ impl Buffer {
                 let sec = packet::dispatch(n, row_bytes, groups, k);
                 let j = recv_base(src);
                 let local = *self.symm.local();
-                local.copy_from(
-                    map.recv_x + j * row_bytes,
-                    &local,
-                    base + sec.at[0],
-                    n * row_bytes,
-                )?;
-                if x.is_fp8() {
-                    local.copy_from(
-                        map.recv_scales + j * groups * 4,
-                        &local,
-                        base + sec.at[1],
-                        n * groups * 4,
-                    )?;
-                }
-                if with_topk {
-                    local.copy_from(
-                        map.recv_topk_idx + j * k * 8,
-                        &local,
-                        base + sec.at[2],
-                        n * k * 8,
-                    )?;
-                    if topk_weights.is_some() {
-                        local.copy_from(
-                            map.recv_topk_weights + j * k * 4,
-                            &local,
-                            base + sec.at[3],
-                            n * k * 4,
-                        )?;
+                // The packet's sections, in order, and where each goes in the output rows.
+                let areas = [
+                    (map.recv_x, row_bytes, true),
+                    (map.recv_scales, groups * 4, x.is_fp8()),
+                    (map.recv_topk_idx, k * 8, with_topk),
+                    (
+                        map.recv_topk_weights,
+                        k * 4,
+                        with_topk && topk_weights.is_some(),
+                    ),
+                    (map.recv_src_idx, 4, true),
+                ];
+                for ((area, stride, used), at) in areas.into_iter().zip(&sec.at) {
+                    if used {
+                        local.copy_from(area + j * stride, &local, base + at, n * stride)?;
                     }
                 }
-                local.copy_from(map.recv_src_idx + j * 4, &local, base + sec.at[4], n * 4)?;
             }
         }
         if rows > num_recv && with_topk {
