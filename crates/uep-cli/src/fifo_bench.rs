@@ -27,7 +27,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
-use uep_fifo::{Consumer, Fifo, Slot};
+use uep_fifo::{Consumer, Fifo, Producer, Slot};
 use uep_wire::{CmdFlags, Command, TransferCmd};
 
 use crate::report::Samples;
@@ -160,6 +160,15 @@ impl Tx for Arc<Fifo> {
     }
 }
 
+impl Tx for Producer<Arc<Fifo>> {
+    fn send(&mut self, cmd: TransferCmd, deadline: Instant) -> anyhow::Result<u64> {
+        Ok(self.push(cmd, deadline)?.0)
+    }
+    fn consumed(&self, token: u64) -> bool {
+        self.fifo().is_consumed(Slot(token))
+    }
+}
+
 impl Rx for Consumer<Arc<Fifo>> {
     fn recv(&mut self) -> Option<TransferCmd> {
         let (slot, cmd) = self.poll()?;
@@ -233,9 +242,15 @@ fn make_queue(queue: Queue, producers: usize, capacity: usize) -> anyhow::Result
         Queue::Uep => {
             let fifo = Arc::new(Fifo::new_heap(capacity)?.with_label("bench"));
             let rx = Consumer::claim(fifo.clone())?;
-            let txs = (0..producers)
-                .map(|_| Box::new(fifo.clone()) as Box<dyn Tx>)
-                .collect();
+            // One producer takes the exclusive handle (no read-modify-write a push),
+            // as a rank's single sending thread would; several share the ring.
+            let txs = if producers == 1 {
+                vec![Box::new(Producer::claim(fifo.clone())?) as Box<dyn Tx>]
+            } else {
+                (0..producers)
+                    .map(|_| Box::new(fifo.clone()) as Box<dyn Tx>)
+                    .collect()
+            };
             (txs, Box::new(rx))
         }
         Queue::Anchor if producers == 1 => {

@@ -38,6 +38,8 @@ pub(crate) struct ProducerLine {
     /// A recent value of the consumer's `tail`, so producers rarely read the
     /// consumer's line.
     pub(crate) cached_tail: AtomicU64,
+    /// Non-zero while an exclusive `Producer` handle exists (in any process).
+    pub(crate) producer_claimed: AtomicU64,
 }
 
 /// Line 2: written by the consumer.
@@ -143,6 +145,7 @@ impl Ring {
             prod: ProducerLine {
                 head: zero(),
                 cached_tail: zero(),
+                producer_claimed: zero(),
             },
             cons: ConsumerLine {
                 tail: zero(),
@@ -211,6 +214,7 @@ impl Ring {
             h.prod.cached_tail.store(0, Ordering::Relaxed);
             h.cons.tail.store(0, Ordering::Relaxed);
             h.cons.consumer_claimed.store(0, Ordering::Relaxed);
+            h.prod.producer_claimed.store(0, Ordering::Relaxed);
             for i in 0..capacity as u64 {
                 let cell = ring.slot(i);
                 cell.word0.store(0, Ordering::Relaxed);

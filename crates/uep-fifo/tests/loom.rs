@@ -199,3 +199,33 @@ fn capacity_one_slot_reuse() {
         producer.join().unwrap();
     });
 }
+
+/// The exclusive producer on a capacity-2 ring, four pushes: it reuses slots only after
+/// the consumer freed them (its plain release store of `head` relies on the consumer's
+/// Release of `tail`), and every command arrives once, in order, untorn.
+#[test]
+fn exclusive_producer_reuses_slots_safely() {
+    builder().check(|| {
+        let fifo = Arc::new(Fifo::new_heap(2).unwrap());
+        let f = fifo.clone();
+        let producer = thread::spawn(move || {
+            let mut p = uep_fifo::Producer::claim(f).unwrap();
+            for i in 0..4 {
+                p.push(cmd(0, i), far()).unwrap();
+            }
+        });
+        let mut consumer = fifo.consumer().unwrap();
+        let mut got = 0;
+        while got < 4 {
+            match consumer.poll() {
+                Some((slot, c)) => {
+                    assert_eq!((slot, c), (Slot(got), cmd(0, got)));
+                    consumer.pop(slot).unwrap();
+                    got += 1;
+                }
+                None => thread::yield_now(),
+            }
+        }
+        producer.join().unwrap();
+    });
+}
