@@ -116,6 +116,10 @@ pub struct BenchArgs {
     /// transport writes) that the table prints next to each op.
     #[arg(long)]
     pub no_limits: bool,
+    /// Benchmark comparison only: every wait busy-spins (as a GPU kernel would) instead
+    /// of spinning, then yielding, then sleeping.
+    #[arg(long)]
+    pub spin_waits: bool,
     /// Draw new tokens and routing for every step (verifying every step), instead of
     /// repeating one set.
     #[arg(long, conflicts_with_all = ["cached", "inputs"])]
@@ -472,6 +476,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     if let Some(t) = timeout {
         cfg.timeout = t;
     }
+    uep_ep::device::set_spin_only(args.spin_waits);
     let mut buffer = Buffer::new(group, cfg)?;
     if let Some(steps) = args.soak {
         return crate::soak::run(&mut buffer, args, &shape, max_ll, steps);

@@ -20,6 +20,16 @@ const YIELD_LIMIT: u32 = 256;
 /// below the deadlines a user sets.
 const SLEEP: Duration = Duration::from_micros(20);
 
+/// Busy-wait without ever yielding or sleeping: how a GPU kernel waits. For comparing
+/// the backoff against in benchmarks (`uep bench --spin-waits`); on a shared host it
+/// steals the cores the other ranks need.
+static SPIN_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Make every wait of this process a pure spin (`true`) or the default backoff.
+pub fn set_spin_only(spin: bool) {
+    SPIN_ONLY.store(spin, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Spin, then yield, then sleep: one step of a bounded wait.
 #[derive(Debug, Default)]
 pub struct Backoff {
@@ -34,6 +44,12 @@ impl Backoff {
 
     /// Wait a little, longer each time.
     pub fn snooze(&mut self) {
+        if SPIN_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
+            std::hint::spin_loop();
+            // Keep counting, so the periodic liveness check still runs.
+            self.step = self.step.wrapping_add(1);
+            return;
+        }
         if self.step < SPIN_LIMIT {
             for _ in 0..(1 << (self.step / 16).min(4)) {
                 std::hint::spin_loop();
