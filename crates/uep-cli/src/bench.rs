@@ -116,6 +116,10 @@ pub struct BenchArgs {
     /// transport writes) that the table prints next to each op.
     #[arg(long)]
     pub no_limits: bool,
+    /// Largest write the proxy posts for a packet to another node (default 1 MiB; a
+    /// token row's size, e.g. 14336, sends one write per row, unbatched).
+    #[arg(long, value_name = "BYTES")]
+    pub net_write_bytes: Option<usize>,
     /// Benchmark comparison only: every wait busy-spins (as a GPU kernel would) instead
     /// of spinning, then yielding, then sleeping.
     #[arg(long)]
@@ -473,6 +477,9 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     cfg.net.proxy.emulate_ordering = !args.no_ordering_emulation;
     cfg.net.faults = args.faults.map(FaultConfig::with_seed);
     let provider = cfg.net.fabric.provider.clone();
+    if let Some(b) = args.net_write_bytes {
+        cfg.net.write_bytes = b;
+    }
     if let Some(t) = timeout {
         cfg.timeout = t;
     }

@@ -32,9 +32,9 @@ use crate::symm::{Channel, RegionMap, CHANNELS};
 /// The one wire channel: every packet from a peer is announced in one ordered stream.
 const WIRE_CHANNEL: u8 = 0;
 
-/// Largest single write of a packet: big enough to stream, small enough that the
-/// proxy interleaves peers and the first bytes move while the last are staged.
-const CHUNK: usize = 1 << 20;
+/// Default largest single write of a packet: big enough to stream, small enough that
+/// the proxy interleaves peers and the first bytes move while the last are staged.
+pub const DEFAULT_WRITE_BYTES: usize = 1 << 20;
 
 /// How the network path is set up.
 #[derive(Clone, Debug, PartialEq)]
@@ -45,6 +45,10 @@ pub struct NetConfig {
     pub proxy: ProxyConfig,
     /// Wrap every transport in a fault injector (tests and soak runs).
     pub faults: Option<FaultConfig>,
+    /// Largest write a packet is cut into (a multiple of 16). Packets batch every token
+    /// bound for a peer; a token row's size here sends one write per row instead, as an
+    /// unbatched design would (`uep bench --net-write-bytes` compares them).
+    pub write_bytes: usize,
 }
 
 impl Default for NetConfig {
@@ -53,6 +57,7 @@ impl Default for NetConfig {
             fabric: FabricOptions::from_env(),
             proxy: ProxyConfig::default(),
             faults: None,
+            write_bytes: DEFAULT_WRITE_BYTES,
         }
     }
 }
@@ -65,6 +70,8 @@ pub(crate) struct Net {
     num_ranks: usize,
     /// `[channel][dst]`: the Quiet that follows the last packet staged there.
     quiets: std::cell::RefCell<Vec<Option<(usize, usize, Slot)>>>,
+    /// Largest single write (see [`NetConfig::write_bytes`]).
+    write_bytes: usize,
     /// `[src]`: packets awaited so far (the next wait expects one more).
     expected: Vec<std::cell::Cell<u64>>,
     /// Faults the injectors of all threads have injected so far.
@@ -151,6 +158,8 @@ impl Net {
             fifos_per_thread,
             num_ranks,
             quiets: std::cell::RefCell::new(vec![None; CHANNELS * num_ranks]),
+            write_bytes: (cfg.write_bytes.max(16) / 16 * 16)
+                .min(uep_wire::MAX_WRITE_LEN as usize / 16 * 16),
             expected: (0..num_ranks).map(|_| std::cell::Cell::new(0)).collect(),
             faults,
         })
@@ -210,7 +219,7 @@ impl Net {
         let wire = |e: uep_proxy::ProxyError| invalid!("rank {me}: {e}");
         let mut off = 0;
         while off < len {
-            let n = CHUNK.min(len - off);
+            let n = self.write_bytes.min(len - off);
             push(
                 cmds::normal_write(
                     dst,
