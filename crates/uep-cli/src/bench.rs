@@ -465,8 +465,12 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     if let Some(p) = &args.provider {
         cfg.net.fabric.provider = p.clone();
     }
-    // Local ranks play the nodes of a cluster: keep their traffic on loopback.
-    if info.source == EnvSource::Uep && cfg.net.fabric.node.is_none() {
+    // Local ranks play the nodes of a cluster: keep socket providers' traffic on
+    // loopback (`shm` has no addresses to choose, and refuses the hint).
+    if info.source == EnvSource::Uep
+        && cfg.net.fabric.node.is_none()
+        && !cfg.net.fabric.provider.starts_with("shm")
+    {
         cfg.net.fabric = FabricOptions::loopback(&cfg.net.fabric.provider);
     }
     cfg.net.proxy.threads = if args.proxy_threads > 0 {

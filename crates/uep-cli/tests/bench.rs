@@ -240,6 +240,10 @@ fn multi_node_through_libfabric_tcp() {
     let mut args = net_small("3", "3");
     args.extend(["--experts", "18", "--routing", "empty-ranks"]);
     bench(&args);
+    // The same path over libfabric's shared-memory provider.
+    let mut args = net_small("4", "2");
+    args.extend(["--provider", "shm"]);
+    bench(&args);
     // Packets cut into row-sized writes (the unbatched comparison) stay exact too.
     let mut args = net_small("4", "2");
     args.extend(["--net-write-bytes", "512", "--fp8"]);
