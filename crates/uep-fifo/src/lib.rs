@@ -396,46 +396,7 @@ impl Fifo {
     /// FIFO's head, tail and capacity. A deadline in the past still makes
     /// one attempt.
     pub fn push(&self, cmd: TransferCmd, deadline: Instant) -> Result<Slot, FifoError> {
-        let mut spins = 0u32;
-        let mut started: Option<Instant> = None;
-        loop {
-            match self.try_push(cmd) {
-                Ok(slot) => return Ok(slot),
-                Err(PushError::ZeroWord0) => {
-                    return Err(FifoError::ZeroWord0 {
-                        fifo: self.label.clone(),
-                    })
-                }
-                Err(PushError::ExclusiveProducer) => {
-                    return Err(FifoError::ProducerTaken {
-                        fifo: self.label.clone(),
-                    })
-                }
-                Err(PushError::Full {
-                    head,
-                    tail,
-                    capacity,
-                }) => {
-                    let now = Instant::now();
-                    let start = *started.get_or_insert(now);
-                    if now >= deadline {
-                        return Err(FifoError::PushTimeout {
-                            fifo: self.label.clone(),
-                            head,
-                            tail,
-                            capacity,
-                            waited: now - start,
-                        });
-                    }
-                }
-            }
-            if spins < SPIN_LIMIT {
-                spins += 1;
-                sync::spin_loop();
-            } else {
-                sync::yield_now();
-            }
-        }
+        push_until(&self.label, deadline, || self.try_push(cmd))
     }
 
     /// Claims the single consumer of this FIFO (see [`Consumer::claim`]).
@@ -534,47 +495,56 @@ impl<P: Deref<Target = Fifo>> Producer<P> {
     /// Like [`Producer::try_push`], but waits while the ring is full (spins, then
     /// yields) until `deadline`.
     pub fn push(&mut self, cmd: TransferCmd, deadline: Instant) -> Result<Slot, FifoError> {
-        // The clock is read only once the ring is found full: a push that succeeds at
-        // once costs no clock read.
-        let mut started: Option<Instant> = None;
-        let mut spins = 0u32;
-        loop {
-            match self.try_push(cmd) {
-                Ok(slot) => return Ok(slot),
-                Err(PushError::ZeroWord0) => {
-                    return Err(FifoError::ZeroWord0 {
-                        fifo: self.fifo.label.clone(),
-                    })
-                }
-                Err(PushError::ExclusiveProducer) => {
-                    return Err(FifoError::ProducerTaken {
-                        fifo: self.fifo.label.clone(),
-                    })
-                }
-                Err(PushError::Full {
-                    head,
-                    tail,
-                    capacity,
-                }) => {
-                    let now = Instant::now();
-                    let start = *started.get_or_insert(now);
-                    if now >= deadline {
-                        return Err(FifoError::PushTimeout {
-                            fifo: self.fifo.label.clone(),
-                            head,
-                            tail,
-                            capacity,
-                            waited: now - start,
-                        });
-                    }
+        // Fast path first: the label is cloned (for messages) only when the ring is full.
+        if let Ok(slot) = self.try_push(cmd) {
+            return Ok(slot);
+        }
+        let label = self.fifo.label.clone();
+        push_until(&label, deadline, || self.try_push(cmd))
+    }
+}
+
+/// Retry `attempt` while the ring is full: spin briefly, then yield, until `deadline`
+/// (a deadline in the past still makes one attempt). The clock is read only once the
+/// ring is found full, so a push that succeeds at once costs no clock read.
+fn push_until(
+    label: &str,
+    deadline: Instant,
+    mut attempt: impl FnMut() -> Result<Slot, PushError>,
+) -> Result<Slot, FifoError> {
+    let fifo = || label.to_string();
+    let mut started: Option<Instant> = None;
+    let mut spins = 0u32;
+    loop {
+        match attempt() {
+            Ok(slot) => return Ok(slot),
+            Err(PushError::ZeroWord0) => return Err(FifoError::ZeroWord0 { fifo: fifo() }),
+            Err(PushError::ExclusiveProducer) => {
+                return Err(FifoError::ProducerTaken { fifo: fifo() })
+            }
+            Err(PushError::Full {
+                head,
+                tail,
+                capacity,
+            }) => {
+                let now = Instant::now();
+                let start = *started.get_or_insert(now);
+                if now >= deadline {
+                    return Err(FifoError::PushTimeout {
+                        fifo: fifo(),
+                        head,
+                        tail,
+                        capacity,
+                        waited: now - start,
+                    });
                 }
             }
-            if spins < SPIN_LIMIT {
-                spins += 1;
-                sync::spin_loop();
-            } else {
-                sync::yield_now();
-            }
+        }
+        if spins < SPIN_LIMIT {
+            spins += 1;
+            sync::spin_loop();
+        } else {
+            sync::yield_now();
         }
     }
 }
