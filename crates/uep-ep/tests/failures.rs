@@ -549,15 +549,7 @@ impl Outcome {
             "rank {}: expected a timeout, got {self:?}",
             self.rank
         );
-        for n in needles {
-            assert!(
-                self.msg.contains(n),
-                "rank {}: message lacks {n:?}: {}",
-                self.rank,
-                self.msg
-            );
-        }
-        self
+        self.expect_msg(needles)
     }
 
     /// Assert this rank failed with an error of `kind` whose message has every needle.
@@ -568,6 +560,11 @@ impl Outcome {
             "rank {}: expected a {kind} error, got {self:?}",
             self.rank
         );
+        self.expect_msg(needles)
+    }
+
+    /// Assert the message has every needle.
+    fn expect_msg(&self, needles: &[&str]) -> &Self {
         for n in needles {
             assert!(
                 self.msg.contains(n),
