@@ -416,6 +416,8 @@ struct Measured {
     bytes: u64,
     /// Of `bytes`, what goes to ranks on other nodes (through the proxy).
     net_bytes: u64,
+    /// What this rank handed to its proxy per iteration (measured).
+    wire_bytes: u64,
     timer: Timer,
 }
 
@@ -512,6 +514,8 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         let mut t_dispatch = Timer::new(args.warmup, args.iters);
         let mut t_combine = Timer::new(args.warmup, args.iters);
         let (mut copies, mut net_copies) = (0usize, 0usize);
+        // Bytes handed to the proxy in timed steps: dispatch, combine.
+        let mut wire = [0u64; 2];
         let mut y: Vec<bf16> = Vec::new();
         let mut cached: Option<uep_ep::NormalHandle> = None;
         // Outputs live across steps, as a framework's allocator would hand them out.
@@ -533,9 +537,10 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
                     .iter()
                     .map(|&n| n as usize)
                     .sum::<usize>();
-                net_copies += (0..world)
-                    .filter(|&r| r / lws != rank / lws)
-                    .map(|r| layout.num_tokens_per_rank[r] as usize)
+                // A token crosses the network once per other node it goes to.
+                net_copies += (0..world / lws)
+                    .filter(|&m| m != rank / lws)
+                    .map(|m| layout.num_tokens_per_rdma_rank[m] as usize)
                     .sum::<usize>();
             }
             progress.set_message("layout");
@@ -560,6 +565,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             }
             .expert_alignment(args.expert_alignment)
             .num_worst_tokens(args.num_worst_tokens);
+            let sent = buffer.net_bytes_sent();
             let start = Instant::now();
             let out = buffer.dispatch(args_d)?;
             t_dispatch.record(start.elapsed());
@@ -578,10 +584,14 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             if args.cached && cached.is_none() {
                 cached = Some(handle.clone());
             }
+            if step >= args.warmup as u64 {
+                wire[0] += buffer.net_bytes_sent() - sent;
+            }
             progress.inc(1);
 
             progress.set_message("combine");
             buffer.barrier()?;
+            let sent = buffer.net_bytes_sent();
             let start = Instant::now();
             let out_w = combined
                 .combined_topk_weights
@@ -589,6 +599,9 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
                 .filter(|_| w.is_some());
             buffer.combine_into(&y, w.as_deref(), &handle, &mut combined.combined_x, out_w)?;
             t_combine.record(start.elapsed());
+            if step >= args.warmup as u64 {
+                wire[1] += buffer.net_bytes_sent() - sent;
+            }
             if check {
                 bad.bits(
                     "combine.combined_x",
@@ -618,6 +631,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             tokens: t_n,
             bytes: 0,
             net_bytes: 0,
+            wire_bytes: 0,
             timer: t_layout,
         });
         measured.push(Measured {
@@ -626,6 +640,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             tokens: t_n,
             bytes: copies as u64 * token_bytes / args.iters as u64,
             net_bytes: net_copies as u64 * token_bytes / args.iters as u64,
+            wire_bytes: wire[0] / args.iters as u64,
             timer: t_dispatch,
         });
         measured.push(Measured {
@@ -634,6 +649,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             tokens: t_n,
             bytes: copies as u64 * 2 * h as u64 / args.iters as u64,
             net_bytes: net_copies as u64 * 2 * h as u64 / args.iters as u64,
+            wire_bytes: wire[1] / args.iters as u64,
             timer: t_combine,
         });
     }
@@ -643,6 +659,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         let t_n = case.inputs[rank].num_tokens;
         let epr = (args.experts / world) as i64;
         let (mut copies, mut net_copies) = (0u64, 0u64);
+        let mut wire = [0u64; 2];
         let mut t_dispatch = Timer::new(args.warmup, args.iters);
         let mut t_combine = Timer::new(args.warmup, args.iters);
         let mut y = vec![bf16::ZERO; args.experts / world * world * max_ll * h];
@@ -666,6 +683,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             }
             progress.set_message("ll_dispatch");
             buffer.barrier()?;
+            let sent = buffer.net_bytes_sent();
             let start = Instant::now();
             let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
             t_dispatch.record(start.elapsed());
@@ -682,14 +700,21 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
                 identity_expert(out.recv_x, begin..begin + n as usize, h, &mut y)?;
             }
             let handle = out.handle;
+            if step >= args.warmup as u64 {
+                wire[0] += buffer.net_bytes_sent() - sent;
+            }
             progress.inc(1);
 
             progress.set_message("ll_combine");
             buffer.barrier()?;
+            let sent = buffer.net_bytes_sent();
             let start = Instant::now();
             let combined =
                 buffer.low_latency_combine(&y, &mine.topk_idx, &mine.topk_weights, &handle)?;
             t_combine.record(start.elapsed());
+            if step >= args.warmup as u64 {
+                wire[1] += buffer.net_bytes_sent() - sent;
+            }
             if check {
                 bad.bits("ll_combine.combined_x", &combined, &case.expected_combine);
                 if let (Some(dump), Some(dir)) = (dump.as_mut(), &args.dump) {
@@ -705,6 +730,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             tokens: t_n,
             bytes: copies * token_bytes / args.iters as u64,
             net_bytes: net_copies * token_bytes / args.iters as u64,
+            wire_bytes: wire[0] / args.iters as u64,
             timer: t_dispatch,
         });
         measured.push(Measured {
@@ -713,6 +739,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             tokens: t_n,
             bytes: copies * 2 * h as u64 / args.iters as u64,
             net_bytes: net_copies * 2 * h as u64 / args.iters as u64,
+            wire_bytes: wire[1] / args.iters as u64,
             timer: t_combine,
         });
     }
@@ -724,6 +751,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     for m in &measured {
         blob.extend_from_slice(&m.bytes.to_le_bytes());
         blob.extend_from_slice(&m.net_bytes.to_le_bytes());
+        blob.extend_from_slice(&m.wire_bytes.to_le_bytes());
         blob.extend_from_slice(&(m.timer.samples.len() as u64).to_le_bytes());
         for d in m.timer.samples.durations() {
             blob.extend_from_slice(&(d.as_nanos() as u64).to_le_bytes());
@@ -736,16 +764,17 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     }
     let mut total_bad = 0u64;
     let mut reports = Vec::new();
-    let mut merged: Vec<(Samples, u64, u64)> =
-        measured.iter().map(|_| (Samples::new(), 0, 0)).collect();
+    let mut merged: Vec<(Samples, u64, u64, u64)> =
+        measured.iter().map(|_| (Samples::new(), 0, 0, 0)).collect();
     for b in &all {
         let mut words = b
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
         total_bad += words.next().unwrap_or(1);
-        for (samples, bytes, net) in merged.iter_mut() {
+        for (samples, bytes, net, wire) in merged.iter_mut() {
             *bytes += words.next().unwrap_or(0);
             *net += words.next().unwrap_or(0);
+            *wire += words.next().unwrap_or(0);
             let n = words.next().unwrap_or(0);
             for _ in 0..n {
                 samples.push(Duration::from_nanos(words.next().unwrap_or(0)));
@@ -756,7 +785,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     // wait: all ranks of a node copying at once, and a raw stream of transport writes.
     let mut limits = std::collections::HashMap::new();
     if !args.no_limits {
-        for (m, (_, bytes, net)) in measured.iter().zip(&merged) {
+        for (m, (_, bytes, net, _)) in measured.iter().zip(&merged) {
             let (bytes, net) = (bytes / world as u64, net / world as u64);
             if bytes == 0 {
                 continue;
@@ -780,7 +809,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             limits.insert(m.op, (seconds > 0.0).then(|| bytes as f64 / seconds / 1e9));
         }
     }
-    for (m, (samples, bytes, net)) in measured.iter().zip(&merged) {
+    for (m, (samples, bytes, net, wire)) in measured.iter().zip(&merged) {
         let s = samples.summary().expect("iters >= 1");
         let (bytes, net) = (bytes / world as u64, net / world as u64);
         reports.push(OpReport {
@@ -799,6 +828,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             },
             bytes_per_rank: bytes,
             net_bytes_per_rank: net,
+            net_wire_bytes_per_rank: wire / world as u64,
             gbps: gbps(bytes, s.avg_us),
             net_gbps: gbps(net, s.avg_us),
             limit_gbps: limits.get(&m.op).copied().flatten(),

@@ -32,6 +32,9 @@ pub struct OpReport {
     pub bytes_per_rank: u64,
     /// The part of `bytes_per_rank` that crosses nodes (RDMA); 0 on one node.
     pub net_bytes_per_rank: u64,
+    /// Bytes a rank actually handed to its proxy for other nodes per iteration, mean
+    /// over ranks: `net_bytes_per_rank` plus metadata, headers and token counts.
+    pub net_wire_bytes_per_rank: u64,
     /// `bytes_per_rank / avg time`, in GB/s (1e9 bytes/s).
     pub gbps: f64,
     /// `net_bytes_per_rank / avg time`, in GB/s.
@@ -368,6 +371,7 @@ mod tests {
             dtype: "bf16".to_string(),
             bytes_per_rank: 14 * 1024 * 1024,
             net_bytes_per_rank: if nodes > 1 { 7 * 1024 * 1024 } else { 0 },
+            net_wire_bytes_per_rank: 0,
             gbps: 150.0,
             net_gbps: if nodes > 1 { 45.5 } else { 0.0 },
             limit_gbps: limit,

@@ -237,6 +237,11 @@ fn multi_node_through_libfabric_tcp() {
         args.extend(["--mode", "normal", "--cached", "--num-worst-tokens", "256"]);
         bench(&args);
     }
+    // 2 nodes of 3 with top-8: a node's partial sum of 3 rows rounds to bf16 before it
+    // crosses, which changes results (a flat-sum reference fails this run).
+    let mut args = net_small("6", "2");
+    args.extend(["--experts", "24", "--topk", "8", "--routing", "uniform"]);
+    bench(&args);
     let mut args = net_small("3", "3");
     args.extend(["--experts", "18", "--routing", "empty-ranks"]);
     bench(&args);
@@ -254,6 +259,43 @@ fn multi_node_through_libfabric_tcp() {
             args.extend(["--routing", routing, "--iters", "1", "--warmup", "0"]);
             bench(&args);
         }
+    }
+}
+
+#[test]
+fn normal_mode_crosses_the_network_once_per_node() {
+    // Every token to all 4 experts, one a rank: each token goes to both ranks of the other
+    // node. Sent once to the relaying rank there (and its combine partial once back), the
+    // bytes that cross are one copy per token; rank by rank it would be two.
+    let reports = bench(&[
+        "--ranks",
+        "4",
+        "--nodes",
+        "2",
+        "--experts",
+        "4",
+        "--topk",
+        "4",
+        "--tokens",
+        "64",
+        "--hidden",
+        "256",
+        "--drop-prob",
+        "0",
+        "--mode",
+        "normal",
+    ]);
+    for op in ["dispatch", "combine"] {
+        let r = reports.iter().find(|r| r["op"] == op).unwrap();
+        let (all, net, wire) = (
+            r["bytes_per_rank"].as_u64().unwrap(),
+            r["net_bytes_per_rank"].as_u64().unwrap(),
+            r["net_wire_bytes_per_rank"].as_u64().unwrap(),
+        );
+        assert_eq!(all, 64 * 256 * 2 * 4, "{r}");
+        assert_eq!(net, all / 4, "{r}");
+        // Measured: the rows once, plus top-k ids, weights, source index and mask.
+        assert!(net <= wire && wire < net * 3 / 2, "{r}");
     }
 }
 

@@ -6,9 +6,9 @@
 //! * `get_dispatch_layout` of 4096 tokens x 8 slots over 8 ranks;
 //! * token packing: 4096 rows of 14336 bytes copied to scattered rows, the
 //!   memory traffic of a normal dispatch's sends;
-//! * the LL combine reduction `sum_k w_k * y_k` over K = 8 bf16 rows with f32
-//!   accumulation, rounded once, written exactly as `Buffer::low_latency_combine`
-//!   does it.
+//! * the combine reduction `quant::reduce_rows`: `sum_k w_k * y_k` (LL combine)
+//!   or `sum_k y_k` (normal combine) over K = 8 bf16 rows with f32 accumulation,
+//!   rounded once.
 //!
 //! Run: `cargo bench -p uep-ep --bench kernels` (each bench stops after about
 //! a second; divan's `--sample-count N` / `--max-time S` override that).
@@ -19,7 +19,7 @@ use half::bf16;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use uep_ep::quant::{dequantize_token, quantize, quantize_token, FP8_GROUP};
+use uep_ep::quant::{dequantize_token, quantize, quantize_token, reduce_rows, FP8_GROUP};
 
 const H: usize = 7168;
 const K: usize = 8;
@@ -120,38 +120,29 @@ fn token_packing(b: Bencher) {
     });
 }
 
-/// LL combine's reduction for T_LL tokens: `sum_k w_k * y_k` over K rows of H
-/// bf16 each, f32 accumulation, one rounding to bf16; bytes counted are the
-/// bf16 rows read.
-#[divan::bench(max_time = 1)]
-fn combine_reduce(b: Bencher) {
+/// The combine reduction for T_LL tokens: `quant::reduce_rows` over K rows of H
+/// bf16 each, f32 accumulation, one rounding to bf16, called per token exactly as
+/// `Buffer::low_latency_combine` (weighted) and the normal combine (unweighted,
+/// the plain sum) call it; bytes counted are the bf16 rows read.
+#[divan::bench(args = [true, false], max_time = 1)]
+fn combine_reduce(b: Bencher, weighted: bool) {
     let rows: Vec<u16> = activations(T_LL * K, 5)
         .iter()
         .map(|v| v.to_bits())
         .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(6);
-    let topk_idx: Vec<i64> = (0..T_LL * K).map(|i| (i % E) as i64).collect();
     let weights: Vec<f32> = (0..T_LL * K).map(|_| rng.gen::<f32>()).collect();
     let mut out = vec![bf16::ZERO; T_LL * H];
-    let mut acc = vec![0f32; H];
+    let mut parts = Vec::with_capacity(K);
     b.counter(BytesCount::new(T_LL * K * H * 2))
         .bench_local(|| {
-            // The loop of Buffer::low_latency_combine, verbatim in substance.
             for (t, out_row) in out.chunks_exact_mut(H).enumerate() {
-                acc.fill(0.0);
+                parts.clear();
                 for s in 0..K {
-                    if topk_idx[t * K + s] < 0 {
-                        continue;
-                    }
-                    let w = weights[t * K + s];
-                    let row = &rows[(t * K + s) * H..(t * K + s + 1) * H];
-                    for (a, &y) in acc.iter_mut().zip(row) {
-                        *a += w * f32::from_bits((y as u32) << 16);
-                    }
+                    let i = t * K + s;
+                    parts.push((&rows[i * H..(i + 1) * H], weights[i]));
                 }
-                for (o, &a) in out_row.iter_mut().zip(&acc) {
-                    *o = bf16::from_f32(a);
-                }
+                reduce_rows(black_box(&parts), weighted, out_row);
             }
             black_box(&out);
         });

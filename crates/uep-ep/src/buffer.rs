@@ -525,6 +525,12 @@ impl Buffer {
         Ok(())
     }
 
+    /// Bytes this rank has handed to its proxy for ranks on other nodes so far: every
+    /// packet (token rows, their metadata and headers), as sent, not as computed.
+    pub fn net_bytes_sent(&self) -> u64 {
+        self.net.as_ref().map_or(0, Net::sent_bytes)
+    }
+
     /// Faults injected into this rank's network path so far (see `NetConfig::faults`).
     pub fn faults_injected(&self) -> u64 {
         self.net.as_ref().map_or(0, Net::faults_injected)
@@ -548,6 +554,17 @@ impl Buffer {
         } else {
             RecvTokens::Bf16(bytemuck::cast_slice(self.symm.view::<u16>(x, rows * h)?))
         })
+    }
+
+    /// Where this rank sits among nodes.
+    pub(crate) fn topology(&self) -> Topology {
+        let l = self.group.local_world_size();
+        Topology {
+            ranks_per_node: l,
+            node: self.rank / l,
+            local: self.rank % l,
+            num_nodes: self.num_ranks / l,
+        }
     }
 
     /// Whether `peer` shares memory with this rank (same node).
@@ -607,5 +624,41 @@ impl Buffer {
     /// rank rejects its input, so that nobody waits for it).
     pub fn abort(&self, reason: &str) {
         self.group.abort(reason);
+    }
+}
+
+/// Ranks are numbered node by node: rank `r` is local rank `r % L` of node `r / L`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Topology {
+    /// `L`.
+    pub ranks_per_node: usize,
+    /// This rank's node.
+    pub node: usize,
+    /// This rank's index inside its node.
+    pub local: usize,
+    /// Number of nodes.
+    pub num_nodes: usize,
+}
+
+impl Topology {
+    /// The ranks of node `m`.
+    pub fn node_ranks(self, m: usize) -> std::ops::Range<usize> {
+        m * self.ranks_per_node..(m + 1) * self.ranks_per_node
+    }
+
+    /// The node of rank `r`.
+    pub fn node_of(self, r: usize) -> usize {
+        r / self.ranks_per_node
+    }
+
+    /// Every node but this rank's.
+    pub fn remote_nodes(self) -> impl Iterator<Item = usize> {
+        (0..self.num_nodes).filter(move |&m| m != self.node)
+    }
+
+    /// The rank of node `m` with `r`'s local index: it relays `r`'s tokens inside `m`
+    /// (and returns `m`'s partial sums to `r`), as DeepEP pairs RDMA peers by local rank.
+    pub fn relay(self, r: usize, m: usize) -> usize {
+        m * self.ranks_per_node + r % self.ranks_per_node
     }
 }

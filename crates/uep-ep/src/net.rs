@@ -76,6 +76,8 @@ pub(crate) struct Net {
     expected: Vec<std::cell::Cell<u64>>,
     /// Faults the injectors of all threads have injected so far.
     faults: Arc<AtomicU64>,
+    /// Packet bytes handed to the proxy so far.
+    sent_bytes: std::cell::Cell<u64>,
 }
 
 impl std::fmt::Debug for Net {
@@ -162,6 +164,7 @@ impl Net {
                 .min(uep_wire::MAX_WRITE_LEN as usize / 16 * 16),
             expected: (0..num_ranks).map(|_| std::cell::Cell::new(0)).collect(),
             faults,
+            sent_bytes: std::cell::Cell::new(0),
         })
     }
 
@@ -235,8 +238,14 @@ impl Net {
         }
         push(cmds::normal_write(dst, src, land, 0, WIRE_CHANNEL, 1).map_err(wire)?)?;
         let slot = push(cmds::quiet())?;
+        self.sent_bytes.set(self.sent_bytes.get() + len as u64);
         self.quiets.borrow_mut()[ch as usize * self.num_ranks + dst] = Some((t, i, slot));
         Ok(())
+    }
+
+    /// Packet bytes handed to the proxy so far.
+    pub(crate) fn sent_bytes(&self) -> u64 {
+        self.sent_bytes.get()
     }
 
     /// Faults injected so far (0 without `NetConfig::faults`).

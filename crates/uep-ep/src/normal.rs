@@ -22,6 +22,7 @@ use std::sync::atomic::Ordering;
 use half::bf16;
 
 use crate::buffer::{Buffer, RecvTokens, Tokens};
+use crate::device::Until;
 use crate::error::Result;
 use crate::invalid;
 use crate::layout::{get_dispatch_layout, DispatchLayout};
@@ -116,6 +117,48 @@ pub struct NormalHandle {
     pub num_recv_tokens: usize,
     /// Rows of the outputs (`num_recv_tokens`, or `num_worst_tokens` when padding).
     pub num_rows: usize,
+    /// Multi-node: the tokens this rank relayed into its node, per source on another node.
+    pub(crate) relay: Vec<Relayed>,
+}
+
+/// The tokens one source on another node sent through this rank, in packet order;
+/// combine returns their node's partial sums in the same order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Relayed {
+    /// The source rank.
+    src: usize,
+    /// Source token index of each relayed token.
+    tokens: Vec<i32>,
+    /// Bit `l`: local rank `l` of this node received the token.
+    masks: Vec<u64>,
+}
+
+/// Where dispatch sends a token: a rank of this node, or another node (through the rank
+/// there that relays for this one).
+#[derive(Clone, Copy, Debug)]
+enum Dest {
+    Rank(usize),
+    Node(usize),
+}
+
+/// Local top-k ids and weights of a token for rank `r`: `e - r * epr` where expert `e`
+/// lives on `r`, else `-1` and weight 0.
+fn localize(
+    idx: &[i64],
+    w: Option<&[f32]>,
+    r: usize,
+    epr: usize,
+    idx_row: &mut [i64],
+    w_row: &mut [f32],
+) {
+    for (s, &e) in idx.iter().enumerate() {
+        let local = e >= 0 && e as usize / epr == r;
+        idx_row[s] = if local { e - (r * epr) as i64 } else { -1 };
+        w_row[s] = match w {
+            Some(w) if local => w[s],
+            _ => 0.0,
+        };
+    }
 }
 
 impl NormalHandle {
@@ -166,6 +209,8 @@ struct RowSink {
     topk: usize,
     weights: usize,
     src: usize,
+    /// Node packets only: the mask of local ranks that need each token.
+    mask: usize,
 }
 
 /// The routing one dispatch works with, whichever way it was given.
@@ -277,52 +322,84 @@ impl Buffer {
             .map(|n| n.div_ceil(align) * align)
             .collect();
 
-        // 2. data: each token to each of its ranks, at its final row there.
+        // 2. data: each token once to each same-node rank that needs it, straight into
+        // its final output row there, and once to each other node that needs it, into
+        // a packet for the rank there that relays it to the node's ranks (SPEC.md §3).
         let out_base: Vec<usize> = (0..r_n).map(|r| column_sum(me, r)).collect();
-        let recv_base = |src: usize| column_sum(src, me);
         let row_bytes = args.x.row_bytes(h);
         let groups = h / 128;
+        let fp8 = args.x.is_fp8();
         let with_topk = args.handle.is_none() && args.topk_idx.is_some();
+        let with_weights = with_topk && args.topk_weights.is_some();
+        let topo = self.topology();
         let in_rank = &routing.in_rank;
-        // Position of chunk c's first token among the tokens sent to each rank.
+        let dests: Vec<Dest> = (0..r_n)
+            .filter(|&r| self.is_local(r))
+            .map(Dest::Rank)
+            .chain(topo.remote_nodes().map(Dest::Node))
+            .collect();
+        let nd = dests.len();
+        let hit: Vec<bool> = (0..t_n)
+            .flat_map(|t| {
+                let row = &in_rank[t * r_n..(t + 1) * r_n];
+                dests.iter().map(move |d| match *d {
+                    Dest::Rank(r) => row[r],
+                    Dest::Node(m) => row[topo.node_ranks(m)].contains(&true),
+                })
+            })
+            .collect();
+        let sent_to = |d: usize| (0..t_n).filter(|&t| hit[t * nd + d]).count();
+        // Position of chunk c's first token among the tokens sent to each destination.
         let threads = self.device.threads().min(t_n.max(1));
         let per_chunk = t_n.div_ceil(threads.max(1)).max(1);
-        let mut chunk_start = vec![0usize; threads * r_n];
-        let mut running = vec![0usize; r_n];
+        let mut chunk_start = vec![0usize; threads * nd];
+        let mut running = vec![0usize; nd];
         for c in 0..threads {
-            chunk_start[c * r_n..(c + 1) * r_n].copy_from_slice(&running);
+            chunk_start[c * nd..(c + 1) * nd].copy_from_slice(&running);
             for t in (c * per_chunk).min(t_n)..((c + 1) * per_chunk).min(t_n) {
-                for (r, n) in running.iter_mut().enumerate() {
-                    *n += in_rank[t * r_n + r] as usize;
+                for (d, n) in running.iter_mut().enumerate() {
+                    *n += hit[t * nd + d] as usize;
                 }
             }
         }
-        // Where rows for each rank go: straight into a same-node peer's output rows, or
-        // into this rank's staging packet for a peer on another node.
-        let mut sinks = Vec::with_capacity(r_n);
-        for r in 0..r_n {
-            let n = matrix[me * r_n + r] as usize;
-            sinks.push(if self.is_local(r) {
-                let j = out_base[r];
-                RowSink {
-                    region: self.peer_region(r)?,
-                    x: map.recv_x + j * row_bytes,
-                    scales: map.recv_scales + j * groups * 4,
-                    topk: map.recv_topk_idx + j * k * 8,
-                    weights: map.recv_topk_weights + j * k * 4,
-                    src: map.recv_src_idx + j * 4,
+        let sections = |n: usize| {
+            packet::dispatch(
+                n,
+                row_bytes,
+                if fp8 { groups } else { 0 },
+                if with_topk { k } else { 0 },
+                if with_weights { k } else { 0 },
+            )
+        };
+        let mut sinks = Vec::with_capacity(nd);
+        for (d, dest) in dests.iter().enumerate() {
+            sinks.push(match *dest {
+                Dest::Rank(r) => {
+                    let j = out_base[r];
+                    RowSink {
+                        region: self.peer_region(r)?,
+                        x: map.recv_x + j * row_bytes,
+                        scales: map.recv_scales + j * groups * 4,
+                        topk: map.recv_topk_idx + j * k * 8,
+                        weights: map.recv_topk_weights + j * k * 4,
+                        src: map.recv_src_idx + j * 4,
+                        mask: 0,
+                    }
                 }
-            } else {
-                self.reclaim(Channel::Dispatch, r, until)?;
-                let base = map.net.staging(Channel::Dispatch, r);
-                let sec = packet::dispatch(n, row_bytes, groups, k);
-                RowSink {
-                    region: *self.symm.local(),
-                    x: base + sec.at[0],
-                    scales: base + sec.at[1],
-                    topk: base + sec.at[2],
-                    weights: base + sec.at[3],
-                    src: base + sec.at[4],
+                Dest::Node(m) => {
+                    let relay = topo.relay(me, m);
+                    self.reclaim(Channel::Dispatch, relay, until)?;
+                    let base = map.net.staging(Channel::Dispatch, relay);
+                    let sec = sections(sent_to(d));
+                    RowSink {
+                        region: *self.symm.local(),
+                        x: base + sec.at[1],
+                        scales: base + sec.at[2],
+                        topk: base + sec.at[3],
+                        weights: base + sec.at[4],
+                        src: base + sec.at[5],
+                        mask: base + sec.at[6],
+                    }
                 }
             });
         }
@@ -330,40 +407,58 @@ impl Buffer {
         let (topk_idx, topk_weights) = (args.topk_idx, args.topk_weights);
         self.device.launch(t_n, |range| {
             let chunk = range.start / per_chunk;
-            let mut pos: Vec<usize> = chunk_start[chunk * r_n..(chunk + 1) * r_n].to_vec();
+            let mut pos: Vec<usize> = chunk_start[chunk * nd..(chunk + 1) * nd].to_vec();
             let mut idx_row = vec![0i64; k];
             let mut w_row = vec![0f32; k];
             for t in range {
-                for r in 0..r_n {
-                    if !in_rank[t * r_n + r] {
+                for (d, dest) in dests.iter().enumerate() {
+                    if !hit[t * nd + d] {
                         continue;
                     }
-                    let sink = &sinks[r];
-                    let j = pos[r];
-                    pos[r] += 1;
+                    let sink = &sinks[d];
+                    let j = pos[d];
+                    pos[d] += 1;
                     sink.region.write(sink.x + j * row_bytes, x.row(t, h))?;
-                    if x.is_fp8() {
+                    if fp8 {
                         sink.region.write(
                             sink.scales + j * groups * 4,
                             bytemuck::cast_slice(x.row_scales(t, h)),
                         )?;
                     }
-                    if with_topk {
-                        let idx = &topk_idx.unwrap_or_default()[t * k..(t + 1) * k];
-                        for s in 0..k {
-                            let e = idx[s];
-                            let local = e >= 0 && e as usize / epr == r;
-                            idx_row[s] = if local { e - (r * epr) as i64 } else { -1 };
-                            w_row[s] = match topk_weights {
-                                Some(w) if local => w[t * k + s],
-                                _ => 0.0,
-                            };
-                        }
-                        sink.region
-                            .write(sink.topk + j * k * 8, bytemuck::cast_slice(&idx_row))?;
-                        if topk_weights.is_some() {
+                    let idx: &[i64] = match topk_idx {
+                        Some(all) if with_topk => &all[t * k..(t + 1) * k],
+                        _ => &[],
+                    };
+                    let w = topk_weights.map(|w| &w[t * k..(t + 1) * k]);
+                    match *dest {
+                        Dest::Rank(r) if with_topk => {
+                            localize(idx, w, r, epr, &mut idx_row, &mut w_row);
                             sink.region
-                                .write(sink.weights + j * k * 4, bytemuck::cast_slice(&w_row))?;
+                                .write(sink.topk + j * k * 8, bytemuck::cast_slice(&idx_row))?;
+                            if with_weights {
+                                sink.region.write(
+                                    sink.weights + j * k * 4,
+                                    bytemuck::cast_slice(&w_row),
+                                )?;
+                            }
+                        }
+                        Dest::Rank(_) => {}
+                        Dest::Node(m) => {
+                            // Global ids and all weights: the relaying rank localises them.
+                            if with_topk {
+                                sink.region
+                                    .write(sink.topk + j * k * 8, bytemuck::cast_slice(idx))?;
+                            }
+                            if let (true, Some(w)) = (with_weights, w) {
+                                sink.region
+                                    .write(sink.weights + j * k * 4, bytemuck::cast_slice(w))?;
+                            }
+                            let mask = topo
+                                .node_ranks(m)
+                                .enumerate()
+                                .filter(|&(_, r)| in_rank[t * r_n + r])
+                                .fold(0u64, |acc, (l, _)| acc | 1 << l);
+                            sink.region.write(sink.mask + j * 8, &mask.to_le_bytes())?;
                         }
                     }
                     sink.region
@@ -373,51 +468,53 @@ impl Buffer {
             Ok(())
         })?;
 
-        // 3. done: publish (a release store, or the packet and its announcement), then
-        // wait for every source; a packet is unpacked into this rank's output rows.
-        for r in 0..r_n {
-            if self.is_local(r) {
-                sinks[r]
+        // 3. done: a release store of the epoch for each same-node rank; the packet and
+        // its announcement for each other node.
+        for (d, dest) in dests.iter().enumerate() {
+            match *dest {
+                Dest::Rank(_) => sinks[d]
                     .region
                     .atomic_u64(map.dispatch_done + 8 * me)?
-                    .store(seq as u64, Ordering::Release);
-            } else {
-                let n = matrix[me * r_n + r] as usize;
-                let len = packet::dispatch(n, row_bytes, groups, k).len;
-                self.send_staged(Channel::Dispatch, r, len)?;
-            }
-        }
-        for src in 0..r_n {
-            let n = matrix[src * r_n + me] as usize;
-            let what = || {
-                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s {n} rows (dispatch_done[{src}])")
-            };
-            if self.is_local(src) {
-                self.wait_local(map.dispatch_done + 8 * src, seq as u64, src, until, what)?;
-            } else {
-                self.wait_packet(src, until, what)?;
-                let base = map.net.landing(Channel::Dispatch, src);
-                let sec = packet::dispatch(n, row_bytes, groups, k);
-                let j = recv_base(src);
-                let local = *self.symm.local();
-                // The packet's sections, in order, and where each goes in the output rows.
-                let areas = [
-                    (map.recv_x, row_bytes, true),
-                    (map.recv_scales, groups * 4, x.is_fp8()),
-                    (map.recv_topk_idx, k * 8, with_topk),
-                    (
-                        map.recv_topk_weights,
-                        k * 4,
-                        with_topk && topk_weights.is_some(),
-                    ),
-                    (map.recv_src_idx, 4, true),
-                ];
-                for ((area, stride, used), at) in areas.into_iter().zip(&sec.at) {
-                    if used {
-                        local.copy_from(area + j * stride, &local, base + at, n * stride)?;
-                    }
+                    .store(seq as u64, Ordering::Release),
+                Dest::Node(m) => {
+                    let n = sent_to(d);
+                    let relay = topo.relay(me, m);
+                    let header = packet::DispatchHeader {
+                        tokens: n as u32,
+                        fp8,
+                        topk: with_topk,
+                        weights: with_weights,
+                    };
+                    self.symm.local().write(
+                        map.net.staging(Channel::Dispatch, relay),
+                        &header.to_bytes(),
+                    )?;
+                    self.send_staged(Channel::Dispatch, relay, sections(n).len)?;
                 }
             }
+        }
+        // 4. relay: the packet of each rank on another node with this rank's local index
+        // goes on to the ranks of this node named in each token's mask.
+        let relay = self.relay_dispatch(seq as u64, &matrix, until)?;
+        // 5. wait for every source: a same-node source publishes itself, a source on
+        // another node is published by the rank of this node that relays it.
+        for src in 0..r_n {
+            let n = matrix[src * r_n + me] as usize;
+            let publisher = if self.is_local(src) {
+                src
+            } else {
+                topo.relay(src, topo.node)
+            };
+            let what = || {
+                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s {n} rows (dispatch_done[{src}], published by rank {publisher})")
+            };
+            self.wait_local(
+                map.dispatch_done + 8 * src,
+                seq as u64,
+                publisher,
+                until,
+                what,
+            )?;
         }
         if rows > num_recv && with_topk {
             self.symm
@@ -451,6 +548,7 @@ impl Buffer {
             num_tokens: t_n,
             num_recv_tokens: num_recv,
             num_rows: rows,
+            relay,
         };
         let recv_x = self.recv_tokens(map.recv_x, map.recv_scales, rows, x.is_fp8())?;
         Ok(DispatchOutput {
@@ -676,18 +774,23 @@ impl Buffer {
         };
         let rows_from = |s: usize| handle.rank_prefix_matrix[s * r_n + me] as usize - recv_base(s);
         // Rows for a same-node source land in its [this rank][token] slot; rows for a
-        // source on another node are packed in received order into a staging packet.
+        // source on another node go to the rank of this node that relays it, into its
+        // [source node][this rank][token] relay slot.
+        let topo = self.topology();
         let mut sinks = Vec::with_capacity(r_n);
         for s in 0..r_n {
             sinks.push(if self.is_local(s) {
-                (self.peer_region(s)?, None)
-            } else {
-                self.reclaim(Channel::Combine, s, until)?;
-                let sec = packet::combine(rows_from(s), h, k);
-                let base = map.net.staging(Channel::Combine, s);
                 (
-                    *self.symm.local(),
-                    Some((base + sec.at[0], base + sec.at[1])),
+                    self.peer_region(s)?,
+                    map.combine_x + me * t_max * h * 2,
+                    map.combine_weights + me * t_max * k * 4,
+                )
+            } else {
+                let slot = (topo.node_of(s) * topo.ranks_per_node + topo.local) * t_max;
+                (
+                    self.peer_region(topo.relay(s, topo.node))?,
+                    map.relay_x + slot * h * 2,
+                    map.relay_weights + slot * k * 4,
                 )
             });
         }
@@ -698,53 +801,56 @@ impl Buffer {
                     // This rank's own rows are read straight from `x` by the reduction.
                     continue;
                 }
-                let (region, staged) = &sinks[s];
-                let (x_at, w_at) = match staged {
-                    None => (
-                        map.combine_x + (me * t_max + t) * h * 2,
-                        map.combine_weights + (me * t_max + t) * k * 4,
-                    ),
-                    Some((x0, w0)) => {
-                        let j = i - recv_base(s);
-                        (x0 + j * h * 2, w0 + j * k * 4)
-                    }
-                };
-                region.write(x_at, bytemuck::cast_slice(&x[i * h..(i + 1) * h]))?;
+                let (region, x0, w0) = &sinks[s];
+                region.write(x0 + t * h * 2, bytemuck::cast_slice(&x[i * h..(i + 1) * h]))?;
                 if let Some(w) = topk_weights {
-                    region.write(w_at, bytemuck::cast_slice(&w[i * k..(i + 1) * k]))?;
+                    region.write(w0 + t * k * 4, bytemuck::cast_slice(&w[i * k..(i + 1) * k]))?;
                 }
             }
             Ok(())
         })?;
-        for (s, (region, staged)) in sinks.iter().enumerate() {
-            if staged.is_none() {
+        for s in topo.node_ranks(topo.node) {
+            let region = self.peer_region(s)?;
+            region
+                .atomic_u64(map.combine_done + 8 * me)?
+                .store(seq as u64, Ordering::Release);
+            if topo.num_nodes > 1 {
                 region
-                    .atomic_u64(map.combine_done + 8 * me)?
+                    .atomic_u64(map.relay_done + 8 * me)?
                     .store(seq as u64, Ordering::Release);
-            } else {
-                self.send_staged(Channel::Combine, s, packet::combine(rows_from(s), h, k).len)?;
             }
         }
+        self.relay_combine(seq as u64, handle, topk_weights.is_some(), until)?;
+
+        // Wait for the node's ranks, and for one packet of partial sums from each other
+        // node; partial row j of node m is this rank's j-th token that went to node m.
         let t_n = handle.num_tokens;
-        for src in 0..r_n {
+        let in_rank = &handle.is_token_in_rank;
+        let node_hit = |t: usize, m: usize| {
+            in_rank[t * r_n..(t + 1) * r_n][topo.node_ranks(m)].contains(&true)
+        };
+        for src in topo.node_ranks(topo.node) {
             let what = || {
                 format!(
                     "rank {me}: combine {seq}: waiting for rank {src}'s rows (combine_done[{src}])"
                 )
             };
-            if self.is_local(src) {
-                self.wait_local(map.combine_done + 8 * src, seq as u64, src, until, what)?;
-                continue;
-            }
-            self.wait_packet(src, until, what)?;
-            // Row j of the packet is my j-th token sent to `src`.
-            let base = map.net.landing(Channel::Combine, src);
-            let n_src = handle.num_tokens_per_rank[src] as usize;
-            let sec = packet::combine(n_src, h, k);
+            self.wait_local(map.combine_done + 8 * src, seq as u64, src, until, what)?;
+        }
+        for m in topo.remote_nodes() {
+            let relay = topo.relay(me, m);
+            let what = || {
+                format!(
+                    "rank {me}: combine {seq}: waiting for node {m}'s partial sums from rank {relay}"
+                )
+            };
+            self.wait_packet(relay, until, what)?;
+            let tokens: Vec<usize> = (0..t_n).filter(|&t| node_hit(t, m)).collect();
+            let sec = packet::combine(tokens.len(), h, k);
+            let base = map.net.landing(Channel::Combine, relay);
             let local = *self.symm.local();
-            let tokens = (0..t_n).filter(|&t| handle.is_token_in_rank[t * r_n + src]);
-            for (j, t) in tokens.enumerate() {
-                let slot = src * t_max + t;
+            for (j, &t) in tokens.iter().enumerate() {
+                let slot = relay * t_max + t;
                 local.copy_from(
                     map.combine_x + slot * h * 2,
                     &local,
@@ -762,10 +868,18 @@ impl Buffer {
             }
         }
 
-        // Reduce: per token, the returned rows in rank order, in f32, rounded once.
+        // Reduce: per token, in f32 and rounded once, the rows of this node's ranks and
+        // the partial sum of each other node, in rank order (a node's partial sits in the
+        // slot of the rank that relayed it), as the reference does.
         let rows: &[u16] = self.symm.view(map.combine_x, r_n * t_max * h)?;
         let wrows: &[f32] = self.symm.view(map.combine_weights, r_n * t_max * k)?;
-        let in_rank = &handle.is_token_in_rank;
+        let parts_of = |t: usize, r: usize| {
+            if topo.node_of(r) == topo.node {
+                in_rank[t * r_n + r]
+            } else {
+                r == topo.relay(me, topo.node_of(r)) && node_hit(t, topo.node_of(r))
+            }
+        };
         // Where this rank's own rows for its tokens are in `x`.
         let mut own_row = vec![usize::MAX; t_n];
         let own = recv_base(me)..recv_base(me) + rows_from(me);
@@ -777,7 +891,7 @@ impl Buffer {
             let mut parts = Vec::with_capacity(r_n);
             for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
                 parts.clear();
-                for r in (0..r_n).filter(|&r| in_rank[t * r_n + r]) {
+                for r in (0..r_n).filter(|&r| parts_of(t, r)) {
                     let row = if r == me {
                         &x_bits[own_row[t] * h..(own_row[t] + 1) * h]
                     } else {
@@ -792,7 +906,7 @@ impl Buffer {
         if let (Some(out), Some(own_w)) = (combined_topk_weights, topk_weights) {
             out.fill(0.0);
             for (t, out_row) in out.chunks_exact_mut(k).enumerate() {
-                for r in (0..r_n).filter(|&r| in_rank[t * r_n + r]) {
+                for r in (0..r_n).filter(|&r| parts_of(t, r)) {
                     let w = if r == me {
                         &own_w[own_row[t] * k..(own_row[t] + 1) * k]
                     } else {
@@ -803,6 +917,196 @@ impl Buffer {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Dispatch step 4 on several nodes: take the packet of each rank on another node
+    /// that has this rank's local index, and store each token into the output rows of
+    /// the ranks of this node its mask names, in the order the reference gives them
+    /// (source rank ascending, token order kept); then publish the source to them.
+    fn relay_dispatch(&self, seq: u64, matrix: &[u32], until: Until<'_>) -> Result<Vec<Relayed>> {
+        let topo = self.topology();
+        let (r_n, me, k, h) = (self.num_ranks, self.rank, self.cfg.topk, self.cfg.hidden);
+        let epr = self.cfg.num_experts / r_n;
+        let map = &self.map;
+        let local = *self.symm.local();
+        let mut relayed = Vec::new();
+        for m in topo.remote_nodes() {
+            let src = topo.relay(me, m);
+            self.wait_packet(src, until, || {
+                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s tokens to relay")
+            })?;
+            let base = map.net.landing(Channel::Dispatch, src);
+            let mut hb = [0u8; packet::DispatchHeader::BYTES];
+            local.read(base, &mut hb)?;
+            let head = packet::DispatchHeader::from_bytes(hb);
+            let n = head.tokens as usize;
+            if n > self.cfg.num_max_dispatch_tokens_per_rank {
+                return self.fail(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet announces {n} tokens, more than num_max_dispatch_tokens_per_rank = {}",
+                    self.cfg.num_max_dispatch_tokens_per_rank
+                ));
+            }
+            let (row_bytes, groups) = (if head.fp8 { h } else { 2 * h }, h / 128);
+            let sec = packet::dispatch(
+                n,
+                row_bytes,
+                if head.fp8 { groups } else { 0 },
+                if head.topk { k } else { 0 },
+                if head.weights { k } else { 0 },
+            );
+            let mut tokens = vec![0i32; n];
+            let mut masks = vec![0u64; n];
+            let mut idx = vec![0i64; if head.topk { n * k } else { 0 }];
+            let mut w = vec![0f32; if head.weights { n * k } else { 0 }];
+            local.read(base + sec.at[3], bytemuck::cast_slice_mut(&mut idx))?;
+            local.read(base + sec.at[4], bytemuck::cast_slice_mut(&mut w))?;
+            local.read(base + sec.at[5], bytemuck::cast_slice_mut(&mut tokens))?;
+            local.read(base + sec.at[6], bytemuck::cast_slice_mut(&mut masks))?;
+            // Rows from `src` start, on each rank of this node, after those of ranks 0..src.
+            let start = |r: usize| {
+                (0..src)
+                    .map(|s| matrix[s * r_n + r] as usize)
+                    .sum::<usize>()
+            };
+            let mut pos: Vec<usize> = topo.node_ranks(topo.node).map(start).collect();
+            let (mut idx_row, mut w_row) = (vec![0i64; k], vec![0f32; k]);
+            for j in 0..n {
+                for (l, r) in topo.node_ranks(topo.node).enumerate() {
+                    if masks[j] >> l & 1 == 0 {
+                        continue;
+                    }
+                    let region = self.peer_region(r)?;
+                    let at = pos[l];
+                    pos[l] += 1;
+                    if at >= start(r) + matrix[src * r_n + r] as usize {
+                        return self.fail(invalid!(
+                            "rank {me}: rank {src}'s dispatch packet sends rank {r} more tokens than its counts announced ({})",
+                            matrix[src * r_n + r]
+                        ));
+                    }
+                    region.copy_from(
+                        map.recv_x + at * row_bytes,
+                        &local,
+                        base + sec.at[1] + j * row_bytes,
+                        row_bytes,
+                    )?;
+                    if head.fp8 {
+                        region.copy_from(
+                            map.recv_scales + at * groups * 4,
+                            &local,
+                            base + sec.at[2] + j * groups * 4,
+                            groups * 4,
+                        )?;
+                    }
+                    if head.topk {
+                        let w = head.weights.then(|| &w[j * k..(j + 1) * k]);
+                        localize(
+                            &idx[j * k..(j + 1) * k],
+                            w,
+                            r,
+                            epr,
+                            &mut idx_row,
+                            &mut w_row,
+                        );
+                        region.write(
+                            map.recv_topk_idx + at * k * 8,
+                            bytemuck::cast_slice(&idx_row),
+                        )?;
+                        if head.weights {
+                            region.write(
+                                map.recv_topk_weights + at * k * 4,
+                                bytemuck::cast_slice(&w_row),
+                            )?;
+                        }
+                    }
+                    region.write(map.recv_src_idx + at * 4, &tokens[j].to_le_bytes())?;
+                }
+            }
+            for (l, r) in topo.node_ranks(topo.node).enumerate() {
+                let expected = start(r) + matrix[src * r_n + r] as usize;
+                if pos[l] != expected {
+                    return self.fail(invalid!(
+                        "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {}",
+                        pos[l] - start(r),
+                        matrix[src * r_n + r]
+                    ));
+                }
+                self.peer_region(r)?
+                    .atomic_u64(map.dispatch_done + 8 * src)?
+                    .store(seq, Ordering::Release);
+            }
+            relayed.push(Relayed { src, tokens, masks });
+        }
+        Ok(relayed)
+    }
+
+    /// Combine on several nodes, on the relaying rank: once every rank of this node has
+    /// written its rows for the sources this rank relays, reduce each token's rows (in
+    /// f32, rank order, rounded once to bf16, as [`reduce_rows`]) and send the node's
+    /// partial sums to the source in one packet.
+    fn relay_combine(
+        &self,
+        seq: u64,
+        handle: &NormalHandle,
+        with_weights: bool,
+        until: Until<'_>,
+    ) -> Result<()> {
+        let topo = self.topology();
+        if topo.num_nodes == 1 {
+            return Ok(());
+        }
+        let (me, k, h) = (self.rank, self.cfg.topk, self.cfg.hidden);
+        let t_max = self.cfg.num_max_dispatch_tokens_per_rank;
+        let map = &self.map;
+        for r in topo.node_ranks(topo.node) {
+            let what = || {
+                format!("rank {me}: combine {seq}: waiting for rank {r}'s rows to relay (relay_done[{r}])")
+            };
+            self.wait_local(map.relay_done + 8 * r, seq, r, until, what)?;
+        }
+        let local = *self.symm.local();
+        let rows: &[u16] = self.symm.view(map.relay_x, self.num_ranks * t_max * h)?;
+        let wrows: &[f32] = self
+            .symm
+            .view(map.relay_weights, self.num_ranks * t_max * k)?;
+        let mut out = vec![bf16::ZERO; h];
+        let mut w_out = vec![0f32; k];
+        let mut parts = Vec::with_capacity(topo.ranks_per_node);
+        for relayed in &handle.relay {
+            let src = relayed.src;
+            self.reclaim(Channel::Combine, src, until)?;
+            let n = relayed.tokens.len();
+            let sec = packet::combine(n, h, k);
+            let base = map.net.staging(Channel::Combine, src);
+            // Slot of (source node, local rank l) for token t.
+            let slot =
+                |l: usize, t: usize| (topo.node_of(src) * topo.ranks_per_node + l) * t_max + t;
+            for (j, (&t, &mask)) in relayed.tokens.iter().zip(&relayed.masks).enumerate() {
+                let t = t as usize;
+                let ls = (0..topo.ranks_per_node).filter(|&l| mask >> l & 1 != 0);
+                parts.clear();
+                parts.extend(
+                    ls.clone()
+                        .map(|l| (&rows[slot(l, t) * h..(slot(l, t) + 1) * h], 1.0)),
+                );
+                reduce_rows(&parts, false, &mut out);
+                local.write(base + sec.at[0] + j * h * 2, bytemuck::cast_slice(&out))?;
+                if with_weights {
+                    w_out.fill(0.0);
+                    for l in ls {
+                        for (a, &b) in w_out
+                            .iter_mut()
+                            .zip(&wrows[slot(l, t) * k..(slot(l, t) + 1) * k])
+                        {
+                            *a += b;
+                        }
+                    }
+                    local.write(base + sec.at[1] + j * k * 4, bytemuck::cast_slice(&w_out))?;
+                }
+            }
+            self.send_staged(Channel::Combine, src, sec.len)?;
         }
         Ok(())
     }

@@ -7,8 +7,15 @@
 //! Format (`e4m3fn`, as `torch.float8_e4m3fn`): 1 sign bit, 4 exponent bits (bias 7), 3
 //! mantissa bits; no infinities; `0x7f`/`0xff` are NaN; the largest finite magnitude is
 //! `448 = 1.75 * 2^8`; subnormals are `m * 2^-9`, `m` in `1..=7`.
+//!
+//! The row kernels ([`quantize_token`], [`dequantize_token`], [`reduce_rows`]) choose their
+//! machine code at run time: a copy compiled for AVX2+FMA where the CPU has both, the portable
+//! (x86-64 baseline: SSE2) copy otherwise. Both copies compile the same source with no
+//! reassociation or fused multiply-add (Rust never contracts `a * b + c`, and nothing here calls
+//! `mul_add`), so they give the same bits; a test compares them.
 
 use half::bf16;
+use multiversion::multiversion;
 
 use crate::error::Result;
 use crate::invalid;
@@ -19,11 +26,20 @@ pub const FP8_GROUP: usize = 128;
 /// Largest finite e4m3fn magnitude.
 pub const FP8_E4M3_MAX: f32 = 448.0;
 
+/// Compiles `$f` once per target below plus the portable baseline, and picks one at run time
+/// (first call; an atomic load after that). AVX2 doubles the vector width of the baseline's
+/// SSE2 and adds the u16/u32 min/max and blends the kernels' selects need. One list for all
+/// kernels, so the test of the dispatcher's choice covers each of them.
+macro_rules! simd_dispatch {
+    ($f:item) => {
+        #[multiversion(targets("x86_64+avx2+fma"))]
+        $f
+    };
+}
+
 /// Lower clamp of a group's `amax`, so an all-zero group gets a finite, non-zero scale.
 const AMAX_MIN: f32 = 1e-4;
 
-/// f32 bits of 448.0: magnitudes at or above it saturate.
-const MAX_BITS: u32 = 0x43e0_0000;
 /// f32 bits of 2^-6, the smallest normal e4m3 magnitude.
 const MIN_NORMAL_BITS: u32 = 0x3c80_0000;
 /// 2^14: its f32 ulp is 2^-9, the e4m3 subnormal step, so adding it rounds (RNE, by the
@@ -50,17 +66,21 @@ pub fn e4m3_from_f32(x: f32) -> u8 {
         >> 20;
     // Subnormal range [0, 2^-6): the FPU's own RNE does the rounding; a result of 8 steps is
     // exactly the code of 2^-6, so the boundary needs no special case.
-    let subnormal = (f32::from_bits(abs) + SUBNORMAL_MAGIC)
+    let mag = f32::from_bits(abs);
+    let subnormal = (mag + SUBNORMAL_MAGIC)
         .to_bits()
         .wrapping_sub(SUBNORMAL_MAGIC.to_bits());
-    let mut code = if abs < MIN_NORMAL_BITS {
+    // The range tests compare the magnitude as a float: for non-NaN values the same order as
+    // its bits, but one vector instruction, where x86 (no unsigned 32-bit vector compare)
+    // needs two for the bits. A NaN fails both and is caught last.
+    let mut code = if mag < f32::from_bits(MIN_NORMAL_BITS) {
         subnormal
     } else {
         normal
     };
-    code = if abs >= MAX_BITS { 0x7e } else { code };
+    code = if mag >= FP8_E4M3_MAX { 0x7e } else { code };
     code |= sign;
-    code = if abs > 0x7f80_0000 { 0x7f } else { code };
+    code = if mag.is_nan() { 0x7f } else { code };
     code as u8
 }
 
@@ -126,6 +146,18 @@ pub fn quantize_token(x: &[bf16], round_scale: bool, q: &mut [u8], scales: &mut 
         x.len() / FP8_GROUP,
         "one scale per 128 channels"
     );
+    simd_dispatch! {
+        fn dispatch(x: &[bf16], round_scale: bool, q: &mut [u8], scales: &mut [f32]) {
+            quantize_token_body(x, round_scale, q, scales);
+        }
+    }
+    dispatch(x, round_scale, q, scales);
+}
+
+/// The loops of [`quantize_token`]; `inline(always)` so each dispatched copy gets its own
+/// vectorisation of them (the tests call this directly for the portable result).
+#[inline(always)]
+fn quantize_token_body(x: &[bf16], round_scale: bool, q: &mut [u8], scales: &mut [f32]) {
     for ((xg, qg), sg) in x
         .chunks_exact(FP8_GROUP)
         .zip(q.chunks_exact_mut(FP8_GROUP))
@@ -137,7 +169,9 @@ pub fn quantize_token(x: &[bf16], round_scale: bool, q: &mut [u8], scales: &mut 
         let s = fp8_scale(amax, round_scale);
         let inv = 1.0 / s;
         for (o, v) in qg.iter_mut().zip(xg) {
-            *o = e4m3_from_f32(v.to_f32() * inv);
+            // The plain widening, not `bf16::to_f32`, which also quiets a signalling NaN: a
+            // NaN input gives a NaN product and code 0x7f either way, and the select costs.
+            *o = e4m3_from_f32(bf16_bits_to_f32(v.to_bits()) * inv);
         }
         *sg = s;
     }
@@ -172,6 +206,17 @@ pub fn dequantize_token(q: &[u8], scales: &[f32], out: &mut [f32]) {
         q.len() / FP8_GROUP,
         "one scale per 128 channels"
     );
+    simd_dispatch! {
+        fn dispatch(q: &[u8], scales: &[f32], out: &mut [f32]) {
+            dequantize_token_body(q, scales, out);
+        }
+    }
+    dispatch(q, scales, out);
+}
+
+/// The loops of [`dequantize_token`], inlined into each dispatched copy.
+#[inline(always)]
+fn dequantize_token_body(q: &[u8], scales: &[f32], out: &mut [f32]) {
     for ((qg, og), &s) in q
         .chunks_exact(FP8_GROUP)
         .zip(out.chunks_exact_mut(FP8_GROUP))
@@ -246,6 +291,17 @@ const REDUCE_BLOCK: usize = 512;
 /// Rows are bf16 bits. This is the combine kernels' inner loop; it computes exactly
 /// what the reference's straightforward loop computes, a column block at a time.
 pub fn reduce_rows(rows: &[(&[u16], f32)], weighted: bool, out: &mut [bf16]) {
+    simd_dispatch! {
+        fn dispatch(rows: &[(&[u16], f32)], weighted: bool, out: &mut [bf16]) {
+            reduce_rows_body(rows, weighted, out);
+        }
+    }
+    dispatch(rows, weighted, out);
+}
+
+/// The loops of [`reduce_rows`], inlined into each dispatched copy.
+#[inline(always)]
+fn reduce_rows_body(rows: &[(&[u16], f32)], weighted: bool, out: &mut [bf16]) {
     let mut acc = [0f32; REDUCE_BLOCK];
     for start in (0..out.len()).step_by(REDUCE_BLOCK) {
         let end = (start + REDUCE_BLOCK).min(out.len());
@@ -268,6 +324,7 @@ pub fn reduce_rows(rows: &[(&[u16], f32)], weighted: bool, out: &mut [bf16]) {
 }
 
 /// Round a row of f32 accumulators to bf16 (`out.len() == acc.len()`).
+#[inline]
 pub fn round_row_to_bf16(acc: &[f32], out: &mut [bf16]) {
     for (o, &a) in out.iter_mut().zip(acc) {
         *o = bf16::from_bits(bf16_bits_from_f32(a));
@@ -533,6 +590,14 @@ mod tests {
             let x = bf16_vec(&vals);
             let (q, s) = quantize(&x, 128, round_scale).unwrap();
             let dq = dequantize(&q, &s, 128).unwrap();
+            // The dispatched (AVX2 where the CPU has it) results are the portable ones.
+            let (mut q_p, mut s_p) = (vec![0u8; 256], vec![0f32; 2]);
+            quantize_token_body(&x, round_scale, &mut q_p, &mut s_p);
+            prop_assert_eq!(&q, &q_p);
+            prop_assert_eq!(bits(&s), bits(&s_p));
+            let mut dq_p = vec![0f32; 256];
+            dequantize_token_body(&q, &s, &mut dq_p);
+            prop_assert_eq!(bits(&dq), bits(&dq_p));
             for g in 0..2 {
                 let xg = &x[g * 128..(g + 1) * 128];
                 let amax = xg.iter().map(|v| v.to_f32().abs()).fold(0f32, f32::max);
@@ -600,5 +665,189 @@ mod tests {
             check(f32::from_bits(state as u32));
         }
         assert_eq!(bf16_bits_to_f32(bf16::from_f32(3.5).to_bits()), 3.5);
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    simd_dispatch! {
+        /// Whether the kernels' dispatcher runs the AVX2 copy on this CPU.
+        fn dispatches_to_avx2() -> bool {
+            multiversion::target::match_target! {
+                "x86_64+avx2+fma" => true,
+                _ => false,
+            }
+        }
+    }
+
+    /// The comparisons below prove something only if the dispatched copy is not the portable
+    /// one: on a CPU with AVX2 and FMA it must be the AVX2 copy.
+    #[test]
+    fn dispatcher_runs_the_avx2_copy_where_the_cpu_has_it() {
+        #[cfg(target_arch = "x86_64")]
+        let want = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        #[cfg(not(target_arch = "x86_64"))]
+        let want = false;
+        assert_eq!(dispatches_to_avx2(), want);
+    }
+
+    /// f32 results equal bit for bit, except that two NaNs may differ in sign or payload:
+    /// Rust leaves those unspecified (which NaN operand propagates depends on the operand
+    /// order the compiler picked), so no two builds are bound to agree on them.
+    fn assert_same_f32(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "{what}[{i}]: dispatched {g:e} ({:#010x}), portable {w:e} ({:#010x})",
+                g.to_bits(),
+                w.to_bits()
+            );
+        }
+    }
+
+    /// One group of 128 bf16 values of kind `kind % 9`: the edge cases of the quantiser.
+    fn edge_group(kind: u32, rng: &mut ChaCha8Rng) -> Vec<bf16> {
+        let sign = |rng: &mut ChaCha8Rng| if rng.gen() { 0x8000u16 } else { 0 };
+        let mut g: Vec<bf16> = (0..FP8_GROUP)
+            .map(|_| match kind % 9 {
+                // Any bf16: NaNs, infinities, subnormals, zeros, everything.
+                0 => bf16::from_bits(rng.gen()),
+                // Activation-like, a few outliers.
+                1 => {
+                    let v: f32 = rng.gen_range(-3.0..3.0);
+                    bf16::from_f32(if rng.gen_ratio(1, 64) { v * 40.0 } else { v })
+                }
+                // Zeros of both signs (the scale clamps).
+                2 => bf16::from_bits(sign(rng)),
+                // bf16 subnormals only.
+                3 => bf16::from_bits(sign(rng) | rng.gen_range(0..0x80)),
+                // Huge finite values.
+                4 => bf16::from_bits(sign(rng) | rng.gen_range(0x7e00..0x7f80)),
+                // Below the amax clamp of 1e-4.
+                5 => bf16::from_f32(rng.gen_range(-1e-5..1e-5)),
+                // 36 binades: saturating, normal, subnormal and zero codes in one group.
+                6 | 7 => {
+                    bf16::from_f32(rng.gen_range(-1.0f32..1.0) * 2f32.powi(rng.gen_range(-30..6)))
+                }
+                // e4m3 codes and their midpoints, +-1 bf16 ulp (scale 1, see below).
+                _ => {
+                    let c = rng.gen_range(0u8..0x7e) | (sign(rng) >> 8) as u8;
+                    let mid = (e4m3_to_f32(c) + e4m3_to_f32(c + 1)) / 2.0;
+                    let b = bf16::from_f32(if rng.gen() { e4m3_to_f32(c) } else { mid }).to_bits();
+                    bf16::from_bits(b.wrapping_add(rng.gen_range(0..3)).wrapping_sub(1))
+                }
+            })
+            .collect();
+        match kind % 9 {
+            // An infinity (scale +inf, inv 0: products 0 or NaN) or a NaN (scale clamps).
+            6 => g[rng.gen_range(0..FP8_GROUP)] = bf16::from_bits(sign(rng) | 0x7f80),
+            7 => g[rng.gen_range(0..FP8_GROUP)] = bf16::from_bits(sign(rng) | 0x7fc1),
+            // amax 448 gives scale 1 with or without round_scale, so the midpoints stay ties.
+            8 => g[rng.gen_range(0..FP8_GROUP)] = bf16::from_f32(448.0),
+            _ => {}
+        }
+        g
+    }
+
+    #[test]
+    fn dispatched_quantise_equals_portable_bit_for_bit() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let hidden = 1024;
+        for token in 0..300u32 {
+            let x: Vec<bf16> = (0..hidden / FP8_GROUP as u32)
+                .flat_map(|g| edge_group(token * 7 + g, &mut rng))
+                .collect();
+            for round_scale in [false, true] {
+                let (mut q, mut s) = (vec![0u8; x.len()], vec![0f32; x.len() / FP8_GROUP]);
+                let (mut q_p, mut s_p) = (q.clone(), s.clone());
+                quantize_token(&x, round_scale, &mut q, &mut s);
+                quantize_token_body(&x, round_scale, &mut q_p, &mut s_p);
+                assert_eq!(q, q_p, "token {token}, round_scale {round_scale}");
+                assert_eq!(
+                    bits(&s),
+                    bits(&s_p),
+                    "token {token}, round_scale {round_scale}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn dispatched_dequantise_equals_portable_bit_for_bit() {
+        let mut rng = ChaCha8Rng::seed_from_u64(12);
+        let specials = [
+            0.0f32,
+            -0.0,
+            1e-4 / 448.0,
+            f32::from_bits(1),
+            f32::MIN_POSITIVE,
+            f32::MAX,
+            f32::INFINITY,
+            f32::NAN,
+            -1.0,
+        ];
+        for token in 0..100 {
+            // Every byte, NaN codes included.
+            let q: Vec<u8> = (0..2048).map(|_| rng.gen()).collect();
+            let scales: Vec<f32> = (0..q.len() / FP8_GROUP)
+                .map(|g| match (token + g) % 3 {
+                    0 => specials[rng.gen_range(0..specials.len())],
+                    1 => fp8_scale(f32::from_bits(rng.gen::<u32>() >> 1), true),
+                    _ => rng.gen::<f32>() * 2f32.powi(rng.gen_range(-30..30)),
+                })
+                .collect();
+            let (mut out, mut out_p) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+            dequantize_token(&q, &scales, &mut out);
+            dequantize_token_body(&q, &scales, &mut out_p);
+            assert_same_f32(&out, &out_p, &format!("token {token}"));
+        }
+    }
+
+    #[test]
+    fn dispatched_reduce_equals_portable_bit_for_bit() {
+        let mut rng = ChaCha8Rng::seed_from_u64(13);
+        for case in 0..60u32 {
+            // Lengths across the 512-column blocks and the vector tails.
+            let len = [1, 7, 8, 100, 511, 512, 513, 1031, 2048][case as usize % 9];
+            let k = rng.gen_range(0..10);
+            let rows: Vec<Vec<u16>> = (0..k)
+                .map(|r| {
+                    (0..len)
+                        .map(|_| match (case + r) % 4 {
+                            0 => rng.gen(),
+                            1 => rng.gen_range(0..0x80) | if rng.gen() { 0x8000 } else { 0 },
+                            _ => bf16::from_f32(rng.gen_range(-3.0..3.0)).to_bits(),
+                        })
+                        .collect()
+                })
+                .collect();
+            let weights: Vec<f32> = (0..k)
+                .map(|_| match rng.gen_range(0..6) {
+                    0 => 0.0,
+                    1 => -rng.gen::<f32>(),
+                    2 => 3e38,
+                    3 => 1e-39,
+                    _ => rng.gen(),
+                })
+                .collect();
+            let parts: Vec<(&[u16], f32)> = rows.iter().map(Vec::as_slice).zip(weights).collect();
+            for weighted in [false, true] {
+                let (mut out, mut out_p) = (vec![bf16::ZERO; len], vec![bf16::ZERO; len]);
+                reduce_rows(&parts, weighted, &mut out);
+                reduce_rows_body(&parts, weighted, &mut out_p);
+                let widen = |v: &[bf16]| {
+                    v.iter()
+                        .map(|b| bf16_bits_to_f32(b.to_bits()))
+                        .collect::<Vec<_>>()
+                };
+                assert_same_f32(
+                    &widen(&out),
+                    &widen(&out_p),
+                    &format!("case {case}, weighted {weighted}"),
+                );
+            }
+        }
     }
 }

@@ -220,11 +220,14 @@ pub fn normal_dispatch(
 /// Normal combine at source rank `rank` with `num_tokens` tokens.
 ///
 /// `recvs[r]` is what rank `r` received, `ys[r]` its `[N_r, H]` expert outputs, `weights[r]` its
-/// optional `[N_r, K]` weights. For each token `t`:
-/// `combined[t] = bf16(0.0 + y_r0[i0] + y_r1[i1] + ...)` over ranks `r` ascending (and rows in
-/// order inside a rank) whose row has `src_rank == rank && src_token == t`, accumulated in f32
-/// and rounded once (RNE). Combined weights are the same f32 sums of the `[K]` weight rows,
-/// unrounded. Tokens sent nowhere get zeros.
+/// optional `[N_r, K]` weights. For each token `t`, the rows returned for it (those with
+/// `src_rank == rank && src_token == t`) are summed in f32 and rounded once (RNE) to bf16:
+/// `combined[t] = bf16(0.0 + p_0 + p_1 + ...)` over nodes ascending, where for `rank`'s own
+/// node `p_m` stands for each of its ranks' rows, ranks ascending (rows in order inside a rank),
+/// and for another node `p_m = f32(bf16(0.0 + y_r + ...))`, its ranks' rows summed the same way
+/// and rounded to bf16 (the one row that crosses the network, SPEC.md §3). On one node this is
+/// the plain sum in rank order. Combined weights are the same sums of the `[K]` weight rows in
+/// f32, never rounded. Tokens sent nowhere get zeros.
 pub fn normal_combine(
     shape: &Shape,
     recvs: &[NormalRecv],
@@ -245,9 +248,26 @@ pub fn normal_combine(
             weights.map_or(r_count, <[Vec<f32>]>::len)
         ));
     }
+    let l = shape.ranks_per_node;
+    let home = rank / l;
     let mut acc = vec![0f32; num_tokens * h];
     let mut acc_w = vec![0f32; num_tokens * k];
+    // Another node's partial sums, and which tokens it returned rows for.
+    let mut part = vec![0f32; num_tokens * h];
+    let mut part_w = vec![0f32; num_tokens * k];
+    let mut touched = vec![false; num_tokens];
     for r in 0..r_count {
+        let remote = r / l != home;
+        if remote && r % l == 0 {
+            part.fill(0.0);
+            part_w.fill(0.0);
+            touched.fill(false);
+        }
+        let (sum, sum_w) = if remote {
+            (&mut part, &mut part_w)
+        } else {
+            (&mut acc, &mut acc_w)
+        };
         let recv = &recvs[r];
         let n = recv.num_rows();
         if recv.src_token.len() != n || ys[r].len() != n * h {
@@ -281,18 +301,36 @@ pub fn normal_combine(
                         recv.src_token[i]
                     )
                 })?;
-            for (a, y) in acc[t * h..(t + 1) * h]
+            touched[t] = true;
+            for (a, y) in sum[t * h..(t + 1) * h]
                 .iter_mut()
                 .zip(&ys[r][i * h..(i + 1) * h])
             {
                 *a += y.to_f32();
             }
             if let Some(w_r) = w_r {
-                for (a, &w) in acc_w[t * k..(t + 1) * k]
+                for (a, &w) in sum_w[t * k..(t + 1) * k]
                     .iter_mut()
                     .zip(&w_r[i * k..(i + 1) * k])
                 {
                     *a += w;
+                }
+            }
+        }
+        if remote && r % l == l - 1 {
+            // The node's last rank: its partial sums join the total, rounded to bf16.
+            for t in (0..num_tokens).filter(|&t| touched[t]) {
+                for (a, p) in acc[t * h..(t + 1) * h]
+                    .iter_mut()
+                    .zip(&part[t * h..(t + 1) * h])
+                {
+                    *a += bf16::from_f32(*p).to_f32();
+                }
+                for (a, p) in acc_w[t * k..(t + 1) * k]
+                    .iter_mut()
+                    .zip(&part_w[t * k..(t + 1) * k])
+                {
+                    *a += p;
                 }
             }
         }
@@ -628,23 +666,46 @@ pub fn normal_combine_identity(
     let t_count = input.num_tokens;
     let mut out = vec![bf16::ZERO; t_count * h];
     let mut weights = vec![0f32; t_count * k];
+    let l = shape.ranks_per_node;
     let mut row = vec![0f32; h];
     let mut acc = vec![0f32; h];
+    let mut part = vec![0f32; h];
+    let mut part_w = vec![0f32; k];
     for t in 0..t_count {
         identity_row(&input.x, t, h, &mut row);
         acc.fill(0.0);
-        for r in (0..r_count).filter(|&r| layout.token_in_rank(t, r)) {
-            for (a, y) in acc.iter_mut().zip(&row) {
-                *a += y;
-            }
-            for s in 0..k {
-                let e = input.topk_idx[t * k + s];
-                let w = if e >= 0 && e as usize / epr == r {
-                    input.topk_weights[t * k + s]
+        for node in 0..r_count / l {
+            let ranks = (node * l..(node + 1) * l).filter(|&r| layout.token_in_rank(t, r));
+            let remote = node != rank / l;
+            part.fill(0.0);
+            part_w.fill(0.0);
+            let mut hit = false;
+            for r in ranks {
+                hit = true;
+                let (sum, sum_w) = if remote {
+                    (&mut part, &mut part_w[..])
                 } else {
-                    0.0
+                    (&mut acc, &mut weights[t * k..(t + 1) * k])
                 };
-                weights[t * k + s] += w;
+                for (a, y) in sum.iter_mut().zip(&row) {
+                    *a += y;
+                }
+                for s in 0..k {
+                    let e = input.topk_idx[t * k + s];
+                    if e >= 0 && e as usize / epr == r {
+                        sum_w[s] += input.topk_weights[t * k + s];
+                    } else {
+                        sum_w[s] += 0.0;
+                    }
+                }
+            }
+            if remote && hit {
+                for (a, p) in acc.iter_mut().zip(&part) {
+                    *a += bf16::from_f32(*p).to_f32();
+                }
+                for (a, p) in weights[t * k..(t + 1) * k].iter_mut().zip(&part_w) {
+                    *a += p;
+                }
             }
         }
         for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
@@ -865,6 +926,48 @@ mod tests {
             .unwrap()
             .0
             .is_empty());
+    }
+
+    /// On two nodes, another node's rows are summed there and cross the network as one
+    /// bf16 row: rounding that partial changes the result, and the reference must say so.
+    #[test]
+    fn normal_combine_rounds_each_remote_node_once() {
+        let h = 8;
+        let tiny = bf16::from_f32(1.0 / 256.0);
+        let inputs: Vec<RankInput> = (0..4)
+            .map(|r| {
+                let t = usize::from(r == 0);
+                RankInput {
+                    num_tokens: t,
+                    x: TokenData::Bf16(vec![bf16::ONE; t * h]),
+                    topk_idx: [0, 2, 3].repeat(t),
+                    topk_weights: [0.5, 0.25, 0.125].repeat(t),
+                }
+            })
+            .collect();
+        let combine = |ranks_per_node| {
+            let shape = Shape {
+                num_ranks: 4,
+                ranks_per_node,
+                hidden: h,
+                topk: 3,
+                num_experts: 4,
+            };
+            let recvs: Vec<NormalRecv> = (0..4)
+                .map(|r| normal_dispatch(&inputs, &shape, r, 1, true).unwrap())
+                .collect();
+            // Rank 0 returns 2^-8, rank 2 returns 1, rank 3 returns 2^-8.
+            let ys: Vec<Vec<bf16>> = recvs
+                .iter()
+                .enumerate()
+                .map(|(r, recv)| vec![if r == 2 { bf16::ONE } else { tiny }; recv.num_rows() * h])
+                .collect();
+            normal_combine(&shape, &recvs, &ys, None, 0, 1).unwrap().0
+        };
+        // One node: bf16(2^-8 + 1 + 2^-8) = 1 + 2^-7, exact in bf16.
+        assert_eq!(combine(4), vec![bf16::from_f32(1.0 + 1.0 / 128.0); h]);
+        // Two nodes: node 1 sends bf16(1 + 2^-8) = 1 (a tie, to even), then 2^-8 + 1 ties to 1.
+        assert_eq!(combine(2), vec![bf16::ONE; h]);
     }
 
     #[test]
@@ -1142,11 +1245,15 @@ mod tests {
     /// The benchmark's identity-expert shortcuts equal the general model with `ys = recv_x`.
     #[test]
     fn identity_combines_equal_the_general_model() {
-        for routing in Routing::ALL {
+        // One node, two nodes of three (partials that round), six nodes of one.
+        for (routing, ranks_per_node) in Routing::ALL
+            .into_iter()
+            .flat_map(|r| [(r, 6), (r, 3), (r, 1)])
+        {
             for fp8 in [false, true] {
                 let shape = Shape {
-                    num_ranks: 3,
-                    ranks_per_node: 1,
+                    num_ranks: 6,
+                    ranks_per_node,
                     hidden: 256,
                     topk: 4,
                     num_experts: 12,
@@ -1182,7 +1289,7 @@ mod tests {
                         })
                         .collect()
                 };
-                let recvs: Vec<NormalRecv> = (0..3)
+                let recvs: Vec<NormalRecv> = (0..6)
                     .map(|r| normal_dispatch(&sent, &shape, r, 1, true).unwrap())
                     .collect();
                 let ys: Vec<Vec<bf16>> = recvs.iter().map(|r| as_y(&r.x, r.num_rows())).collect();
@@ -1191,18 +1298,19 @@ mod tests {
                     .map(|r| r.topk_weights.clone().unwrap())
                     .collect();
                 let m = 9;
-                let ll: Vec<LlRecv> = (0..3)
+                let ll: Vec<LlRecv> = (0..6)
                     .map(|r| ll_dispatch(&bf16_inputs, &shape, r, m, fp8, fp8).unwrap())
                     .collect();
                 let lly: Vec<Vec<bf16>> =
                     ll.iter().map(|r| as_y(&r.x, r.src_token.len())).collect();
-                for rank in 0..3 {
+                for rank in 0..6 {
                     let general =
                         normal_combine(&shape, &recvs, &ys, Some(&ws), rank, sent[rank].num_tokens)
                             .unwrap();
                     assert_eq!(
                         general,
-                        normal_combine_identity(&sent, &shape, rank).unwrap()
+                        normal_combine_identity(&sent, &shape, rank).unwrap(),
+                        "{routing} fp8={fp8} {ranks_per_node} ranks a node, rank {rank}"
                     );
                     let general = ll_combine(&shape, &ll, &lly, &bf16_inputs, rank, m).unwrap();
                     let fast = ll_combine_identity(&bf16_inputs, &shape, rank, fp8, fp8).unwrap();

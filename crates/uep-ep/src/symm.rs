@@ -79,6 +79,14 @@ pub struct RegionMap {
     pub combine_x: usize,
     /// `[R][max_tokens, K]` f32 weights.
     pub combine_weights: usize,
+    /// Multi-node combine, on the rank that relays a remote source's tokens inside this
+    /// node: `[source node][local rank][max_tokens]` bf16 rows, the node's expert
+    /// outputs for that source's tokens, reduced here before one row crosses the network.
+    pub relay_x: usize,
+    /// `[source node][local rank][max_tokens, K]` f32 weights beside `relay_x`.
+    pub relay_weights: usize,
+    /// `[src R]` u64 epoch: the source (a rank of this node) finished writing its relay rows here.
+    pub relay_done: usize,
 
     /// Low-latency areas, one per buffer index.
     pub ll: [LlAreas; 2],
@@ -165,9 +173,62 @@ impl Sections {
 pub mod packet {
     use super::Sections;
 
-    /// Normal dispatch of `n` rows: x, scales, top-k ids, weights, source index.
-    pub fn dispatch(n: usize, row_bytes: usize, groups: usize, k: usize) -> Sections {
-        Sections::new(&[n * row_bytes, n * groups * 4, n * k * 8, n * k * 4, n * 4])
+    /// Normal dispatch of `n` tokens to a node, sent once to the rank that relays them
+    /// inside it: a [`DispatchHeader`], then x, scales (`groups` a row, 0 for bf16),
+    /// global top-k ids (`k_idx` a row, 0 without top-k), weights (`k_w` a row), source
+    /// index, and the mask of the node's local ranks that need the token.
+    pub fn dispatch(
+        n: usize,
+        row_bytes: usize,
+        groups: usize,
+        k_idx: usize,
+        k_w: usize,
+    ) -> Sections {
+        Sections::new(&[
+            DispatchHeader::BYTES,
+            n * row_bytes,
+            n * groups * 4,
+            n * k_idx * 8,
+            n * k_w * 4,
+            n * 4,
+            n * 8,
+        ])
+    }
+
+    /// The first 16 bytes of a dispatch packet: what the relaying rank needs to read it.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct DispatchHeader {
+        /// Tokens in the packet.
+        pub tokens: u32,
+        /// Rows carry FP8 scales.
+        pub fp8: bool,
+        /// Rows carry top-k ids.
+        pub topk: bool,
+        /// Rows carry top-k weights.
+        pub weights: bool,
+    }
+
+    impl DispatchHeader {
+        /// Encoded size.
+        pub const BYTES: usize = 16;
+
+        /// Encode.
+        pub fn to_bytes(self) -> [u8; 16] {
+            let mut b = [0u8; 16];
+            b[..4].copy_from_slice(&self.tokens.to_le_bytes());
+            b[4] = self.fp8 as u8 | (self.topk as u8) << 1 | (self.weights as u8) << 2;
+            b
+        }
+
+        /// Decode.
+        pub fn from_bytes(b: [u8; 16]) -> DispatchHeader {
+            DispatchHeader {
+                tokens: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                fp8: b[4] & 1 != 0,
+                topk: b[4] & 2 != 0,
+                weights: b[4] & 4 != 0,
+            }
+        }
     }
 
     /// Normal combine of `n` rows: bf16 rows, weights.
@@ -264,6 +325,11 @@ impl RegionMap {
         let recv_src_idx = take(rows * 4);
         let combine_x = take(rows * h * 2);
         let combine_weights = take(rows * k * 4);
+        // Indexed by (source node, local rank), that is R slots of `t` tokens.
+        let relay_rows = if multi_node { rows } else { 0 };
+        let relay_x = take(relay_rows * h * 2);
+        let relay_weights = take(relay_rows * k * 4);
+        let relay_done = take(8 * r);
         let mut ll = [LlAreas::default(); 2];
         if m > 0 {
             for areas in &mut ll {
@@ -282,7 +348,7 @@ impl RegionMap {
             let ll_rows = (m * k).min(epr * m);
             net.cap = [
                 align_up(4 * (r + e)),
-                align_up(packet::dispatch(t, row, groups, k).len),
+                align_up(packet::dispatch(t, row, groups, k, k).len),
                 align_up(packet::combine(t, h, k).len),
                 align_up(packet::ll_dispatch(epr, ll_rows, row, groups).len),
                 align_up(packet::ll_dispatch(epr, ll_rows, row, groups).len),
@@ -321,6 +387,9 @@ impl RegionMap {
             recv_src_idx,
             combine_x,
             combine_weights,
+            relay_x,
+            relay_weights,
+            relay_done,
             ll,
             net,
             total: at,

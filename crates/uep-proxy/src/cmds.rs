@@ -8,17 +8,25 @@
 //!
 //! | piggyback slot bits | normal channel write (bit 15 = 0) | LL data write (bit 15 = 1, bit 10 = 0) | LL count signal (bit 15 = 1, bit 10 = 1) |
 //! |---------------------|-----------------------------------|-----------------------------------------|-------------------------------------------|
-//! | 0..=5               | channel (`< num_channels`)        | local expert bits 0..=5                 | local expert bits 0..=5                   |
-//! | 6..=8               | tail increment bits 8..=10        | local expert bits 6..=8                 | local expert bits 6..=8                   |
-//! | 9                   | 0 (reserved)                      | local expert bit 9                      | local expert bit 9                        |
+//! | 0..=5               | channel bits 0..=5                | local expert bits 0..=5                 | local expert bits 0..=5                   |
+//! | 6..=7               | channel bits 6..=7                | local expert bits 6..=7                 | local expert bits 6..=7                   |
+//! | 8..=9               | 0 (reserved)                      | local expert bits 8..=9                 | local expert bits 8..=9                   |
 //! | 10                  | 0 (reserved)                      | 0 = data arrival                        | 1 = count signal                          |
 //! | 11..=12             | 0 (reserved)                      | 0 (reserved)                            | count bits 8..=9                          |
 //! | 13..=14             | 0 (reserved)                      | 0 (reserved)                            | 0 (reserved)                              |
-//! | piggyback value     | tail increment bits 0..=7         | 0                                       | count bits 0..=7                          |
-//! | flags.combine       | copied to `WriteImm.combine` (the receiver ignores it) | must be 0 (LlImm has no combine bit) | must be 0 |
+//! | piggyback value     | tail increment (`0..=`[`MAX_WRITE_COUNT`] = 255) | 0                        | count bits 0..=7                          |
+//! | flags.combine       | must be 0 (WriteImm has no combine bit) | must be 0 (LlImm has no combine bit) | must be 0                         |
 //! | flags.ll_buffer     | must be 0                         | `LlImm.buffer`                          | `LlImm.buffer`                            |
 //! | len                 | any (0 = signal only)             | any (0 still counts as one arrival)     | must be 0                                 |
-//! | immediate sent      | [`WriteImm`](uep_wire::WriteImm) `{channel: src * num_channels + channel, seq, count: tail increment}` | [`LlImm`](uep_wire::LlImm) `Arrival` | [`LlImm`](uep_wire::LlImm) `Count(count)` |
+//! | immediate sent      | [`WriteImm`](uep_wire::WriteImm) `{stream: src * num_channels + channel, seq, count: tail increment}` | [`LlImm`](uep_wire::LlImm) `Arrival` | [`LlImm`](uep_wire::LlImm) `Count(count)` |
+//!
+//! The channel (below the layout's `num_channels`, at most 256 by this
+//! encoding) travels in the Write, the source rank does not: the proxy
+//! folds both into the immediate's 10-bit `stream`, so a job needs
+//! `num_ranks * num_channels <=` [`MAX_STREAMS`] (1024), which
+//! [`CounterLayout::validate`] checks when the proxy starts. The `seq` is
+//! the sending thread's per-(destination, channel) counter; see the crate
+//! docs for the send window that keeps it from aliasing at the receiver.
 //!
 //! A Write without a piggyback is rejected: on an unordered transport a write
 //! nobody counts could land after the signal meant to cover it. Split large
@@ -34,6 +42,8 @@
 //! | `Quiet` | nothing; popped once every earlier command of its FIFO has completed |
 //! | `Barrier {scope, seq}` | after every earlier command of the FIFO completed, a zero-length write with [`BarrierImm`](uep_wire::BarrierImm) `{scope, src_rank: self, seq mod 2^20}` to every peer in scope; popped once every such peer's barrier counter is `>= seq` |
 
+#[cfg(doc)]
+use uep_wire::MAX_STREAMS;
 use uep_wire::{
     BarrierScope, CmdFlags, Command, Kind, Piggyback, TransferCmd, MAX_LL_COUNT, MAX_LOCAL_EXPERTS,
     MAX_RANKS, MAX_WRITE_COUNT,
@@ -50,20 +60,14 @@ const LL_EXPERT_MASK: u16 = 0x3FF;
 const LL_COUNT_HI_SHIFT: u32 = 11;
 const LL_COUNT_HI_MASK: u16 = 0x3 << LL_COUNT_HI_SHIFT;
 const LL_RESERVED: u16 = 0x3 << 13;
-const NORMAL_CHANNEL_MASK: u16 = 0x3F;
-const NORMAL_INC_HI_SHIFT: u32 = 6;
-const NORMAL_INC_HI_MASK: u16 = 0x7 << NORMAL_INC_HI_SHIFT;
-const NORMAL_RESERVED: u16 = 0x7E00;
+const NORMAL_CHANNEL_MASK: u16 = 0xFF;
+const NORMAL_RESERVED: u16 = 0x7F00;
 
 /// What a Write asks the receiver to do, decoded from its piggyback.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Signal {
     /// Normal mode: add `tail_inc` to the (source, channel) tail, in order.
-    Normal {
-        channel: u8,
-        tail_inc: u16,
-        combine: bool,
-    },
+    Normal { channel: u8, tail_inc: u16 },
     /// LL data arrival for (buffer, expert, source).
     LlArrival { buffer: u8, expert: u16 },
     /// LL count signal: `count` arrivals for (buffer, expert, source).
@@ -95,11 +99,18 @@ pub(crate) fn classify(
         if flags.ll_buffer != 0 {
             return Err("a normal-channel Write must not set the LL buffer flag".into());
         }
-        let hi = (p.slot & NORMAL_INC_HI_MASK) >> NORMAL_INC_HI_SHIFT;
+        if flags.combine {
+            // Rejected rather than dropped: a flag that silently vanishes
+            // would hide a producer's mistake.
+            return Err(
+                "a normal-channel Write cannot carry the combine flag (WriteImm has no combine \
+                 bit); give combine its own channels"
+                    .into(),
+            );
+        }
         return Ok(Signal::Normal {
             channel: (p.slot & NORMAL_CHANNEL_MASK) as u8,
-            tail_inc: hi << 8 | u16::from(p.value),
-            combine: flags.combine,
+            tail_inc: u16::from(p.value),
         });
     }
     if p.slot & LL_RESERVED != 0 {
@@ -183,11 +194,12 @@ fn write(
 }
 
 /// A normal-mode data write of `len` bytes (0 = signal only) from `src_off`
-/// here to `dst_off` on `dst_rank`, adding `tail_inc` (at most 2047) to the
-/// receiver's tail counter of (this rank, `channel`) once this write and
-/// every earlier write on that channel have landed. `channel` must be below
-/// the layout's `num_channels` (checked by the proxy; here only below 64).
-/// Offsets must be 16-byte aligned.
+/// here to `dst_off` on `dst_rank`, adding `tail_inc` (at most
+/// [`MAX_WRITE_COUNT`], 255; more is an error: split a larger increment over
+/// several writes) to the receiver's tail counter of (this rank, `channel`)
+/// once this write and every earlier write on that channel have landed.
+/// `channel` must be below the layout's `num_channels` (checked by the
+/// proxy). Offsets must be 16-byte aligned.
 pub fn normal_write(
     dst_rank: usize,
     src_off: u64,
@@ -196,16 +208,15 @@ pub fn normal_write(
     channel: u8,
     tail_inc: u16,
 ) -> Result<TransferCmd> {
-    check("channel", channel.into(), NORMAL_CHANNEL_MASK.into())?;
     check("tail_inc", tail_inc.into(), MAX_WRITE_COUNT.into())?;
-    let slot = u16::from(channel) | (tail_inc >> 8) << NORMAL_INC_HI_SHIFT;
     write(
         CmdFlags::default(),
         dst_rank,
         src_off,
         dst_off,
         len,
-        slot,
+        u16::from(channel),
+        // Checked above: at most 255.
         tail_inc as u8,
     )
 }
@@ -322,13 +333,13 @@ mod tests {
 
         #[test]
         fn normal_roundtrip(dst in 0usize..256, src_off in 0u64..1 << 30, dst_off in 0u64..1 << 30,
-                            len in 0u32..1 << 24, channel in 0u8..64, inc in 0u16..=2047) {
+                            len in 0u32..1 << 24, channel: u8, inc in 0u16..=255) {
             let cmd = normal_write(dst, src_off * 16, dst_off * 16, len, channel, inc).unwrap();
             let (flags, d, s, o, l, p) = parts(cmd);
             prop_assert_eq!((d as usize, s, o, l), (dst, src_off * 16, dst_off * 16, len));
             prop_assert_eq!(
                 classify(flags, p, l),
-                Ok(Signal::Normal { channel, tail_inc: inc, combine: false })
+                Ok(Signal::Normal { channel, tail_inc: inc })
             );
         }
 
@@ -353,7 +364,7 @@ mod tests {
             let p = Some(Piggyback { slot, value });
             if let Ok(sig) = classify(flags, p, len) {
                 let cmd = match sig {
-                    Signal::Normal { channel, tail_inc, .. } =>
+                    Signal::Normal { channel, tail_inc } =>
                         normal_write(0, 0, 0, len, channel, tail_inc).unwrap(),
                     Signal::LlArrival { buffer, expert } => ll_write(0, 0, 0, len, buffer, expert).unwrap(),
                     Signal::LlCount { buffer, expert, count } => ll_count(0, buffer, expert, count).unwrap(),
@@ -367,8 +378,13 @@ mod tests {
     #[test]
     fn helpers_reject_out_of_range() {
         assert!(normal_write(256, 0, 0, 0, 0, 0).is_err());
-        assert!(normal_write(0, 0, 0, 0, 64, 0).is_err());
-        assert!(normal_write(0, 0, 0, 0, 0, 2048).is_err());
+        let msg = normal_write(0, 0, 0, 0, 0, 256).unwrap_err().to_string();
+        assert!(
+            msg.contains("tail_inc 256") && msg.contains("0..=255"),
+            "{msg}"
+        );
+        // Every u8 channel encodes (the layout bounds it at the proxy).
+        assert!(normal_write(0, 0, 0, 0, 255, 255).is_ok());
         assert!(normal_write(0, 8, 0, 16, 0, 0).is_err(), "misaligned src");
         assert!(ll_write(0, 0, 0, 0, 2, 0).is_err());
         assert!(ll_write(0, 0, 0, 0, 0, 1024).is_err());
@@ -410,7 +426,8 @@ mod tests {
         let f = CmdFlags::default();
         assert!(classify(f, None, 0).unwrap_err().contains("piggyback"));
         let p = |slot, value| Some(Piggyback { slot, value });
-        assert!(classify(f, p(0x0200, 0), 0).is_err(), "normal reserved bit");
+        assert!(classify(f, p(0x0100, 0), 0).is_err(), "normal reserved bit");
+        assert!(classify(f, p(0x4000, 0), 0).is_err(), "normal reserved bit");
         assert!(classify(f, p(0xA000, 0), 0).is_err(), "LL reserved bit");
         assert!(classify(f, p(0x8000, 1), 0).is_err(), "arrival with count");
         assert!(classify(f, p(0x8400, 1), 16).is_err(), "count with data");
@@ -424,12 +441,15 @@ mod tests {
             ll_buffer: 0,
         };
         assert!(classify(comb, p(0x8000, 0), 0).is_err(), "LL with combine");
+        assert!(
+            classify(comb, p(3, 9), 0).unwrap_err().contains("combine"),
+            "normal with combine"
+        );
         assert_eq!(
-            classify(comb, p(3 | 2 << 6, 9), 0),
+            classify(f, p(200, 255), 0),
             Ok(Signal::Normal {
-                channel: 3,
-                tail_inc: 512 + 9,
-                combine: true
+                channel: 200,
+                tail_inc: 255
             })
         );
     }

@@ -1,11 +1,15 @@
 //! [`CounterLayout`]: where receiver-side emulation lands in the local region.
 
-use uep_wire::{MAX_ATOMIC_SLOTS, MAX_CHANNELS, MAX_LOCAL_EXPERTS, MAX_RANKS};
+use uep_wire::{MAX_ATOMIC_SLOTS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_STREAMS};
 
 use crate::error::{ProxyError, Result};
 
 /// Bytes of one counter (every counter is a `u64`).
 pub const COUNTER_BYTES: u64 = 8;
+
+/// Most normal-mode channels per source rank: the channel is a `u8` in
+/// [`crate::cmds::normal_write`] and in the piggyback.
+const MAX_CHANNELS_PER_RANK: usize = 256;
 
 /// Where the receiving proxy applies emulated atomics in the rank's local
 /// registered region: four dense arrays of little-endian `u64` counters, each
@@ -22,10 +26,12 @@ pub const COUNTER_BYTES: u64 = 8;
 /// An array with zero entries (`num_channels = 0`, ...) is unused and its
 /// base is not checked.
 ///
-/// Wire limit: a normal-mode [`uep_wire::WriteImm`] has no source-rank
-/// field, so the proxy sends `src * num_channels + channel` in its 6-bit
-/// channel field; hence `num_ranks * num_channels <= 64`
-/// ([`CounterLayout::validate`] checks it).
+/// Wire limits: the receiving transport does not say who sent a write, so
+/// a normal-mode [`uep_wire::WriteImm`] names the tail counter by its
+/// 10-bit `stream` = `src * num_channels + channel`; hence
+/// `num_ranks * num_channels <=` [`MAX_STREAMS`] (1024, e.g. 256 ranks x 4
+/// channels or 100 x 10). A channel is a `u8` in the commands, so
+/// `num_channels <= 256`. [`CounterLayout::validate`] checks both.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct CounterLayout {
     /// Ranks in the job (the same as [`crate::Proxy::start`]'s `num_ranks`).
@@ -149,14 +155,23 @@ impl CounterLayout {
                 self.num_ranks
             )));
         }
-        if self.num_ranks * self.num_channels > MAX_CHANNELS {
+        if self.num_channels > MAX_CHANNELS_PER_RANK {
             return Err(ProxyError::Invalid(format!(
-                "CounterLayout: num_ranks {} x num_channels {} = {} exceeds the {MAX_CHANNELS} \
-                 wire channels of a WriteImm (it has no source-rank field, so the proxy sends \
-                 src * num_channels + channel); use fewer channels",
+                "CounterLayout.num_channels = {} (allowed 0..={MAX_CHANNELS_PER_RANK}: a \
+                 command names its channel with a u8)",
+                self.num_channels
+            )));
+        }
+        if self.num_ranks * self.num_channels > MAX_STREAMS {
+            return Err(ProxyError::Invalid(format!(
+                "CounterLayout: num_ranks {} x num_channels {} = {} tail streams exceeds the \
+                 {MAX_STREAMS} a WriteImm can name (its 10-bit stream field carries \
+                 src * num_channels + channel); use at most {} channels for {} ranks",
                 self.num_ranks,
                 self.num_channels,
-                self.num_ranks * self.num_channels
+                self.num_ranks * self.num_channels,
+                MAX_STREAMS / self.num_ranks,
+                self.num_ranks
             )));
         }
         if self.num_local_experts > MAX_LOCAL_EXPERTS {
@@ -265,14 +280,14 @@ mod tests {
             .to_string()
             .contains("aligned"));
         let bad = CounterLayout {
-            num_channels: 22,
+            num_channels: 342,
             ..layout()
         };
-        assert!(bad
-            .validate(1 << 20)
-            .unwrap_err()
-            .to_string()
-            .contains("66"));
+        let msg = bad.validate(1 << 20).unwrap_err().to_string();
+        assert!(
+            msg.contains("num_channels = 342") && msg.contains("0..=256"),
+            "{msg}"
+        );
         let bad = CounterLayout {
             atomic_base: u64::MAX - 7,
             ..layout()
@@ -288,5 +303,45 @@ mod tests {
             ..CounterLayout::default()
         };
         only_barrier.validate(80).unwrap();
+    }
+
+    /// More than 64 ranks x channels (the old 6-bit limit) validates and
+    /// maps every (source, channel) to its own counter; past 1024 the
+    /// error says what fits.
+    #[test]
+    fn many_ranks_times_channels() {
+        let l = CounterLayout {
+            num_ranks: 100,
+            tail_base: 0,
+            num_channels: 2,
+            ll_base: 1600,
+            num_local_experts: 1,
+            barrier_base: 3200,
+            atomic_base: 4000,
+            num_atomic_slots: 0,
+        };
+        l.validate(4000).unwrap();
+        assert_eq!(l.tail(99, 1).unwrap(), 8 * 199);
+        assert_eq!(l.tail(70, 0).unwrap(), 8 * 140);
+        assert!(l.tail(100, 0).is_err());
+        let full = CounterLayout {
+            num_ranks: 256,
+            num_channels: 4,
+            tail_base: 0,
+            barrier_base: 8192,
+            ..CounterLayout::default()
+        };
+        full.validate(8192 + 2048).unwrap();
+        let over = CounterLayout {
+            num_channels: 11,
+            ..l
+        };
+        let msg = over.validate(1 << 20).unwrap_err().to_string();
+        assert!(
+            msg.contains("num_ranks 100 x num_channels 11 = 1100")
+                && msg.contains("1024")
+                && msg.contains("at most 10 channels for 100 ranks"),
+            "{msg}"
+        );
     }
 }

@@ -29,8 +29,9 @@
 //! immediate (table in [`cmds`]), bounds-check against the local region and
 //! the transport's `validate_write` (a bad command is a fatal
 //! [`ProxyError::Rejected`]; nothing is posted), respect
-//! [`ProxyConfig::max_writes_in_flight_per_fifo`] and
-//! [`ProxyConfig::max_bytes_in_flight_per_thread`], post (`post_write`, or
+//! [`ProxyConfig::max_writes_in_flight_per_fifo`],
+//! [`ProxyConfig::max_bytes_in_flight_per_thread`] and the stream's send
+//! window (below), post (`post_write`, or
 //! `post_imm` when the length is zero; back-pressure is retried after
 //! polling), then pop. Write and Atomic pop once posted; Quiet pops once
 //! every earlier command of its FIFO has its send completion; Barrier first
@@ -40,8 +41,9 @@
 //! (validated first; malformed ones are counted in
 //! [`ProxyStats::malformed_imms`], logged, never applied):
 //!
-//! * tail increments: `fetch_add` (Release) of the (source, channel) tail,
-//!   strictly in sequence order through a reorder window;
+//! * tail increments: `fetch_add` (Release) of the (source, channel) tail
+//!   named by the immediate's stream, strictly in sequence order through a
+//!   reorder window;
 //! * LL count signals: once N arrivals of (buffer, expert, source) were
 //!   seen, store `(k << 32) | N` (Release), k = 1, 2, ... per signal, and
 //!   consume N arrivals; an early signal waits;
@@ -52,6 +54,24 @@
 //! index, so a count signal and the data it counts, or a channel's writes,
 //! must be pushed to FIFOs of the same thread (one FIFO keeps them ordered
 //! at the sender too).
+//!
+//! # Normal-mode streams and the send window
+//!
+//! The receiving transport does not say who sent a write, so a normal-mode
+//! [`uep_wire::WriteImm`] carries `stream = src * num_channels + channel`
+//! in 10 bits: a job needs `num_ranks * num_channels <= 1024`
+//! ([`CounterLayout::validate`], at [`Proxy::start`]). Each thread numbers
+//! the writes of each (destination, channel) with a 12-bit wrapping seq;
+//! the receiver accepts a seq less than 2048 ahead of the one it expects
+//! next. To keep every arrival inside that window whatever the transport
+//! reorders, a thread posts a stream's write only while fewer than 2048 of
+//! the stream's writes are outstanding counted from the oldest one without
+//! a send completion (a count of writes in flight alone would not do: one
+//! delayed write can stay outstanding while later ones complete). This
+//! relies on one property of the transport: a write whose send completion
+//! was seen reaches the target's receive queue before any write posted to
+//! that target afterwards. The bound is a compile-time constant checked
+//! against the modulus, so no [`ProxyConfig`] can break it.
 //!
 //! A command waiting longer than [`ProxyConfig::timeout`] (or operations
 //! whose completions stop coming) is a fatal [`ProxyError::Timeout`] naming
@@ -89,6 +109,10 @@ pub use stats::ProxyStats;
 
 use stats::ThreadStats;
 use worker::{Shared, WorkerInit};
+
+/// Most FIFOs per proxy thread (a FIFO index travels in 12 bits of an
+/// operation's completion context).
+pub(crate) const MAX_FIFOS_PER_THREAD: usize = 4096;
 
 /// How a [`Proxy`] runs. `Default` gives the SPEC's figures.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -153,9 +177,9 @@ impl ProxyConfig {
                 self.threads
             ));
         }
-        if !(1..=4096).contains(&self.fifos_per_thread) {
+        if !(1..=MAX_FIFOS_PER_THREAD).contains(&self.fifos_per_thread) {
             return bad(format!(
-                "ProxyConfig.fifos_per_thread = {} (allowed 1..=4096)",
+                "ProxyConfig.fifos_per_thread = {} (allowed 1..={MAX_FIFOS_PER_THREAD})",
                 self.fifos_per_thread
             ));
         }

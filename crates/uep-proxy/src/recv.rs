@@ -1,8 +1,11 @@
 //! Receiver-side emulation: turns arrived immediates into counter updates in
 //! the local region (SPEC §2, "Ordering and atomics emulation").
 //!
-//! * [`WriteImm`]: per-(source, channel) reorder window; tail increments are
-//!   applied strictly in sequence order.
+//! * [`WriteImm`]: per-stream (= per (source, channel)) reorder window; tail
+//!   increments are applied strictly in sequence order. The window accepts
+//!   an arrival less than [`REORDER_LIMIT`] (half the sequence modulus)
+//!   ahead of the next expected number; the sender's send window (see
+//!   `worker`) keeps every arrival inside it.
 //! * [`LlImm`]: partial completion fence; a count signal is stored only once
 //!   the arrivals it announces have been seen, early signals wait.
 //! * [`AtomicImm`]: fetch_add. [`BarrierImm`]: raise the source's barrier
@@ -111,15 +114,16 @@ impl Recv {
 
     fn write(&mut self, w: WriteImm) -> Result<(), Malformed> {
         let nc = self.counters.num_channels;
-        let wire = usize::from(w.channel);
-        if wire >= self.counters.num_ranks * nc {
+        let stream = usize::from(w.stream);
+        if stream >= self.counters.num_ranks * nc {
             return Err(format!(
-                "WriteImm wire channel {wire} names no (source, channel): {} ranks x {nc} \
-                 channels",
-                self.counters.num_ranks
+                "WriteImm stream {stream} names no (source, channel): {} ranks x {nc} channels \
+                 = {} streams",
+                self.counters.num_ranks,
+                self.counters.num_ranks * nc
             ));
         }
-        let (src, channel) = (wire / nc, wire % nc);
+        let (src, channel) = (stream / nc, stream % nc);
         let region = self.region;
         let ctr = counter(&region, self.counters.tail(src, channel))?;
         if !self.emulate {
@@ -128,7 +132,7 @@ impl Recv {
             ThreadStats::bump(&self.stats.tails_applied, 1);
             return Ok(());
         }
-        let win = &mut self.windows[wire];
+        let win = &mut self.windows[stream];
         let d = u32::from(w.seq).wrapping_sub(win.next as u32) % WRITE_SEQ_MODULUS;
         if d >= REORDER_LIMIT {
             return Err(format!(
@@ -286,10 +290,14 @@ mod tests {
     }
 
     fn segment() -> Segment {
+        segment_of(1024)
+    }
+
+    fn segment_of(len: usize) -> Segment {
         static N: AtomicUsize = AtomicUsize::new(0);
         let job = format!("recvunit{}", N.fetch_add(1, Ordering::Relaxed));
         let mut s =
-            Segment::create(&uep_shm::segment_name(&job, 0, std::process::id()), 1024).unwrap();
+            Segment::create(&uep_shm::segment_name(&job, 0, std::process::id()), len).unwrap();
         s.unlink().unwrap();
         s
     }
@@ -309,8 +317,7 @@ mod tests {
 
     fn wimm(src: usize, ch: usize, seq: u64, count: u16) -> u32 {
         WriteImm {
-            combine: false,
-            channel: (src * NC + ch) as u8,
+            stream: (src * NC + ch) as u16,
             seq: WriteImm::wrap_seq(seq),
             count,
         }
@@ -403,10 +410,9 @@ mod tests {
         let mut r = recv(&seg, true);
         let before: Vec<u64> = (0..128).map(|i| load(&seg, i * 8)).collect();
         let bad = [
-            // Wire channel 4 = src 2 of 2 ranks.
+            // Stream 4 = src 2 of 2 ranks.
             WriteImm {
-                combine: false,
-                channel: 4,
+                stream: 4,
                 seq: 0,
                 count: 1,
             }
@@ -486,5 +492,57 @@ mod tests {
             load(&seg, layout().ll_signal(0, 1, 0).unwrap()),
             1 << 32 | 4
         );
+    }
+
+    /// Streams past the old 6-bit limit (64) land on their own (source,
+    /// channel) tail, in order, and leave every other counter alone.
+    #[test]
+    fn streams_above_64_reach_their_tail() {
+        let l = CounterLayout {
+            num_ranks: 100,
+            tail_base: 0,
+            num_channels: 2,
+            barrier_base: 1600,
+            ..CounterLayout::default()
+        };
+        let seg = segment_of(4096);
+        l.validate(seg.len()).unwrap();
+        let mut r = Recv::new(l.clone(), *seg.region(), true, Arc::default());
+        let imm = |stream: u16, seq: u64, count: u16| {
+            WriteImm {
+                stream,
+                seq: WriteImm::wrap_seq(seq),
+                count,
+            }
+            .encode()
+            .unwrap()
+        };
+        // Rank 70 channel 1 = stream 141; rank 99 channel 0 = stream 198.
+        r.apply(imm(141, 1, 5)).unwrap();
+        assert_eq!(
+            load(&seg, l.tail(70, 1).unwrap()),
+            0,
+            "seq 1 waits for seq 0"
+        );
+        r.apply(imm(198, 0, 7)).unwrap();
+        r.apply(imm(141, 0, 2)).unwrap();
+        assert_eq!(load(&seg, l.tail(70, 1).unwrap()), 7);
+        assert_eq!(load(&seg, l.tail(99, 0).unwrap()), 7);
+        let touched = [l.tail(70, 1).unwrap(), l.tail(99, 0).unwrap()];
+        for src in 0..100 {
+            for ch in 0..2 {
+                let off = l.tail(src, ch).unwrap();
+                if !touched.contains(&off) {
+                    assert_eq!(load(&seg, off), 0, "tail ({src}, {ch})");
+                }
+            }
+        }
+        // Stream 200 = source 100 of 100 ranks: names nothing.
+        let err = r.apply(imm(200, 0, 1)).unwrap_err();
+        assert!(
+            err.contains("stream 200") && err.contains("200 streams"),
+            "{err}"
+        );
+        assert!(!r.has_pending());
     }
 }

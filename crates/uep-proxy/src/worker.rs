@@ -1,6 +1,33 @@
 //! One proxy thread: consumes its FIFOs, posts writes, retires completions
 //! and applies the receive-side emulation.
+//!
+//! # The send window (why sequence numbers never alias)
+//!
+//! The receiver accepts a [`WriteImm`] only when its seq is less than
+//! [`REORDER_LIMIT`] (half of [`WRITE_SEQ_MODULUS`]) ahead of the next
+//! number it expects for that stream. A count of operations in flight does
+//! not bound that distance: one delayed write may stay outstanding while
+//! thousands of later ones complete around it. So each stream
+//! (destination, channel) of a thread has a send window: a write with seq
+//! `s` is posted only once every write of the stream below
+//! `s - SEND_WINDOW + 1` has its send completion ([`SendStream`]).
+//!
+//! Assumed of the transport: a write whose send completion the sender has
+//! seen is observed by the target (its arrival is polled) before any write
+//! to that target posted afterwards. This holds when delivery is ordered per
+//! peer (libfabric `tcp;ofi_rxm`), when the completion means delivered
+//! (RDMA reliable connections, EFA SRD), and for the fault injector, which
+//! reports a write's completion only after issuing it to the inner
+//! transport. Then, when the receiver takes seq `s`, every write below
+//! `s - SEND_WINDOW + 1` was taken before, so its next expected number `n`
+//! satisfies `s - SEND_WINDOW < n <= s`: `s - n < SEND_WINDOW <=
+//! REORDER_LIMIT`, and the writes it still waits for lie in a span shorter
+//! than half the modulus, so their wrapped numbers are distinct and read
+//! as "ahead". `SEND_WINDOW <= REORDER_LIMIT` is checked at compile time,
+//! so no configuration can break it; the per-FIFO and per-byte limits only
+//! make the window throttle less often.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -10,19 +37,129 @@ use uep_shm::Region;
 use uep_transport::{Arrival, Completion, Transport, TransportError};
 use uep_wire::{
     AtomicImm, BarrierImm, BarrierScope, Command, LlImm, LlSignal, TransferCmd, WriteImm,
+    MAX_STREAMS, MAX_WRITE_LEN, WRITE_SEQ_BITS, WRITE_SEQ_MODULUS,
 };
 
 use crate::cmds::{classify, Signal};
 use crate::error::{ProxyError, Result};
 use crate::layout::CounterLayout;
-use crate::recv::Recv;
+use crate::recv::{Recv, REORDER_LIMIT};
 use crate::stats::{StatsRef, ThreadStats};
-use crate::ProxyConfig;
+use crate::{ProxyConfig, MAX_FIFOS_PER_THREAD};
 
 /// Commands taken from one FIFO before moving to the next (fairness).
 const BURST: usize = 16;
 /// Shortest park, and the longest one while work is outstanding.
 const MIN_PARK: Duration = Duration::from_micros(50);
+
+/// Most writes of one stream from the oldest without a send completion to
+/// the newest posted, inclusive (module docs).
+pub(crate) const SEND_WINDOW: usize = REORDER_LIMIT as usize;
+const _: () =
+    assert!(SEND_WINDOW as u32 <= REORDER_LIMIT && 2 * REORDER_LIMIT <= WRITE_SEQ_MODULUS);
+
+/// Sender side of one stream (destination rank, channel) of a thread.
+#[derive(Debug, Default)]
+struct SendStream {
+    /// Sequence number of the next write (unwrapped).
+    next: u64,
+    /// Completion flags of the writes from the oldest one without a send
+    /// completion up to `next` (exclusive): `done[i]` belongs to seq
+    /// `next - done.len() + i`. Never longer than [`SEND_WINDOW`].
+    done: VecDeque<bool>,
+}
+
+impl SendStream {
+    /// Whether the next write must wait for the oldest one's completion.
+    fn window_full(&self) -> bool {
+        self.done.len() >= SEND_WINDOW
+    }
+
+    /// Records that seq `next` was posted.
+    fn posted(&mut self) {
+        self.done.push_back(false);
+        self.next += 1;
+    }
+
+    /// Records the send completion of the write with wrapped seq `wseq`;
+    /// `false` if no such write is outstanding.
+    fn completed(&mut self, wseq: u16) -> bool {
+        let oldest = self.next - self.done.len() as u64;
+        // `done` is shorter than the modulus, so the wrapped distance from
+        // the oldest outstanding write names exactly one entry.
+        let i = (u32::from(wseq).wrapping_sub(oldest as u32) % WRITE_SEQ_MODULUS) as usize;
+        match self.done.get_mut(i) {
+            Some(d) if !*d => *d = true,
+            _ => return false,
+        }
+        while self.done.front() == Some(&true) {
+            self.done.pop_front();
+        }
+        true
+    }
+}
+
+/// What an operation's completion context carries, packed into the `u64`
+/// the transport hands back, so a completion retires its FIFO, its bytes
+/// and its stream's window entry without a lookup table.
+///
+/// | bits    | field |
+/// |---------|-------|
+/// | 0..=23  | bytes (a Write moves at most [`MAX_WRITE_LEN`]) |
+/// | 24..=35 | FIFO index in the thread (below [`MAX_FIFOS_PER_THREAD`]) |
+/// | 36..=47 | wrapped seq of a normal write |
+/// | 48..=58 | stream key + 1 of a normal write (0 = not a normal write) |
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct OpCtx {
+    fifo: usize,
+    len: u32,
+    /// (stream key `dst * num_channels + channel`, wrapped seq).
+    stream: Option<(usize, u16)>,
+}
+
+const CTX_LEN_BITS: u32 = 24;
+const CTX_FIFO_SHIFT: u32 = CTX_LEN_BITS;
+const CTX_FIFO_BITS: u32 = 12;
+const CTX_SEQ_SHIFT: u32 = CTX_FIFO_SHIFT + CTX_FIFO_BITS;
+const CTX_STREAM_SHIFT: u32 = CTX_SEQ_SHIFT + WRITE_SEQ_BITS;
+const CTX_STREAM_BITS: u32 = 11;
+const _: () = assert!(
+    MAX_WRITE_LEN < 1 << CTX_LEN_BITS
+        && MAX_FIFOS_PER_THREAD <= 1 << CTX_FIFO_BITS
+        && MAX_STREAMS < 1 << CTX_STREAM_BITS
+        && CTX_STREAM_SHIFT + CTX_STREAM_BITS <= 64
+);
+
+const fn mask(bits: u32) -> u64 {
+    (1 << bits) - 1
+}
+
+impl OpCtx {
+    fn pack(self) -> u64 {
+        let (key1, seq) = match self.stream {
+            Some((key, seq)) => (key as u64 + 1, u64::from(seq)),
+            None => (0, 0),
+        };
+        u64::from(self.len)
+            | (self.fifo as u64) << CTX_FIFO_SHIFT
+            | seq << CTX_SEQ_SHIFT
+            | key1 << CTX_STREAM_SHIFT
+    }
+
+    fn unpack(ctx: u64) -> OpCtx {
+        let key1 = (ctx >> CTX_STREAM_SHIFT) & mask(CTX_STREAM_BITS);
+        OpCtx {
+            fifo: ((ctx >> CTX_FIFO_SHIFT) & mask(CTX_FIFO_BITS)) as usize,
+            len: (ctx & mask(CTX_LEN_BITS)) as u32,
+            stream: (key1 != 0).then(|| {
+                (
+                    key1 as usize - 1,
+                    ((ctx >> CTX_SEQ_SHIFT) & mask(WRITE_SEQ_BITS)) as u16,
+                )
+            }),
+        }
+    }
+}
 
 /// State shared by the [`crate::Proxy`] handle and its threads.
 #[derive(Debug, Default)]
@@ -100,8 +237,8 @@ struct Worker {
     counters: CounterLayout,
     transport: Box<dyn Transport>,
     fifos: Vec<FifoState>,
-    /// Next normal-mode sequence number per (dst rank, channel).
-    send_seq: Vec<u64>,
+    /// Send window per stream key `dst * num_channels + channel`.
+    streams: Vec<SendStream>,
     bytes_in_flight: u64,
     /// Operations in flight over all FIFOs.
     total_in_flight: usize,
@@ -129,12 +266,6 @@ pub(crate) fn run(init: WorkerInit) {
     }
 }
 
-/// Packs the FIFO and the byte count of an operation into its context, so
-/// a completion retires both without a lookup table.
-fn ctx(fifo: usize, len: u32) -> u64 {
-    (fifo as u64) << 32 | u64::from(len)
-}
-
 impl Worker {
     fn new(init: WorkerInit) -> Worker {
         let recv = Recv::new(
@@ -147,7 +278,9 @@ impl Worker {
             rank: init.rank,
             thread: init.thread,
             num_ranks: init.num_ranks,
-            send_seq: vec![0; init.num_ranks * init.counters.num_channels],
+            streams: (0..init.num_ranks * init.counters.num_channels)
+                .map(|_| SendStream::default())
+                .collect(),
             cfg: init.cfg,
             region: init.region,
             counters: init.counters,
@@ -257,23 +390,27 @@ impl Worker {
         let now = Instant::now();
         for c in done {
             let ctx = c.ctx();
-            let (f, len) = ((ctx >> 32) as usize, ctx & 0xFFFF_FFFF);
-            match self.fifos.get_mut(f) {
-                Some(fs) if fs.in_flight > 0 => {
+            let op = OpCtx::unpack(ctx);
+            let stream_ok = match op.stream {
+                Some((key, seq)) => self.streams.get_mut(key).is_some_and(|s| s.completed(seq)),
+                None => true,
+            };
+            match self.fifos.get_mut(op.fifo) {
+                Some(fs) if fs.in_flight > 0 && stream_ok => {
                     fs.in_flight -= 1;
                     self.total_in_flight -= 1;
                     // A completion is progress for a command waiting on it.
                     if let Some((_, since)) = &mut fs.blocked {
                         *since = now;
                     }
-                    self.bytes_in_flight = self.bytes_in_flight.saturating_sub(len);
+                    self.bytes_in_flight = self.bytes_in_flight.saturating_sub(op.len.into());
                 }
                 _ => {
                     return Err(self.transport_err(
                         "retiring a send completion",
                         TransportError::Invalid(format!(
                             "completion with ctx {ctx:#x} matches no operation in flight \
-                             (FIFO {f}, {len} bytes)"
+                             ({op:?})"
                         )),
                     ))
                 }
@@ -375,6 +512,8 @@ impl Worker {
     }
 
     /// Posts a write (or a zero-length signal); maps back-pressure to Wait.
+    /// `stream` is the (key, wrapped seq) of a normal write, whose send
+    /// window then advances.
     #[allow(clippy::too_many_arguments)]
     fn post(
         &mut self,
@@ -386,8 +525,14 @@ impl Worker {
         dst_off: u64,
         len: u32,
         imm: u32,
+        stream: Option<(usize, u16)>,
     ) -> Result<Step> {
-        let c = ctx(f, len);
+        let c = OpCtx {
+            fifo: f,
+            len,
+            stream,
+        }
+        .pack();
         let r = if len == 0 {
             self.transport.post_imm(dst, imm, c)
         } else {
@@ -403,6 +548,9 @@ impl Worker {
                 self.total_in_flight += 1;
                 self.fifos[f].in_flight += 1;
                 self.bytes_in_flight += u64::from(len);
+                if let Some((key, _)) = stream {
+                    self.streams[key].posted();
+                }
                 Ok(Step::Done)
             }
             Err(TransportError::WouldBlock) => {
@@ -468,13 +616,9 @@ impl Worker {
         self.transport
             .validate_write(dst, src_off, dst_off, len as usize)
             .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
-        let mut seq_key = None;
+        let mut stream = None;
         let imm = match signal {
-            Signal::Normal {
-                channel,
-                tail_inc,
-                combine,
-            } => {
+            Signal::Normal { channel, tail_inc } => {
                 let nc = self.counters.num_channels;
                 if usize::from(channel) >= nc {
                     return Err(self.reject(
@@ -485,12 +629,13 @@ impl Worker {
                     ));
                 }
                 let key = dst * nc + usize::from(channel);
-                seq_key = Some(key);
+                let seq = WriteImm::wrap_seq(self.streams[key].next);
+                stream = Some((key, seq));
                 WriteImm {
-                    combine,
-                    // Validated at start: num_ranks * num_channels <= 64.
-                    channel: (self.rank * nc + usize::from(channel)) as u8,
-                    seq: WriteImm::wrap_seq(self.send_seq[key]),
+                    // Validated at start: num_ranks * num_channels <=
+                    // MAX_STREAMS (1024), so this fits the u16 and encodes.
+                    stream: (self.rank * nc + usize::from(channel)) as u16,
+                    seq,
                     count: tail_inc,
                 }
                 .encode()
@@ -520,19 +665,18 @@ impl Worker {
         }
         .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
         // Flow control: per-FIFO writes and per-thread bytes in flight (one
-        // write larger than the byte budget may go alone).
+        // write larger than the byte budget may go alone), and the stream's
+        // send window (module docs).
         if self.fifos[f].in_flight >= self.cfg.max_writes_in_flight_per_fifo
             || (self.bytes_in_flight > 0
                 && self.bytes_in_flight + u64::from(len)
                     > self.cfg.max_bytes_in_flight_per_thread as u64)
+            || stream.is_some_and(|(key, _)| self.streams[key].window_full())
         {
             return Ok(Step::Wait);
         }
-        let step = self.post(f, slot, cmd, dst, src_off, dst_off, len, imm)?;
+        let step = self.post(f, slot, cmd, dst, src_off, dst_off, len, imm, stream)?;
         if let Step::Done = step {
-            if let Some(key) = seq_key {
-                self.send_seq[key] += 1;
-            }
             ThreadStats::bump(&self.stats.writes_posted, 1);
             ThreadStats::bump(&self.stats.bytes_posted, len.into());
         }
@@ -591,7 +735,7 @@ impl Worker {
         if self.fifos[f].in_flight >= self.cfg.max_writes_in_flight_per_fifo {
             return Ok(Step::Wait);
         }
-        let step = self.post(f, slot, cmd, dst, 0, 0, 0, imm)?;
+        let step = self.post(f, slot, cmd, dst, 0, 0, 0, imm, None)?;
         if let Step::Done = step {
             ThreadStats::bump(&self.stats.atomics_posted, 1);
         }
@@ -680,7 +824,7 @@ impl Worker {
             if self.fifos[f].in_flight >= self.cfg.max_writes_in_flight_per_fifo {
                 return Ok(Step::Wait);
             }
-            match self.post(f, slot, cmd, peer, 0, 0, 0, imm)? {
+            match self.post(f, slot, cmd, peer, 0, 0, 0, imm, None)? {
                 Step::Done => {
                     if let Some(b) = &mut self.fifos[f].barrier {
                         b.sent += 1;
@@ -751,11 +895,44 @@ impl Worker {
         )
     }
 
+    /// For a normal Write whose stream's send window is full: which write
+    /// it waits for.
+    fn stream_window_note(&self, cmd: &Command) -> Option<String> {
+        let Command::Write {
+            flags,
+            dst_rank,
+            len,
+            piggyback,
+            ..
+        } = *cmd
+        else {
+            return None;
+        };
+        let Ok(Signal::Normal { channel, .. }) = classify(flags, piggyback, len) else {
+            return None;
+        };
+        if usize::from(channel) >= self.counters.num_channels {
+            return None;
+        }
+        let key = usize::from(dst_rank) * self.counters.num_channels + usize::from(channel);
+        let s = self.streams.get(key).filter(|s| s.window_full())?;
+        Some(format!(
+            "; the send window of (dst rank {dst_rank}, channel {channel}) is full: seq {} has \
+             no send completion yet and at most {SEND_WINDOW} writes of a stream may be \
+             outstanding from the oldest one",
+            s.next - s.done.len() as u64
+        ))
+    }
+
     fn describe_blocked(&mut self, f: usize, slot: Slot) -> String {
         let decoded = self.fifos[f]
             .consumer
             .poll()
             .map(|(_, raw)| (raw, raw.decode()));
+        let window = match &decoded {
+            Some((_, Ok(c))) => self.stream_window_note(c),
+            _ => None,
+        };
         let (cmd, barrier_seq) = match decoded {
             Some((_, Ok(c @ Command::Barrier { seq, .. }))) => (format!("{c:?}"), Some(seq)),
             Some((_, Ok(c))) => (format!("{c:?}"), None),
@@ -772,6 +949,9 @@ impl Worker {
             self.bytes_in_flight,
             self.cfg.max_bytes_in_flight_per_thread
         );
+        if let Some(note) = window {
+            what += &note;
+        }
         if let (Some(b), Some(seq)) = (&fs.barrier, barrier_seq) {
             let missing: Vec<String> = b
                 .peers
@@ -845,5 +1025,69 @@ impl Idle {
         std::thread::park_timeout(self.park.min(cap));
         self.park = (self.park * 2).min(cfg.max_park);
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn op_ctx_round_trips(fifo in 0..MAX_FIFOS_PER_THREAD, len in 0..=MAX_WRITE_LEN,
+                              stream in proptest::option::of((0..MAX_STREAMS, 0..WRITE_SEQ_MODULUS as u16))) {
+            let op = OpCtx { fifo, len, stream };
+            prop_assert_eq!(OpCtx::unpack(op.pack()), op);
+        }
+    }
+
+    #[test]
+    fn op_ctx_extremes() {
+        let op = OpCtx {
+            fifo: MAX_FIFOS_PER_THREAD - 1,
+            len: MAX_WRITE_LEN,
+            stream: Some((MAX_STREAMS - 1, WRITE_SEQ_MODULUS as u16 - 1)),
+        };
+        assert_eq!(OpCtx::unpack(op.pack()), op);
+        let op = OpCtx {
+            fifo: 0,
+            len: 0,
+            stream: Some((0, 0)),
+        };
+        assert_ne!(op.pack(), 0, "stream 0 seq 0 differs from no stream");
+        assert_eq!(OpCtx::unpack(op.pack()), op);
+    }
+
+    /// The window holds SEND_WINDOW writes from the oldest incomplete one,
+    /// whatever order completions come in, across the seq wrap.
+    #[test]
+    fn send_window_tracks_the_oldest_incomplete_write() {
+        let mut s = SendStream {
+            next: 3 * u64::from(WRITE_SEQ_MODULUS) - 5,
+            done: VecDeque::new(),
+        };
+        let first = s.next;
+        for _ in 0..SEND_WINDOW {
+            assert!(!s.window_full());
+            s.posted();
+        }
+        assert!(s.window_full());
+        // Everything but the oldest completes (in reverse): still full.
+        for seq in (first + 1..s.next).rev() {
+            assert!(s.completed(WriteImm::wrap_seq(seq)));
+        }
+        assert!(s.window_full());
+        assert!(!s.completed(WriteImm::wrap_seq(first + 1)), "twice");
+        assert!(!s.completed(WriteImm::wrap_seq(s.next)), "never posted");
+        // The oldest completes: the window empties at once.
+        assert!(s.completed(WriteImm::wrap_seq(first)));
+        assert!(s.done.is_empty() && !s.window_full());
+        s.posted();
+        s.posted();
+        assert!(s.completed(WriteImm::wrap_seq(s.next - 1)));
+        assert_eq!(s.done.len(), 2, "the older write is still outstanding");
     }
 }

@@ -353,16 +353,7 @@ fn node_leader_barrier_from_a_non_leader_is_rejected() {
 fn malformed_immediates_are_counted_not_applied() {
     let (proxy, mut raw, segs) = proxy_and_raw(REGION, config(1));
     let l = layout(2);
-    let w = |channel, seq, count| {
-        WriteImm {
-            combine: false,
-            channel,
-            seq,
-            count,
-        }
-        .encode()
-        .unwrap()
-    };
+    let w = |stream, seq, count| WriteImm { stream, seq, count }.encode().unwrap();
     let ll = |expert, src_rank, signal| {
         LlImm {
             buffer: 1,
@@ -377,7 +368,7 @@ fn malformed_immediates_are_counted_not_applied() {
     let valid = [w(4, 0, 1), ll(0, 1, LlSignal::Count(5))];
     let garbage = [
         w(4, 0, 1),                                         // replay of an applied seq
-        w(8, 0, 1),                                         // wire channel 8 = rank 2 of 2
+        w(8, 0, 1),                                         // stream 8 = rank 2 of 2
         w(5, 3000, 1),                                      // far ahead of the window
         ll(4, 1, LlSignal::Arrival),                        // expert 4 of 4
         ll(0, 2, LlSignal::Count(1)),                       // source rank 2 of 2

@@ -8,7 +8,7 @@
 //!
 //! | tag | encoding       | use |
 //! |-----|----------------|-----|
-//! | 0   | [`WriteImm`]   | normal mode: per-(peer, channel) ordered tail increments |
+//! | 0   | [`WriteImm`]   | normal mode: per-(source, channel) ordered tail increments |
 //! | 1   | [`LlImm`]      | LL mode: partial completion fence (data arrival / count signal) |
 //! | 2   | [`AtomicImm`]  | generic emulated atomic add on a counter slot |
 //! | 3   | [`BarrierImm`] | barrier arrival (sent as a zero-length write) |
@@ -17,11 +17,34 @@
 //!
 //! | bits    | field |
 //! |---------|-------|
-//! | 0..=10  | count: tail increment in tokens, `0..=`[`MAX_WRITE_COUNT`] |
-//! | 11..=22 | seq: per-(peer, channel) sequence number, wraps modulo [`WRITE_SEQ_MODULUS`] |
-//! | 23..=28 | channel, `0..`[`MAX_CHANNELS`] |
-//! | 29      | combine flag |
+//! | 0..=7   | count: tail increment in tokens, `0..=`[`MAX_WRITE_COUNT`] (255) |
+//! | 8..=19  | seq: per-stream sequence number, wraps modulo [`WRITE_SEQ_MODULUS`] (4096) |
+//! | 20..=29 | stream: (source rank, channel) as `src * num_channels + channel`, `0..`[`MAX_STREAMS`] (1024) |
 //! | 30..=31 | tag = 0 |
+//!
+//! The receiving transport does not say who sent a write, so the source
+//! rank travels in the immediate, folded with the channel into one
+//! `stream` id: any `num_ranks * num_channels <= 1024` fits (e.g. 256 ranks
+//! x 4 channels, 100 x 10, 64 x 16). Why these widths:
+//!
+//! * **stream, 10 bits**: the product ranks x channels is what must fit;
+//!   splitting it into fixed rank and channel fields would waste codes.
+//! * **seq, 12 bits**: the receiver keeps a reorder window per stream and
+//!   takes an arrival as "ahead" only when it is less than half the modulus
+//!   ([`WRITE_SEQ_MODULUS`]` / 2` = 2048) past the next sequence number it
+//!   expects; anything else is stale or a duplicate. So a sender must never
+//!   let two writes of one stream that the receiver may not have seen yet
+//!   lie `WRITE_SEQ_MODULUS / 2` or more apart in sequence: then the writes
+//!   pending at the receiver all lie in a span shorter than half the
+//!   modulus and their wrapped numbers cannot alias. `uep-proxy` enforces
+//!   this with a per-stream send window (see its crate docs); 2048 is 8x
+//!   the per-thread in-flight bound of the SPEC's LL figures (8 FIFOs x 32
+//!   writes), so the window rarely throttles.
+//! * **count, 8 bits**: the tail increment per write. The EP layer only
+//!   uses 0 and 1; a larger increment (more than 255 tokens) can be split
+//!   over several writes, each with its own sequence number.
+//!
+//! The TransferCmd's `combine` flag is not carried: no receiver acts on it.
 //!
 //! ## `LlImm` (tag 1)
 //!
@@ -54,14 +77,27 @@
 use crate::cmd::BarrierScope;
 use crate::error::{check_max, WireError};
 
-/// Number of channels a [`WriteImm`] can name (6 bits).
-pub const MAX_CHANNELS: usize = 64;
+/// Bits of the [`WriteImm`] count (tail increment).
+const WRITE_COUNT_BITS: u32 = 8;
+/// Bits of the [`WriteImm`] stream.
+const WRITE_STREAM_BITS: u32 = 10;
+const WRITE_SEQ_SHIFT: u32 = WRITE_COUNT_BITS;
+const WRITE_STREAM_SHIFT: u32 = WRITE_SEQ_SHIFT + WRITE_SEQ_BITS;
+// The three fields fill exactly the 30 bits below the tag.
+const _: () = assert!(WRITE_STREAM_SHIFT + WRITE_STREAM_BITS == TAG_SHIFT);
+
+/// Number of (source rank, channel) streams a [`WriteImm`] can name (10
+/// bits): a job needs `num_ranks * num_channels <= MAX_STREAMS`.
+pub const MAX_STREAMS: usize = 1 << WRITE_STREAM_BITS;
 /// Bits of the [`WriteImm`] sequence number.
 pub const WRITE_SEQ_BITS: u32 = 12;
-/// The [`WriteImm`] sequence number wraps modulo this (4096).
+/// The [`WriteImm`] sequence number wraps modulo this (4096). Two writes of
+/// one stream that the receiver may not have seen yet must be less than
+/// half of it apart (module docs).
 pub const WRITE_SEQ_MODULUS: u32 = 1 << WRITE_SEQ_BITS;
-/// Largest [`WriteImm`] tail increment (11 bits).
-pub const MAX_WRITE_COUNT: u16 = (1 << 11) - 1;
+/// Largest [`WriteImm`] tail increment (8 bits, 255); [`WriteImm::encode`]
+/// rejects more.
+pub const MAX_WRITE_COUNT: u16 = (1 << WRITE_COUNT_BITS) - 1;
 /// Number of local experts an [`LlImm`] can name (10 bits).
 pub const MAX_LOCAL_EXPERTS: usize = 1024;
 /// Largest count an [`LlImm`] count signal can announce (10 bits).
@@ -104,14 +140,13 @@ fn check_tag(imm: u32, expected: u8) -> Result<(), WireError> {
 }
 
 /// Normal mode, per-channel order: the tail increment rides on the data
-/// write with a per-(peer, channel) sequence number; the receiver applies
-/// increments strictly in sequence order.
+/// write with a per-stream (per (source, channel)) sequence number; the
+/// receiver applies increments strictly in sequence order.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub struct WriteImm {
-    /// Combine (not dispatch) phase.
-    pub combine: bool,
-    /// Channel, below [`MAX_CHANNELS`].
-    pub channel: u8,
+    /// The (source rank, channel) pair as `src * num_channels + channel`,
+    /// below [`MAX_STREAMS`].
+    pub stream: u16,
     /// Sequence number, below [`WRITE_SEQ_MODULUS`] (wrap it with [`WriteImm::wrap_seq`]).
     pub seq: u16,
     /// Tail increment in tokens, at most [`MAX_WRITE_COUNT`].
@@ -127,9 +162,9 @@ impl WriteImm {
     /// Packs the immediate; fails if a field is out of range.
     pub fn encode(&self) -> Result<u32, WireError> {
         check_max(
-            "WriteImm.channel",
-            self.channel.into(),
-            MAX_CHANNELS as u64 - 1,
+            "WriteImm.stream",
+            self.stream.into(),
+            MAX_STREAMS as u64 - 1,
         )?;
         check_max(
             "WriteImm.seq",
@@ -138,9 +173,8 @@ impl WriteImm {
         )?;
         check_max("WriteImm.count", self.count.into(), MAX_WRITE_COUNT.into())?;
         Ok(u32::from(TAG_WRITE) << TAG_SHIFT
-            | u32::from(self.combine) << 29
-            | u32::from(self.channel) << 23
-            | u32::from(self.seq) << 11
+            | u32::from(self.stream) << WRITE_STREAM_SHIFT
+            | u32::from(self.seq) << WRITE_SEQ_SHIFT
             | u32::from(self.count))
     }
 
@@ -148,10 +182,9 @@ impl WriteImm {
     pub fn decode(imm: u32) -> Result<WriteImm, WireError> {
         check_tag(imm, TAG_WRITE)?;
         Ok(WriteImm {
-            combine: field(imm, 29, 1) != 0,
-            channel: field(imm, 23, 6) as u8,
-            seq: field(imm, 11, 12) as u16,
-            count: field(imm, 0, 11) as u16,
+            stream: field(imm, WRITE_STREAM_SHIFT, WRITE_STREAM_BITS) as u16,
+            seq: field(imm, WRITE_SEQ_SHIFT, WRITE_SEQ_BITS) as u16,
+            count: field(imm, 0, WRITE_COUNT_BITS) as u16,
         })
     }
 }

@@ -15,10 +15,10 @@
 //! Limits, as constants: ranks [`MAX_RANKS`] (256), Write offsets up to
 //! [`MAX_OFFSET`] (64 GiB − 16, 16-byte aligned), Atomic offsets up to
 //! [`MAX_ATOMIC_OFFSET`] (4-byte aligned), Write length [`MAX_WRITE_LEN`]
-//! (16 MiB − 1), channels [`MAX_CHANNELS`] (64), local experts
-//! [`MAX_LOCAL_EXPERTS`] (1024), LL counts [`MAX_LL_COUNT`] (1023), normal-mode
-//! tail increments [`MAX_WRITE_COUNT`] (2047), atomic slots
-//! [`MAX_ATOMIC_SLOTS`] (16384).
+//! (16 MiB − 1), normal-mode streams (source rank x channel)
+//! [`MAX_STREAMS`] (1024), local experts [`MAX_LOCAL_EXPERTS`] (1024), LL
+//! counts [`MAX_LL_COUNT`] (1023), normal-mode tail increments
+//! [`MAX_WRITE_COUNT`] (255), atomic slots [`MAX_ATOMIC_SLOTS`] (16384).
 #![forbid(unsafe_code)]
 
 pub mod cmd;
@@ -32,6 +32,6 @@ pub use cmd::{
 pub use error::WireError;
 pub use imm::{
     imm_tag, AtomicImm, BarrierImm, Imm, LlImm, LlSignal, WriteImm, BARRIER_SEQ_MODULUS,
-    MAX_ATOMIC_SLOTS, MAX_CHANNELS, MAX_LL_COUNT, MAX_LOCAL_EXPERTS, MAX_WRITE_COUNT,
-    WRITE_SEQ_MODULUS,
+    MAX_ATOMIC_SLOTS, MAX_LL_COUNT, MAX_LOCAL_EXPERTS, MAX_STREAMS, MAX_WRITE_COUNT,
+    WRITE_SEQ_BITS, WRITE_SEQ_MODULUS,
 };

@@ -65,20 +65,20 @@ fn command() -> impl Strategy<Value = Command> {
 }
 
 fn imm() -> impl Strategy<Value = Imm> {
+    // Edges of every field as well as uniform values.
     let write = (
-        any::<bool>(),
-        0..MAX_CHANNELS as u8,
-        0..WRITE_SEQ_MODULUS as u16,
-        0..=MAX_WRITE_COUNT,
+        prop_oneof![
+            Just(0u16),
+            Just(MAX_STREAMS as u16 - 1),
+            0..MAX_STREAMS as u16
+        ],
+        prop_oneof![
+            Just(WRITE_SEQ_MODULUS as u16 - 1),
+            0..WRITE_SEQ_MODULUS as u16
+        ],
+        prop_oneof![Just(MAX_WRITE_COUNT), 0..=MAX_WRITE_COUNT],
     )
-        .prop_map(|(combine, channel, seq, count)| {
-            Imm::Write(WriteImm {
-                combine,
-                channel,
-                seq,
-                count,
-            })
-        });
+        .prop_map(|(stream, seq, count)| Imm::Write(WriteImm { stream, seq, count }));
     let signal = prop_oneof![
         Just(LlSignal::Arrival),
         (0..=MAX_LL_COUNT).prop_map(LlSignal::Count)
@@ -219,7 +219,7 @@ proptest! {
 
     #[test]
     fn out_of_range_imm_fields_are_rejected(
-        channel in MAX_CHANNELS as u8..,
+        stream in MAX_STREAMS as u16..,
         seq in WRITE_SEQ_MODULUS as u16..,
         count in MAX_WRITE_COUNT + 1..,
         expert in MAX_LOCAL_EXPERTS as u16..,
@@ -228,12 +228,12 @@ proptest! {
         slot in MAX_ATOMIC_SLOTS as u16..,
         bseq in BARRIER_SEQ_MODULUS..,
     ) {
-        let ok_w = WriteImm { combine: false, channel: 0, seq: 0, count: 0 };
+        let ok_w = WriteImm { stream: 0, seq: 0, count: 0 };
         let field_of = |r: Result<u32, WireError>| match r {
             Err(WireError::OutOfRange { field, .. }) => field,
             other => panic!("expected OutOfRange, got {other:?}"),
         };
-        prop_assert_eq!(field_of(WriteImm { channel, ..ok_w }.encode()), "WriteImm.channel");
+        prop_assert_eq!(field_of(WriteImm { stream, ..ok_w }.encode()), "WriteImm.stream");
         prop_assert_eq!(field_of(WriteImm { seq, ..ok_w }.encode()), "WriteImm.seq");
         prop_assert_eq!(field_of(WriteImm { count, ..ok_w }.encode()), "WriteImm.count");
         let ok_l = LlImm { buffer: 0, expert: 0, src_rank: 0, signal: LlSignal::Arrival };
@@ -322,14 +322,30 @@ fn golden_words() {
     assert_eq!((t.word0, t.word1), (0xDEAD_BEEF_0000_0104, 0));
 
     let w = WriteImm {
-        combine: true,
-        channel: 63,
+        stream: 1023,
         seq: 0xABC,
-        count: 0x7FF,
+        count: 0xFF,
     }
     .encode()
     .unwrap();
-    assert_eq!(w, 0b00_1_111111_101010111100_11111111111);
+    assert_eq!(w, 0b00_1111111111_101010111100_11111111);
+    // A stream above the old 6-bit channel field (64 ranks x channels).
+    let w = WriteImm {
+        stream: 0x2A5,
+        seq: 1,
+        count: 1,
+    }
+    .encode()
+    .unwrap();
+    assert_eq!(w, 0b00_1010100101_000000000001_00000001);
+    assert_eq!(
+        WriteImm::decode(w).unwrap(),
+        WriteImm {
+            stream: 0x2A5,
+            seq: 1,
+            count: 1
+        }
+    );
     let l = LlImm {
         buffer: 1,
         expert: 1023,
@@ -479,8 +495,7 @@ fn invalid_words_are_rejected_with_reasons() {
     );
     // Immediates: tags and reserved bits.
     let w = WriteImm {
-        combine: false,
-        channel: 1,
+        stream: 1,
         seq: 2,
         count: 3,
     }
@@ -504,4 +519,37 @@ fn invalid_words_are_rejected_with_reasons() {
         })
     ));
     assert!(Imm::decode(0xF000_0000).is_err());
+}
+
+/// The documented `WriteImm` limits, and the errors just past them.
+#[test]
+fn write_imm_limits() {
+    assert_eq!(
+        (
+            MAX_STREAMS,
+            WRITE_SEQ_BITS,
+            WRITE_SEQ_MODULUS,
+            MAX_WRITE_COUNT
+        ),
+        (1024, 12, 4096, 255)
+    );
+    let ok = WriteImm {
+        stream: MAX_STREAMS as u16 - 1,
+        seq: WRITE_SEQ_MODULUS as u16 - 1,
+        count: MAX_WRITE_COUNT,
+    };
+    assert_eq!(ok.encode().unwrap(), 0x3FFF_FFFF);
+    let err = |w: WriteImm| w.encode().unwrap_err().to_string();
+    assert_eq!(
+        err(WriteImm { count: 256, ..ok }),
+        "WriteImm.count = 256 is out of range (allowed 0..=255)"
+    );
+    assert_eq!(
+        err(WriteImm { stream: 1024, ..ok }),
+        "WriteImm.stream = 1024 is out of range (allowed 0..=1023)"
+    );
+    assert_eq!(
+        err(WriteImm { seq: 4096, ..ok }),
+        "WriteImm.seq = 4096 is out of range (allowed 0..=4095)"
+    );
 }
