@@ -690,13 +690,12 @@ pub fn normal_combine_identity(
                 for (a, y) in sum.iter_mut().zip(&row) {
                     *a += y;
                 }
-                for s in 0..k {
-                    let e = input.topk_idx[t * k + s];
-                    if e >= 0 && e as usize / epr == r {
-                        sum_w[s] += input.topk_weights[t * k + s];
-                    } else {
-                        sum_w[s] += 0.0;
-                    }
+                let slots = input.topk_idx[t * k..(t + 1) * k]
+                    .iter()
+                    .zip(&input.topk_weights[t * k..(t + 1) * k]);
+                for (a, (&e, &w)) in sum_w.iter_mut().zip(slots) {
+                    // A slot whose expert lives elsewhere adds 0.0, as the rank's row does.
+                    *a += if e >= 0 && e as usize / epr == r { w } else { 0.0 };
                 }
             }
             if remote && hit {
