@@ -695,7 +695,11 @@ pub fn normal_combine_identity(
                     .zip(&input.topk_weights[t * k..(t + 1) * k]);
                 for (a, (&e, &w)) in sum_w.iter_mut().zip(slots) {
                     // A slot whose expert lives elsewhere adds 0.0, as the rank's row does.
-                    *a += if e >= 0 && e as usize / epr == r { w } else { 0.0 };
+                    *a += if e >= 0 && e as usize / epr == r {
+                        w
+                    } else {
+                        0.0
+                    };
                 }
             }
             if remote && hit {
