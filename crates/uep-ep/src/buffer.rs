@@ -13,6 +13,11 @@ use crate::invalid;
 use crate::net::{wait_packet, Net, NetConfig};
 use crate::symm::{Channel, RegionMap, Symmetric, ABORT_MSG_BYTES};
 
+/// How long a failing rank spends telling the other nodes (its own deadline if shorter).
+const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a Buffer that told other nodes of a failure keeps its proxy when dropped.
+const ABORT_LINGER: Duration = Duration::from_millis(300);
+
 /// Default deadline of every wait, unless `UEP_TIMEOUT_S` or the config says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(100);
 
@@ -226,7 +231,12 @@ pub struct Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // The proxy's threads and transports write into `symm`: stop them first.
+        // The proxy's threads and transports write into `symm`: stop them first. After
+        // telling other nodes of a failure, keep them a moment longer: a send completion
+        // only says the bytes left; closing the connections at once could lose them.
+        if self.net.as_ref().is_some_and(Net::abort_sent) {
+            std::thread::sleep(ABORT_LINGER);
+        }
         self.net.take();
     }
 }
@@ -439,10 +449,7 @@ impl Buffer {
             .load(Ordering::Acquire);
         let who = (who as usize).checked_sub(1)?;
         let mut reason = [0u8; ABORT_MSG_BYTES];
-        let _ = local.read(
-            self.map.abort + 8 + who.min(self.num_ranks - 1) * ABORT_MSG_BYTES,
-            &mut reason,
-        );
+        let _ = local.read(self.map.abort_msg(who.min(self.num_ranks - 1)), &mut reason);
         let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
         Some((who, String::from_utf8_lossy(&reason[..end]).into_owned()))
     }
@@ -465,7 +472,7 @@ impl Buffer {
         let mut bytes = msg.into_bytes();
         bytes.truncate(ABORT_MSG_BYTES - 1);
         bytes.push(0);
-        let slot = self.map.abort + 8 + self.rank * ABORT_MSG_BYTES;
+        let slot = self.map.abort_msg(self.rank);
         for peer in 0..self.num_ranks {
             let Ok(region) = self.peer_region(peer) else {
                 continue;
@@ -479,6 +486,29 @@ impl Buffer {
                         Ordering::Acquire,
                     );
                 }
+            }
+        }
+        // Ranks on other nodes share no memory: the proxy writes the same two things
+        // into their regions, so they stop now rather than at their deadline.
+        let origin = self
+            .symm
+            .local()
+            .atomic_u64(self.map.abort)
+            .is_ok_and(|w| w.load(Ordering::Acquire) == self.rank as u64 + 1);
+        // Only the rank that failed first: the others of its node share its abort
+        // word, and the ranks of other nodes hear it from it.
+        if let (Some(net), true) = (&self.net, origin) {
+            let remote: Vec<usize> = (0..self.num_ranks).filter(|&r| !self.is_local(r)).collect();
+            let local = self.symm.local();
+            let staged = local
+                .atomic_u64(self.map.net.abort_src)
+                .map(|w| w.store(self.rank as u64 + 1, Ordering::Release));
+            let deadline = Instant::now() + self.cfg.timeout.min(ABORT_SEND_TIMEOUT);
+            if let Err(why) = staged
+                .map_err(EpError::from)
+                .and_then(|()| net.send_abort(&self.map, self.rank, &remote, deadline))
+            {
+                tracing::warn!(rank = self.rank, "could not tell the other nodes: {why}");
             }
         }
         Err(e)

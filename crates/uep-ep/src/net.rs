@@ -78,6 +78,8 @@ pub(crate) struct Net {
     faults: Arc<AtomicU64>,
     /// Packet bytes handed to the proxy so far.
     sent_bytes: std::cell::Cell<u64>,
+    /// Whether this rank has told the other nodes that it failed.
+    abort_sent: std::cell::Cell<bool>,
 }
 
 impl std::fmt::Debug for Net {
@@ -165,6 +167,7 @@ impl Net {
             expected: (0..num_ranks).map(|_| std::cell::Cell::new(0)).collect(),
             faults,
             sent_bytes: std::cell::Cell::new(0),
+            abort_sent: std::cell::Cell::new(false),
         })
     }
 
@@ -184,6 +187,11 @@ impl Net {
         };
         let fifo = self.proxy.fifo(t, i).map_err(|e| invalid!("{e}"))?;
         let mut backoff = Backoff::new();
+        xtrace(format_args!(
+            "reclaim dst={dst} ch={ch:?} enter consumed={}",
+            fifo.is_consumed(slot)
+        ));
+        let _xg = XGuard(1000 + dst);
         while !fifo.is_consumed(slot) {
             self.check()?;
             if Instant::now() >= until.deadline {
@@ -208,6 +216,7 @@ impl Net {
         len: usize,
         deadline: Instant,
     ) -> Result<()> {
+        xtrace(format_args!("r{me} send ch={ch:?} dst={dst} len={len}"));
         let (t, i) = self.fifo_of(dst);
         let fifo = self.proxy.fifo(t, i).map_err(|e| invalid!("{e}"))?.clone();
         let (src, land) = (
@@ -243,6 +252,70 @@ impl Net {
         Ok(())
     }
 
+    /// Tell every rank in `peers` (all on other nodes) that this rank failed, once: its
+    /// message slot, then, after those writes completed, its abort word (staged at
+    /// `abort_src`, holding `me + 1`), each written to the same offset of the peer's
+    /// region. A peer's waits watch that word, so they stop now instead of at their
+    /// deadline. Best effort on a failing path: gives up at `deadline`.
+    pub(crate) fn send_abort(
+        &self,
+        map: &RegionMap,
+        me: usize,
+        peers: &[usize],
+        deadline: Instant,
+    ) -> Result<()> {
+        if self.abort_sent.replace(true) {
+            return Ok(());
+        }
+        let msg = map.abort_msg(me);
+        let phases = [
+            (msg, msg, crate::symm::ABORT_MSG_BYTES),
+            (map.net.abort_src, map.abort, 8),
+        ];
+        for (src, dst_off, len) in phases {
+            let mut quiets = Vec::with_capacity(peers.len());
+            for &dst in peers {
+                let (t, i) = self.fifo_of(dst);
+                let fifo = self.proxy.fifo(t, i).map_err(|e| invalid!("{e}"))?;
+                let write = cmds::normal_write(
+                    dst,
+                    src as u64,
+                    dst_off as u64,
+                    len as u32,
+                    WIRE_CHANNEL,
+                    0,
+                )
+                .map_err(|e| invalid!("rank {me}: {e}"))?;
+                let push = |cmd| {
+                    fifo.push(cmd, deadline).map_err(|e| {
+                        EpError::Timeout(format!("rank {me}: abort to rank {dst}: {e}"))
+                    })
+                };
+                push(write)?;
+                quiets.push((fifo, push(cmds::quiet())?));
+            }
+            // The word must not land before the message it points to.
+            let mut backoff = Backoff::new();
+            for (fifo, slot) in quiets {
+                while !fifo.is_consumed(slot) {
+                    self.check()?;
+                    if Instant::now() >= deadline {
+                        return Err(EpError::Timeout(format!(
+                            "rank {me}: telling the other nodes that this rank failed"
+                        )));
+                    }
+                    backoff.snooze();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether [`Net::send_abort`] ran.
+    pub(crate) fn abort_sent(&self) -> bool {
+        self.abort_sent.get()
+    }
+
     /// Packet bytes handed to the proxy so far.
     pub(crate) fn sent_bytes(&self) -> u64 {
         self.sent_bytes.get()
@@ -258,6 +331,25 @@ impl Net {
         self.proxy
             .check()
             .map_err(|e| EpError::Peer(format!("proxy: {e}")))
+    }
+}
+
+// XEXP: temporary trace.
+fn xtrace(args: std::fmt::Arguments<'_>) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var_os("UEP_X_TRACE").is_some()) {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros()
+            % 1_000_000_000;
+        eprintln!("XT {t} p{} {args}", std::process::id());
+    }
+}
+struct XGuard(usize);
+impl Drop for XGuard {
+    fn drop(&mut self) {
+        xtrace(format_args!("exit {}", self.0));
     }
 }
 
@@ -278,6 +370,8 @@ pub(crate) fn wait_packet(
     what: impl Fn() -> String,
 ) -> Result<()> {
     let target = net.expected[src].get() + 1;
+    xtrace(format_args!("wait_packet src={src} enter"));
+    let _xg = XGuard(src);
     let counter = region.atomic_u64(map.net.tail(src))?;
     // Short slices of waiting, so proxy failures surface before the deadline.
     loop {

@@ -20,7 +20,7 @@ const ALIGN: usize = 128;
 pub const PROXY_COUNTER_BYTES: usize = 64 * 1024;
 
 /// Room for the reason a failing rank leaves in its peers' regions.
-pub const ABORT_MSG_BYTES: usize = 504;
+pub const ABORT_MSG_BYTES: usize = 496;
 
 fn align_up(x: usize) -> usize {
     x.div_ceil(ALIGN) * ALIGN
@@ -49,8 +49,9 @@ pub struct RegionMap {
     pub notify_slot_bytes: usize,
     /// u64: the owning process's id (peers watch it while they wait).
     pub pid: usize,
-    /// u64 abort word (first failed rank + 1), then `[src R]` messages of up to
-    /// `ABORT_MSG_BYTES` (one slot per rank, so several failing ranks don't mix words).
+    /// u64 abort word (first failed rank + 1), padded to 16 bytes, then `[src R]`
+    /// messages of up to `ABORT_MSG_BYTES` (one slot per rank, so several failing ranks
+    /// don't mix words; see [`RegionMap::abort_msg`]).
     pub abort: usize,
     /// `[src R]` u64 epoch: the source finished writing its dispatch rows here.
     pub dispatch_done: usize,
@@ -255,6 +256,9 @@ pub struct NetAreas {
     pub tails: usize,
     /// Small counter areas the proxy's other emulations may use.
     pub proxy_counters: usize,
+    /// u64: the abort word this rank writes into the regions of ranks on other nodes
+    /// when it fails (a one-sided write needs its source in registered memory).
+    pub abort_src: usize,
     /// Capacity of one packet of each channel.
     pub cap: [usize; CHANNELS],
     /// `[channel][dst R]` packets being sent.
@@ -310,7 +314,7 @@ impl RegionMap {
         let notify_slot_bytes = align_up(16 + 4 * (r + e));
         let notify = take(2 * r * notify_slot_bytes);
         let pid = take(8);
-        let abort = take(8 + r * ABORT_MSG_BYTES);
+        let abort = take(16 + r * ABORT_MSG_BYTES);
         let dispatch_done = take(8 * r);
         let combine_done = take(8 * r);
         let barrier = take(8 * r);
@@ -358,6 +362,7 @@ impl RegionMap {
             ];
             net.tails = take(8 * r);
             net.proxy_counters = take(PROXY_COUNTER_BYTES);
+            net.abort_src = take(8);
             for ch in 0..CHANNELS {
                 net.staging[ch] = take(r * net.cap[ch]);
                 net.landing[ch] = take(r * net.cap[ch]);
@@ -394,6 +399,12 @@ impl RegionMap {
             net,
             total: at,
         }
+    }
+
+    /// Offset of `rank`'s abort message slot (16-byte aligned: the proxy copies it to
+    /// ranks on other nodes).
+    pub fn abort_msg(&self, rank: usize) -> usize {
+        self.abort + 16 + rank * ABORT_MSG_BYTES
     }
 
     /// Offset of notify slot (`parity`, `src`).

@@ -465,6 +465,18 @@ impl Drop for OutDir {
 
 /// Start `ranks` rank processes playing `scenario`, with `bad` the misbehaving rank.
 fn launch(scenario: &'static str, ranks: usize, bad: usize, deadline: Duration) -> Job {
+    launch_on(scenario, ranks, 1, bad, deadline)
+}
+
+/// [`launch`] with the ranks split into `nodes` nodes that share no memory (the proxy
+/// and libfabric `tcp;ofi_rxm` on loopback between them).
+fn launch_on(
+    scenario: &'static str,
+    ranks: usize,
+    nodes: usize,
+    bad: usize,
+    deadline: Duration,
+) -> Job {
     static SEQ: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "uep-failures-{}-{}-{scenario}",
@@ -481,7 +493,7 @@ fn launch(scenario: &'static str, ranks: usize, bad: usize, deadline: Duration) 
     );
     let spec = LaunchSpec {
         ranks,
-        nodes: 1,
+        nodes,
         program: "/bin/sh".into(),
         args: vec![
             OsString::from("-c"),
@@ -493,6 +505,8 @@ fn launch(scenario: &'static str, ranks: usize, bad: usize, deadline: Duration) 
             (OUT_VAR.into(), dir.display().to_string()),
             (BAD_VAR.into(), bad.to_string()),
             (DEADLINE_VAR.into(), deadline.as_millis().to_string()),
+            // A socket provider binds to loopback (ignored on one node).
+            ("UEP_FI_NODE".into(), "127.0.0.1".into()),
         ],
         // Far beyond any deadline here: only a real hang gets this far.
         timeout: Some(Duration::from_secs(40)),
@@ -728,8 +742,20 @@ impl Finished {
 /// Bad input on `bad`: it fails with an invalid-argument error that has `bad_needles`,
 /// and every other rank fails at once with a peer error naming `bad` and its reason.
 fn bad_input(scenario: &'static str, ranks: usize, bad: usize, bad_needles: &[&str]) {
+    bad_input_on(scenario, ranks, 1, bad, bad_needles);
+}
+
+/// [`bad_input`] on `nodes` nodes: ranks on other nodes than `bad` share no memory with
+/// it and hear of the failure through the proxy, still long before their deadline.
+fn bad_input_on(
+    scenario: &'static str,
+    ranks: usize,
+    nodes: usize,
+    bad: usize,
+    bad_needles: &[&str],
+) {
     let deadline = Duration::from_secs(3);
-    let done = launch(scenario, ranks, bad, deadline).finish();
+    let done = launch_on(scenario, ranks, nodes, bad, deadline).finish();
     done.rank(bad)
         .expect_err("invalid", bad_needles)
         .within(deadline);
@@ -756,6 +782,24 @@ fn dispatch_topk_out_of_range_fails_everywhere() {
         3,
         1,
         &["topk_idx[3][2] = 12", "[0, 12)"],
+    );
+}
+
+#[test]
+fn bad_input_on_one_node_fails_the_other_node_at_once() {
+    bad_input_on(
+        "dispatch_topk_out_of_range",
+        4,
+        2,
+        1,
+        &["topk_idx[3][2] = 12", "[0, 12)"],
+    );
+    bad_input_on(
+        "ll_dispatch_topk_out_of_range",
+        4,
+        4,
+        2,
+        &["topk_idx[5][1] = -2"],
     );
 }
 

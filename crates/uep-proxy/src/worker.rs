@@ -47,6 +47,19 @@ use crate::recv::{Recv, REORDER_LIMIT};
 use crate::stats::{StatsRef, ThreadStats};
 use crate::{ProxyConfig, MAX_FIFOS_PER_THREAD};
 
+// XEXP: temporary trace.
+pub(crate) fn xtrace(args: std::fmt::Arguments<'_>) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var_os("UEP_X_TRACE").is_some()) {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros()
+            % 1_000_000_000;
+        eprintln!("XT {t} {args}");
+    }
+}
+
 /// Commands taken from one FIFO before moving to the next (fairness).
 const BURST: usize = 16;
 /// Shortest park, and the longest one while work is outstanding.
@@ -253,7 +266,21 @@ struct Worker {
 }
 
 /// Runs one proxy thread to completion, recording a fatal error in `shared`.
-pub(crate) fn run(init: WorkerInit) {
+pub(crate) fn run(mut init: WorkerInit) {
+    // XEXP: temporary overrides for profiling.
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+    if let Some(v) = env("UEP_X_SPIN_US") {
+        init.cfg.spin_before_park = Duration::from_micros(v);
+    }
+    if let Some(v) = env("UEP_X_PARK_US") {
+        init.cfg.max_park = Duration::from_micros(v);
+    }
+    if let Some(v) = env("UEP_X_INFLIGHT") {
+        init.cfg.max_writes_in_flight_per_fifo = v as usize;
+    }
+    if let Some(v) = env("UEP_X_BYTES") {
+        init.cfg.max_bytes_in_flight_per_thread = v as usize;
+    }
     let shared = init.shared.clone();
     let (rank, thread) = (init.rank, init.thread);
     let mut w = Worker::new(init);
@@ -340,7 +367,15 @@ impl Worker {
                 let busy = self.total_in_flight > 0
                     || self.fifos.iter().any(|f| f.blocked.is_some())
                     || self.recv.has_pending();
+                let xt0 = Instant::now();
                 if idle.wait(&self.cfg, busy) {
+                    xtrace(format_args!(
+                        "r{} t{} parked busy={} us={}",
+                        self.rank,
+                        self.thread,
+                        busy,
+                        xt0.elapsed().as_micros()
+                    ));
                     ThreadStats::bump(&self.stats.idle_parks, 1);
                 }
             }
@@ -417,6 +452,13 @@ impl Worker {
             }
         }
         self.last_completion = now;
+        xtrace(format_args!(
+            "r{} t{} compl n={} inflight={}",
+            self.rank,
+            self.thread,
+            done.len(),
+            self.total_in_flight
+        ));
         ThreadStats::bump(&self.stats.completions, done.len() as u64);
         Ok(())
     }
@@ -438,6 +480,14 @@ impl Worker {
             }
         }
         let any = !buf.is_empty();
+        if any {
+            xtrace(format_args!(
+                "r{} t{} arr n={}",
+                self.rank,
+                self.thread,
+                buf.len()
+            ));
+        }
         self.arrivals = buf;
         polled.map_err(|e| self.transport_err("polling receive completions", e))?;
         Ok(any)
@@ -541,6 +591,10 @@ impl Worker {
         };
         match r {
             Ok(()) => {
+                xtrace(format_args!(
+                    "r{} t{} post len={} dst={} inflight={}",
+                    self.rank, self.thread, len, dst, self.total_in_flight
+                ));
                 if self.total_in_flight == 0 {
                     // A new busy period: the completion timeout counts from now.
                     self.last_completion = Instant::now();
