@@ -336,3 +336,30 @@ mod tests {
         assert!(m.contains("too large") && m.contains("at most"), "{m}");
     }
 }
+
+// XEXP: temporary experiment.
+#[cfg(test)]
+mod xexp {
+    #[test]
+    #[ignore]
+    fn xexp_concurrent_streams() {
+        let bytes = 59_000_000u64;
+        for k in [1usize, 2, 1, 2] {
+            let t0 = std::time::Instant::now();
+            let r: Vec<f64> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..k)
+                    .map(|_| {
+                        s.spawn(move || {
+                            super::transport_stream_gbps("tcp;ofi_rxm", bytes, 1 << 20).unwrap()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            eprintln!(
+                "XEXP {k} concurrent streams: {r:?} GB/s each ({:?})",
+                t0.elapsed()
+            );
+        }
+    }
+}

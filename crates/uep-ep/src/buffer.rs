@@ -317,7 +317,10 @@ impl Buffer {
         }
         symm.unlink()?;
         let net = if group.num_nodes() > 1 {
-            Some(Net::start(&group, &map, symm.local(), &cfg.net)?)
+            // The proxy's leader barrier needs to know who leads each node.
+            let mut net = cfg.net.clone();
+            net.proxy.ranks_per_node = Some(lws);
+            Some(Net::start(&group, &map, symm.local(), &net)?)
         } else {
             None
         };
@@ -522,35 +525,44 @@ impl Buffer {
             .ok_or_else(|| invalid!("rank {peer} shares no memory with rank {}", self.rank))
     }
 
-    /// A barrier over all ranks: release stores for the node's ranks, announcements
-    /// through the proxy for the others.
+    /// A barrier over all ranks, hierarchical: release stores among the node's ranks;
+    /// on several nodes the node leaders (local rank 0) then meet through the proxy's
+    /// barrier (zero-length writes carrying a barrier immediate) and release their node.
     pub fn barrier(&mut self) -> Result<()> {
         self.ensure_usable()?;
         self.barrier_seq += 1;
-        let seq = self.barrier_seq;
+        let (seq, me) = (self.barrier_seq, self.rank);
         let until = self.until()?;
-        for peer in 0..self.num_ranks {
-            if self.is_local(peer) {
-                let region = self.peer_region(peer)?;
-                region
-                    .atomic_u64(self.map.barrier + 8 * self.rank)?
-                    .store(seq, Ordering::Release);
-            } else {
-                self.send_staged(Channel::Barrier, peer, 0)?;
-            }
+        let topo = self.topology();
+        for peer in topo.node_ranks(topo.node) {
+            self.peer_region(peer)?
+                .atomic_u64(self.map.barrier + 8 * me)?
+                .store(seq, Ordering::Release);
         }
-        for peer in 0..self.num_ranks {
-            let what = || {
-                format!(
-                    "rank {}: barrier {seq}: waiting for rank {peer} (barrier[{peer}])",
-                    self.rank
-                )
-            };
-            if self.is_local(peer) {
-                self.wait_local(self.map.barrier + 8 * peer, seq, peer, until, what)?;
-            } else {
-                self.wait_packet(peer, until, what)?;
+        for peer in topo.node_ranks(topo.node) {
+            let what =
+                || format!("rank {me}: barrier {seq}: waiting for rank {peer} (barrier[{peer}])");
+            self.wait_local(self.map.barrier + 8 * peer, seq, peer, until, what)?;
+        }
+        if topo.num_nodes == 1 {
+            return Ok(());
+        }
+        let leader = topo.node * topo.ranks_per_node;
+        if me == leader {
+            self.net()?
+                .barrier(me, seq, until)
+                .map_err(|e| self.explain_abort(e))
+                .or_else(|e| self.fail(e))?;
+            for peer in topo.node_ranks(topo.node).filter(|&p| p != me) {
+                self.peer_region(peer)?
+                    .atomic_u64(self.map.barrier_release)?
+                    .store(seq, Ordering::Release);
             }
+        } else {
+            let what = || {
+                format!("rank {me}: barrier {seq}: waiting for rank {leader} to meet the other nodes (barrier_release)")
+            };
+            self.wait_local(self.map.barrier_release, seq, leader, until, what)?;
         }
         Ok(())
     }

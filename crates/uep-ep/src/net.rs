@@ -23,6 +23,7 @@ use uep_shm::Region;
 use uep_transport::{
     FabricOptions, FaultConfig, FaultyTransport, LibfabricTransport, PeerAddr, RegionRef, Transport,
 };
+use uep_wire::BarrierScope;
 
 use crate::device::{wait_at_least, Backoff, Until};
 use crate::error::{EpError, Result};
@@ -307,6 +308,39 @@ impl Net {
                     backoff.snooze();
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Meet the other nodes' leaders: the proxy's `NodeLeader` barrier number `seq`,
+    /// which pops once every leader's barrier message of that number has arrived.
+    pub(crate) fn barrier(&self, me: usize, seq: u64, until: Until<'_>) -> Result<()> {
+        let fifo = self.proxy.fifo(0, 0).map_err(|e| invalid!("{e}"))?;
+        let what = || format!("rank {me}: barrier {seq}: waiting for the other nodes' leaders");
+        // Barrier numbers wrap at 2^32 here; seq 0 is reserved, and never reached first.
+        let cmd = cmds::barrier(BarrierScope::NodeLeader, (seq as u32).max(1))
+            .map_err(|e| invalid!("rank {me}: {e}"))?;
+        let slot = fifo
+            .push(cmd, until.deadline)
+            .map_err(|e| EpError::Timeout(format!("{}: FIFO 0.0: {e}", what())))?;
+        let mut backoff = Backoff::new();
+        while !fifo.is_consumed(slot) {
+            self.check()?;
+            if let Some(who) = until
+                .abort
+                .map(|a| a.load(Ordering::Acquire))
+                .filter(|&w| w != 0)
+            {
+                return Err(EpError::Peer(format!(
+                    "{}: rank {} aborted",
+                    what(),
+                    who - 1
+                )));
+            }
+            if Instant::now() >= until.deadline {
+                return Err(EpError::Timeout(what()));
+            }
+            backoff.snooze();
         }
         Ok(())
     }

@@ -59,6 +59,9 @@ pub struct RegionMap {
     pub combine_done: usize,
     /// `[src R]` u64: barrier sequence numbers.
     pub barrier: usize,
+    /// u64: on several nodes, the last barrier the node's leader finished with the
+    /// other nodes' leaders.
+    pub barrier_release: usize,
     /// u64: the last low-latency step this rank entered (peers read it before reusing a buffer).
     pub ll_entered: usize,
     /// `[2 buffers][local expert][src R]` u64 epoch|count: LL count signals.
@@ -120,12 +123,10 @@ pub enum Channel {
     LlCombine0 = 5,
     /// Low-latency combine rows, buffer 1.
     LlCombine1 = 6,
-    /// Barrier arrivals (announcements only).
-    Barrier = 7,
 }
 
 /// Number of [`Channel`]s.
-pub const CHANNELS: usize = 8;
+pub const CHANNELS: usize = 7;
 
 impl Channel {
     /// The low-latency dispatch channel of buffer `b`.
@@ -318,6 +319,7 @@ impl RegionMap {
         let dispatch_done = take(8 * r);
         let combine_done = take(8 * r);
         let barrier = take(8 * r);
+        let barrier_release = take(8);
         let ll_entered = take(8);
         let ll_count = take(8 * 2 * epr * r);
         let ll_combine_done = take(8 * 2 * r);
@@ -358,7 +360,6 @@ impl RegionMap {
                 align_up(packet::ll_dispatch(epr, ll_rows, row, groups).len),
                 align_up(packet::ll_combine(ll_rows, h).len),
                 align_up(packet::ll_combine(ll_rows, h).len),
-                0,
             ];
             net.tails = take(8 * r);
             net.proxy_counters = take(PROXY_COUNTER_BYTES);
@@ -382,6 +383,7 @@ impl RegionMap {
             dispatch_done,
             combine_done,
             barrier,
+            barrier_release,
             ll_entered,
             ll_count,
             ll_combine_done,

@@ -263,6 +263,8 @@ struct Worker {
     stats: StatsRef,
     completions: Vec<Completion>,
     arrivals: Vec<Arrival>,
+    /// XEXP
+    last_arrival: Instant,
 }
 
 /// Runs one proxy thread to completion, recording a fatal error in `shared`.
@@ -330,6 +332,7 @@ impl Worker {
             stats: init.stats,
             completions: Vec::new(),
             arrivals: Vec::new(),
+            last_arrival: Instant::now(),
         }
     }
 
@@ -364,9 +367,24 @@ impl Worker {
             if work {
                 idle.reset();
             } else {
+                static XR: std::sync::OnceLock<(u64, bool)> = std::sync::OnceLock::new();
+                let (xr, xy) = *XR.get_or_init(|| {
+                    (
+                        std::env::var("UEP_X_RECENT_US")
+                            .ok()
+                            .and_then(|v| v.parse().ok())
+                            .unwrap_or(0),
+                        std::env::var_os("UEP_X_YIELD").is_some(),
+                    )
+                });
                 let busy = self.total_in_flight > 0
                     || self.fifos.iter().any(|f| f.blocked.is_some())
-                    || self.recv.has_pending();
+                    || self.recv.has_pending()
+                    || self.last_arrival.elapsed() < Duration::from_micros(xr);
+                if busy && xy {
+                    std::thread::yield_now();
+                    continue;
+                }
                 let xt0 = Instant::now();
                 if idle.wait(&self.cfg, busy) {
                     xtrace(format_args!(
@@ -480,6 +498,9 @@ impl Worker {
             }
         }
         let any = !buf.is_empty();
+        if any {
+            self.last_arrival = Instant::now();
+        }
         if any {
             xtrace(format_args!(
                 "r{} t{} arr n={}",
