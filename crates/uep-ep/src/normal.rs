@@ -348,11 +348,11 @@ impl Buffer {
                 })
             })
             .collect();
-        let sent_to = |d: usize| (0..t_n).filter(|&t| hit[t * nd + d]).count();
         // Position of chunk c's first token among the tokens sent to each destination.
         let threads = self.device.threads().min(t_n.max(1));
         let per_chunk = t_n.div_ceil(threads.max(1)).max(1);
         let mut chunk_start = vec![0usize; threads * nd];
+        // Ends as the number of tokens sent to each destination.
         let mut running = vec![0usize; nd];
         for c in 0..threads {
             chunk_start[c * nd..(c + 1) * nd].copy_from_slice(&running);
@@ -390,7 +390,7 @@ impl Buffer {
                     let relay = topo.relay(me, m);
                     self.reclaim(Channel::Dispatch, relay, until)?;
                     let base = map.net.staging(Channel::Dispatch, relay);
-                    let sec = sections(sent_to(d));
+                    let sec = sections(running[d]);
                     RowSink {
                         region: *self.symm.local(),
                         x: base + sec.at[1],
@@ -477,7 +477,7 @@ impl Buffer {
                     .atomic_u64(map.dispatch_done + 8 * me)?
                     .store(seq as u64, Ordering::Release),
                 Dest::Node(m) => {
-                    let n = sent_to(d);
+                    let n = running[d];
                     let relay = topo.relay(me, m);
                     let header = packet::DispatchHeader {
                         tokens: n as u32,
@@ -824,6 +824,7 @@ impl Buffer {
 
         // Wait for the node's ranks, and for one packet of partial sums from each other
         // node; partial row j of node m is this rank's j-th token that went to node m.
+        // The reduction reads it where it landed.
         let t_n = handle.num_tokens;
         let in_rank = &handle.is_token_in_rank;
         let node_hit = |t: usize, m: usize| {
@@ -837,6 +838,10 @@ impl Buffer {
             };
             self.wait_local(map.combine_done + 8 * src, seq as u64, src, until, what)?;
         }
+        // `[relay rank]`: each token's row in that relay's packet, and the packet's rows.
+        let mut packet_row: Vec<Vec<usize>> = vec![Vec::new(); r_n];
+        let mut partial_x: Vec<&[u16]> = vec![&[]; r_n];
+        let mut partial_w: Vec<&[f32]> = vec![&[]; r_n];
         for m in topo.remote_nodes() {
             let relay = topo.relay(me, m);
             let what = || {
@@ -845,32 +850,25 @@ impl Buffer {
                 )
             };
             self.wait_packet(relay, until, what)?;
-            let tokens: Vec<usize> = (0..t_n).filter(|&t| node_hit(t, m)).collect();
-            let sec = packet::combine(tokens.len(), h, k);
+            // (Meaningless for a token that did not go to node m: never read.)
+            let mut j = 0;
+            packet_row[relay] = (0..t_n)
+                .map(|t| {
+                    j += node_hit(t, m) as usize;
+                    j.wrapping_sub(1)
+                })
+                .collect();
+            let sec = packet::combine(j, h, k);
             let base = map.net.landing(Channel::Combine, relay);
-            let local = *self.symm.local();
-            for (j, &t) in tokens.iter().enumerate() {
-                let slot = relay * t_max + t;
-                local.copy_from(
-                    map.combine_x + slot * h * 2,
-                    &local,
-                    base + sec.at[0] + j * h * 2,
-                    h * 2,
-                )?;
-                if topk_weights.is_some() {
-                    local.copy_from(
-                        map.combine_weights + slot * k * 4,
-                        &local,
-                        base + sec.at[1] + j * k * 4,
-                        k * 4,
-                    )?;
-                }
+            partial_x[relay] = self.symm.view(base + sec.at[0], j * h)?;
+            if topk_weights.is_some() {
+                partial_w[relay] = self.symm.view(base + sec.at[1], j * k)?;
             }
         }
 
         // Reduce: per token, in f32 and rounded once, the rows of this node's ranks and
-        // the partial sum of each other node, in rank order (a node's partial sits in the
-        // slot of the rank that relayed it), as the reference does.
+        // the partial sum of each other node, in rank order (a node's partial in the
+        // place of the rank that relayed it), as the reference does.
         let rows: &[u16] = self.symm.view(map.combine_x, r_n * t_max * h)?;
         let wrows: &[f32] = self.symm.view(map.combine_weights, r_n * t_max * k)?;
         let parts_of = |t: usize, r: usize| {
@@ -894,8 +892,11 @@ impl Buffer {
                 for r in (0..r_n).filter(|&r| parts_of(t, r)) {
                     let row = if r == me {
                         &x_bits[own_row[t] * h..(own_row[t] + 1) * h]
-                    } else {
+                    } else if packet_row[r].is_empty() {
                         &rows[(r * t_max + t) * h..(r * t_max + t + 1) * h]
+                    } else {
+                        let j = packet_row[r][t];
+                        &partial_x[r][j * h..(j + 1) * h]
                     };
                     parts.push((row, 1.0));
                 }
@@ -909,8 +910,11 @@ impl Buffer {
                 for r in (0..r_n).filter(|&r| parts_of(t, r)) {
                     let w = if r == me {
                         &own_w[own_row[t] * k..(own_row[t] + 1) * k]
-                    } else {
+                    } else if packet_row[r].is_empty() {
                         &wrows[(r * t_max + t) * k..(r * t_max + t + 1) * k]
+                    } else {
+                        let j = packet_row[r][t];
+                        &partial_w[r][j * k..(j + 1) * k]
                     };
                     for (a, &b) in out_row.iter_mut().zip(w) {
                         *a += b;
