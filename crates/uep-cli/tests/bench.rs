@@ -259,6 +259,10 @@ fn multi_node_through_libfabric_tcp() {
             args.extend(["--routing", routing, "--iters", "1", "--warmup", "0"]);
             bench(&args);
         }
+        // Every slot -1: empty packets still cross, and nothing is relayed.
+        let mut args = net_small("4", nodes);
+        args.extend(["--drop-prob", "1", "--iters", "1", "--warmup", "0"]);
+        bench(&args);
     }
 }
 
