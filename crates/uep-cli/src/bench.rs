@@ -782,8 +782,15 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         }
     }
     // The machine's limits for the same bytes, measured here while the other ranks
-    // wait: all ranks of a node copying at once, and a raw stream of transport writes.
+    // wait, with as many copies and raw transport streams at once as this machine runs
+    // ranks: a node's ranks on a cluster, every rank when uep's launcher emulates nodes
+    // on one machine (they then share its cores and memory, and so does the limit).
     let mut limits = std::collections::HashMap::new();
+    let sharing = if info.source == EnvSource::Uep {
+        world
+    } else {
+        lws
+    };
     if !args.no_limits {
         for (m, (_, bytes, net, _)) in measured.iter().zip(&merged) {
             let (bytes, net) = (bytes / world as u64, net / world as u64);
@@ -793,12 +800,12 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             let intra = bytes - net;
             let mut seconds = 0.0;
             if intra > 0 {
-                let gbps = crate::limits::memcpy_gbps(intra, 2 * h, threads, lws);
+                let gbps = crate::limits::memcpy_gbps(intra, 2 * h, threads, sharing);
                 seconds += intra as f64 / (gbps * 1e9);
             }
             if net > 0 {
                 let msg = (net as usize).min(1 << 20);
-                match crate::limits::transport_stream_gbps(&provider, net, msg) {
+                match crate::limits::transport_streams_gbps(&provider, net, msg, sharing) {
                     Ok(gbps) => seconds += net as f64 / (gbps * 1e9),
                     Err(e) => {
                         eprintln!("uep bench: no transport limit for {}: {e}", m.op);

@@ -188,11 +188,6 @@ impl Net {
         };
         let fifo = self.proxy.fifo(t, i).map_err(|e| invalid!("{e}"))?;
         let mut backoff = Backoff::new();
-        xtrace(format_args!(
-            "reclaim dst={dst} ch={ch:?} enter consumed={}",
-            fifo.is_consumed(slot)
-        ));
-        let _xg = XGuard(1000 + dst);
         while !fifo.is_consumed(slot) {
             self.check()?;
             if Instant::now() >= until.deadline {
@@ -217,7 +212,6 @@ impl Net {
         len: usize,
         deadline: Instant,
     ) -> Result<()> {
-        xtrace(format_args!("r{me} send ch={ch:?} dst={dst} len={len}"));
         let (t, i) = self.fifo_of(dst);
         let fifo = self.proxy.fifo(t, i).map_err(|e| invalid!("{e}"))?.clone();
         let (src, land) = (
@@ -248,6 +242,9 @@ impl Net {
         }
         push(cmds::normal_write(dst, src, land, 0, WIRE_CHANNEL, 1).map_err(wire)?)?;
         let slot = push(cmds::quiet())?;
+        // An idle proxy thread sleeps up to `ProxyConfig::max_park` (1 ms) between
+        // looks at its FIFOs: wake it, so the packet leaves now.
+        self.proxy.wake_thread(t);
         self.sent_bytes.set(self.sent_bytes.get() + len as u64);
         self.quiets.borrow_mut()[ch as usize * self.num_ranks + dst] = Some((t, i, slot));
         Ok(())
@@ -294,6 +291,7 @@ impl Net {
                 };
                 push(write)?;
                 quiets.push((fifo, push(cmds::quiet())?));
+                self.proxy.wake_thread(t);
             }
             // The word must not land before the message it points to.
             let mut backoff = Backoff::new();
@@ -323,6 +321,8 @@ impl Net {
         let slot = fifo
             .push(cmd, until.deadline)
             .map_err(|e| EpError::Timeout(format!("{}: FIFO 0.0: {e}", what())))?;
+        // Barrier messages arrive at thread 0 too: keep it polling until it pops.
+        let _watch = self.proxy.watch_arrivals(0);
         let mut backoff = Backoff::new();
         while !fifo.is_consumed(slot) {
             self.check()?;
@@ -368,25 +368,6 @@ impl Net {
     }
 }
 
-// XEXP: temporary trace.
-fn xtrace(args: std::fmt::Arguments<'_>) {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var_os("UEP_X_TRACE").is_some()) {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_micros()
-            % 1_000_000_000;
-        eprintln!("XT {t} p{} {args}", std::process::id());
-    }
-}
-struct XGuard(usize);
-impl Drop for XGuard {
-    fn drop(&mut self) {
-        xtrace(format_args!("exit {}", self.0));
-    }
-}
-
 fn region_ref(region: &Region) -> Result<RegionRef> {
     // SAFETY: the region is a live mapping of this rank's segment, owned by the Buffer,
     // which drops its proxy (and so every transport) before unmapping.
@@ -404,9 +385,10 @@ pub(crate) fn wait_packet(
     what: impl Fn() -> String,
 ) -> Result<()> {
     let target = net.expected[src].get() + 1;
-    xtrace(format_args!("wait_packet src={src} enter"));
-    let _xg = XGuard(src);
     let counter = region.atomic_u64(map.net.tail(src))?;
+    // Every peer sends to this rank through its proxy thread `rank % threads`, whose
+    // endpoint talks to the same thread here: keep that one polling while we wait.
+    let _watch = net.proxy.watch_arrivals(net.proxy.rank() % net.threads);
     // Short slices of waiting, so proxy failures surface before the deadline.
     loop {
         let slice = Until {

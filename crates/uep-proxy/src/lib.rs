@@ -82,7 +82,9 @@
 //! An idle thread spins for half of [`ProxyConfig::spin_before_park`],
 //! yields for the other half, then parks with sleeps growing from 50 µs to
 //! [`ProxyConfig::max_park`] (at most 50 µs while operations are
-//! outstanding). [`Proxy::wake`] unparks at once.
+//! outstanding, or while an [`ArrivalWatch`] says someone waits for an
+//! arrival on the thread's endpoint). [`Proxy::wake`] and
+//! [`Proxy::wake_thread`] unpark at once.
 #![forbid(unsafe_code)]
 
 pub mod cmds;
@@ -286,7 +288,7 @@ impl Proxy {
                 ));
             }
         }
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::new(cfg.threads));
         let stats: Vec<_> = (0..cfg.threads)
             .map(|_| Arc::new(CachePadded::new(ThreadStats::default())))
             .collect();
@@ -375,6 +377,31 @@ impl Proxy {
         }
     }
 
+    /// Unparks proxy thread `thread` (the owner of the FIFOs a producer just
+    /// pushed into), so that it sees the commands at once rather than after
+    /// its current idle sleep of up to [`ProxyConfig::max_park`]. Cheap when
+    /// the thread is awake; an unknown thread is ignored.
+    pub fn wake_thread(&self, thread: usize) {
+        if let Some(Some(t)) = self.threads.get(thread) {
+            t.thread().unpark();
+        }
+    }
+
+    /// Keeps proxy thread `thread` polling its endpoint closely (idle sleeps
+    /// of at most 50 µs instead of up to [`ProxyConfig::max_park`]) until the
+    /// returned guard drops, and wakes it now. For a waiter that expects an
+    /// arrival: with manual-progress transports (`tcp;ofi_rxm`) the bytes
+    /// only move while the receiving thread polls, so a parked receiver
+    /// would add its whole sleep to the wait. An unknown thread is ignored.
+    pub fn watch_arrivals(&self, thread: usize) -> ArrivalWatch<'_> {
+        let counter = self.shared.watchers.get(thread).map(|w| &**w);
+        if let Some(w) = counter {
+            w.fetch_add(1, Ordering::AcqRel);
+        }
+        self.wake_thread(thread);
+        ArrivalWatch { counter }
+    }
+
     /// `Err` with the first fatal error of any thread (that thread has
     /// stopped), or if a thread died without one; `Ok` while all run.
     pub fn check(&self) -> Result<()> {
@@ -436,6 +463,22 @@ impl Proxy {
         match died.into_iter().next() {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+}
+
+/// A waiter's request that one proxy thread poll closely; see
+/// [`Proxy::watch_arrivals`]. The request ends when this drops.
+#[derive(Debug)]
+#[must_use = "the thread polls closely only while the guard lives"]
+pub struct ArrivalWatch<'a> {
+    counter: Option<&'a std::sync::atomic::AtomicUsize>,
+}
+
+impl Drop for ArrivalWatch<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.counter {
+            w.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }

@@ -28,10 +28,11 @@
 //! make the window throttle less often.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crossbeam_utils::CachePadded;
 use uep_fifo::{Consumer, Fifo, Slot};
 use uep_shm::Region;
 use uep_transport::{Arrival, Completion, Transport, TransportError};
@@ -46,19 +47,6 @@ use crate::layout::CounterLayout;
 use crate::recv::{Recv, REORDER_LIMIT};
 use crate::stats::{StatsRef, ThreadStats};
 use crate::{ProxyConfig, MAX_FIFOS_PER_THREAD};
-
-// XEXP: temporary trace.
-pub(crate) fn xtrace(args: std::fmt::Arguments<'_>) {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var_os("UEP_X_TRACE").is_some()) {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_micros()
-            % 1_000_000_000;
-        eprintln!("XT {t} {args}");
-    }
-}
 
 /// Commands taken from one FIFO before moving to the next (fairness).
 const BURST: usize = 16;
@@ -184,9 +172,29 @@ pub(crate) struct Shared {
     pub(crate) abort: AtomicBool,
     /// The first fatal error of any thread.
     pub(crate) error: Mutex<Option<ProxyError>>,
+    /// Per thread: how many [`crate::ArrivalWatch`]es are alive, i.e. how many
+    /// waiters expect an arrival on that thread's endpoint. While non-zero the
+    /// thread polls closely instead of parking for long (module docs of the
+    /// crate, "Idling").
+    pub(crate) watchers: Vec<CachePadded<AtomicUsize>>,
 }
 
 impl Shared {
+    /// State for `threads` threads.
+    pub(crate) fn new(threads: usize) -> Shared {
+        Shared {
+            watchers: (0..threads).map(|_| CachePadded::default()).collect(),
+            ..Shared::default()
+        }
+    }
+
+    /// Whether someone waits for an arrival on thread `thread`.
+    fn watched(&self, thread: usize) -> bool {
+        self.watchers
+            .get(thread)
+            .is_some_and(|w| w.load(Ordering::Acquire) > 0)
+    }
+
     /// Records `e` unless an earlier error is already recorded.
     pub(crate) fn fail(&self, e: ProxyError) {
         let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
@@ -263,26 +271,10 @@ struct Worker {
     stats: StatsRef,
     completions: Vec<Completion>,
     arrivals: Vec<Arrival>,
-    /// XEXP
-    last_arrival: Instant,
 }
 
 /// Runs one proxy thread to completion, recording a fatal error in `shared`.
-pub(crate) fn run(mut init: WorkerInit) {
-    // XEXP: temporary overrides for profiling.
-    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
-    if let Some(v) = env("UEP_X_SPIN_US") {
-        init.cfg.spin_before_park = Duration::from_micros(v);
-    }
-    if let Some(v) = env("UEP_X_PARK_US") {
-        init.cfg.max_park = Duration::from_micros(v);
-    }
-    if let Some(v) = env("UEP_X_INFLIGHT") {
-        init.cfg.max_writes_in_flight_per_fifo = v as usize;
-    }
-    if let Some(v) = env("UEP_X_BYTES") {
-        init.cfg.max_bytes_in_flight_per_thread = v as usize;
-    }
+pub(crate) fn run(init: WorkerInit) {
     let shared = init.shared.clone();
     let (rank, thread) = (init.rank, init.thread);
     let mut w = Worker::new(init);
@@ -332,7 +324,6 @@ impl Worker {
             stats: init.stats,
             completions: Vec::new(),
             arrivals: Vec::new(),
-            last_arrival: Instant::now(),
         }
     }
 
@@ -367,33 +358,11 @@ impl Worker {
             if work {
                 idle.reset();
             } else {
-                static XR: std::sync::OnceLock<(u64, bool)> = std::sync::OnceLock::new();
-                let (xr, xy) = *XR.get_or_init(|| {
-                    (
-                        std::env::var("UEP_X_RECENT_US")
-                            .ok()
-                            .and_then(|v| v.parse().ok())
-                            .unwrap_or(0),
-                        std::env::var_os("UEP_X_YIELD").is_some(),
-                    )
-                });
                 let busy = self.total_in_flight > 0
                     || self.fifos.iter().any(|f| f.blocked.is_some())
                     || self.recv.has_pending()
-                    || self.last_arrival.elapsed() < Duration::from_micros(xr);
-                if busy && xy {
-                    std::thread::yield_now();
-                    continue;
-                }
-                let xt0 = Instant::now();
+                    || self.shared.watched(self.thread);
                 if idle.wait(&self.cfg, busy) {
-                    xtrace(format_args!(
-                        "r{} t{} parked busy={} us={}",
-                        self.rank,
-                        self.thread,
-                        busy,
-                        xt0.elapsed().as_micros()
-                    ));
                     ThreadStats::bump(&self.stats.idle_parks, 1);
                 }
             }
@@ -470,13 +439,6 @@ impl Worker {
             }
         }
         self.last_completion = now;
-        xtrace(format_args!(
-            "r{} t{} compl n={} inflight={}",
-            self.rank,
-            self.thread,
-            done.len(),
-            self.total_in_flight
-        ));
         ThreadStats::bump(&self.stats.completions, done.len() as u64);
         Ok(())
     }
@@ -498,17 +460,6 @@ impl Worker {
             }
         }
         let any = !buf.is_empty();
-        if any {
-            self.last_arrival = Instant::now();
-        }
-        if any {
-            xtrace(format_args!(
-                "r{} t{} arr n={}",
-                self.rank,
-                self.thread,
-                buf.len()
-            ));
-        }
         self.arrivals = buf;
         polled.map_err(|e| self.transport_err("polling receive completions", e))?;
         Ok(any)
@@ -612,10 +563,6 @@ impl Worker {
         };
         match r {
             Ok(()) => {
-                xtrace(format_args!(
-                    "r{} t{} post len={} dst={} inflight={}",
-                    self.rank, self.thread, len, dst, self.total_in_flight
-                ));
                 if self.total_in_flight == 0 {
                     // A new busy period: the completion timeout counts from now.
                     self.last_completion = Instant::now();
