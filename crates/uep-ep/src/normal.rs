@@ -794,11 +794,15 @@ impl Buffer {
                 )
             });
         }
+        let reads_from_x: Vec<bool> = (0..r_n)
+            .map(|s| !self.is_local(s) && topo.relay(s, topo.node) == me)
+            .collect();
         self.device.launch(n, |range| {
             for i in range {
                 let (s, t) = (src_rank[i] as usize, handle.recv_src_idx[i] as usize);
-                if s == me {
-                    // This rank's own rows are read straight from `x` by the reduction.
+                if s == me || reads_from_x[s] {
+                    // Rows that this rank reduces itself (its own tokens, and the tokens
+                    // it relays) are read straight from `x`.
                     continue;
                 }
                 let (region, x0, w0) = &sinks[s];
@@ -820,7 +824,7 @@ impl Buffer {
                     .store(seq as u64, Ordering::Release);
             }
         }
-        self.relay_combine(seq as u64, handle, topk_weights.is_some(), until)?;
+        self.relay_combine(seq as u64, handle, x, topk_weights, until)?;
 
         // Wait for the node's ranks, and for one packet of partial sums from each other
         // node; partial row j of node m is this rank's j-th token that went to node m.
@@ -1054,14 +1058,16 @@ impl Buffer {
         &self,
         seq: u64,
         handle: &NormalHandle,
-        with_weights: bool,
+        x: &[bf16],
+        topk_weights: Option<&[f32]>,
         until: Until<'_>,
     ) -> Result<()> {
         let topo = self.topology();
         if topo.num_nodes == 1 {
             return Ok(());
         }
-        let (me, k, h) = (self.rank, self.cfg.topk, self.cfg.hidden);
+        let (r_n, me, k, h) = (self.num_ranks, self.rank, self.cfg.topk, self.cfg.hidden);
+        let x_bits: &[u16] = bytemuck::cast_slice(x);
         let t_max = self.cfg.num_max_dispatch_tokens_per_rank;
         let map = &self.map;
         for r in topo.node_ranks(topo.node) {
@@ -1078,8 +1084,15 @@ impl Buffer {
         let mut out = vec![bf16::ZERO; h];
         let mut w_out = vec![0f32; k];
         let mut parts = Vec::with_capacity(topo.ranks_per_node);
+        let mut mine = vec![usize::MAX; t_max];
         for relayed in &handle.relay {
             let src = relayed.src;
+            // This rank's own row for each of `src`'s tokens, in `x`.
+            let prefix = |s: usize| handle.rank_prefix_matrix[s * r_n + me] as usize;
+            let first = if src == 0 { 0 } else { prefix(src - 1) };
+            for i in first..prefix(src) {
+                mine[handle.recv_src_idx[i] as usize] = i;
+            }
             self.reclaim(Channel::Combine, src, until)?;
             let n = relayed.tokens.len();
             let sec = packet::combine(n, h, k);
@@ -1091,19 +1104,25 @@ impl Buffer {
                 let t = t as usize;
                 let ls = (0..topo.ranks_per_node).filter(|&l| mask >> l & 1 != 0);
                 parts.clear();
-                parts.extend(
-                    ls.clone()
-                        .map(|l| (&rows[slot(l, t) * h..(slot(l, t) + 1) * h], 1.0)),
-                );
+                parts.extend(ls.clone().map(|l| {
+                    let row = if l == topo.local {
+                        &x_bits[mine[t] * h..(mine[t] + 1) * h]
+                    } else {
+                        &rows[slot(l, t) * h..(slot(l, t) + 1) * h]
+                    };
+                    (row, 1.0)
+                }));
                 reduce_rows(&parts, false, &mut out);
                 local.write(base + sec.at[0] + j * h * 2, bytemuck::cast_slice(&out))?;
-                if with_weights {
+                if let Some(own_w) = topk_weights {
                     w_out.fill(0.0);
                     for l in ls {
-                        for (a, &b) in w_out
-                            .iter_mut()
-                            .zip(&wrows[slot(l, t) * k..(slot(l, t) + 1) * k])
-                        {
+                        let w = if l == topo.local {
+                            &own_w[mine[t] * k..(mine[t] + 1) * k]
+                        } else {
+                            &wrows[slot(l, t) * k..(slot(l, t) + 1) * k]
+                        };
+                        for (a, &b) in w_out.iter_mut().zip(w) {
                             *a += b;
                         }
                     }
