@@ -485,6 +485,10 @@ impl Buffer {
         self.device.launch(epr, |experts| {
             for le in experts {
                 for (src, (region, staged)) in sinks.iter().enumerate() {
+                    if src == me {
+                        // Read straight from `y` by the reduction.
+                        continue;
+                    }
                     let (begin, n) = handle.layout_range[le * r_n + src];
                     for j in begin as usize..(begin + n) as usize {
                         let row = le * r_n * m + j;
@@ -524,34 +528,42 @@ impl Buffer {
                 continue;
             }
             self.wait_packet(src, until, what)?;
-            // The packet holds, expert by expert, my (token, slot) copies in order.
-            let base = map.net.landing(ch, src);
-            let local = *self.symm.local();
+        }
+        // Where each (token, slot)'s expert output is: this rank's own in `y`, a
+        // same-node peer's in the combine rows, another node's where its packet landed
+        // (expert by expert, this rank's (token, slot) copies in order).
+        let rows: &[u16] = self.symm.view(areas.combine_x, t_n * k * h)?;
+        let y_bits: &[u16] = bytemuck::cast_slice(y);
+        let mut from: Vec<&[u16]> = (0..t_n * k).map(|i| &rows[i * h..(i + 1) * h]).collect();
+        for le in 0..epr {
+            let (begin, n) = handle.layout_range[le * r_n + me];
+            for row in (begin..begin + n).map(|j| le * r_n * m + j as usize) {
+                let i = handle.src_info[row] as usize * k + handle.src_slot[row] as usize;
+                from[i] = &y_bits[row * h..(row + 1) * h];
+            }
+        }
+        for src in (0..r_n).filter(|&s| !self.is_local(s)) {
+            let experts = (src * epr) as i64..((src + 1) * epr) as i64;
+            let n = topk_idx.iter().filter(|e| experts.contains(e)).count();
+            let landed: &[u16] = self.symm.view(
+                map.net.landing(ch, src) + packet::ll_combine(n, h).at[0],
+                n * h,
+            )?;
             let mut j = 0;
-            for le in 0..epr {
-                let e = (src * epr + le) as i64;
+            for e in experts {
                 for (i, _) in topk_idx.iter().enumerate().filter(|(_, &v)| v == e) {
-                    local.copy_from(
-                        areas.combine_x + i * h * 2,
-                        &local,
-                        base + j * h * 2,
-                        h * 2,
-                    )?;
+                    from[i] = &landed[j * h..(j + 1) * h];
                     j += 1;
                 }
             }
         }
-        let rows: &[u16] = self.symm.view(areas.combine_x, t_n * k * h)?;
         let mut out = vec![bf16::ZERO; t_n * h];
         self.device.launch_rows(&mut out, h, |first, out| {
             let mut parts = Vec::with_capacity(k);
             for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
                 parts.clear();
                 for s in (0..k).filter(|&s| topk_idx[t * k + s] >= 0) {
-                    parts.push((
-                        &rows[(t * k + s) * h..(t * k + s + 1) * h],
-                        topk_weights[t * k + s],
-                    ));
+                    parts.push((from[t * k + s], topk_weights[t * k + s]));
                 }
                 reduce_rows(&parts, true, out_row);
             }
