@@ -631,9 +631,21 @@ impl Buffer {
 
     /// Send the `len`-byte packet staged for (`ch`, `dst`) and announce it.
     pub(crate) fn send_staged(&self, ch: Channel, dst: usize, len: usize) -> Result<()> {
+        self.send_staged_with(ch, dst, len, &[])
+    }
+
+    /// [`Buffer::send_staged`], after writing each `(from, to, len)` of `direct` from
+    /// this rank's region into `dst`'s.
+    pub(crate) fn send_staged_with(
+        &self,
+        ch: Channel,
+        dst: usize,
+        len: usize,
+        direct: &[(usize, usize, usize)],
+    ) -> Result<()> {
         let deadline = Instant::now() + self.cfg.timeout;
         self.net()?
-            .send(&self.map, self.rank, ch, dst, len, deadline)
+            .send(&self.map, self.rank, ch, dst, len, direct, deadline)
     }
 
     /// Stage `len` bytes for (`ch`, `dst`) with `fill(region, offset)` and send them.

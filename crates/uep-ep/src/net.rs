@@ -202,7 +202,10 @@ impl Net {
     }
 
     /// Send the `len`-byte packet staged for `dst` on `ch` into `dst`'s landing area for
-    /// `me`, then announce it.
+    /// `me`, then announce it. Each `(from, to, len)` of `direct` is written first, from
+    /// this rank's region at `from` to `dst`'s at `to` (rows that need no unpacking);
+    /// the announcement covers them too.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn send(
         &self,
         map: &RegionMap,
@@ -210,6 +213,7 @@ impl Net {
         ch: Channel,
         dst: usize,
         len: usize,
+        direct: &[(usize, usize, usize)],
         deadline: Instant,
     ) -> Result<()> {
         let (t, i) = self.fifo_of(dst);
@@ -224,28 +228,33 @@ impl Net {
             })
         };
         let wire = |e: uep_proxy::ProxyError| invalid!("rank {me}: {e}");
-        let mut off = 0;
-        while off < len {
-            let n = self.write_bytes.min(len - off);
-            push(
-                cmds::normal_write(
-                    dst,
-                    src + off as u64,
-                    land + off as u64,
-                    n as u32,
-                    WIRE_CHANNEL,
-                    0,
-                )
-                .map_err(wire)?,
-            )?;
-            off += n;
+        let mut sent = 0;
+        let packet = [(src as usize, land as usize, len)];
+        for &(from, to, len) in direct.iter().chain(&packet) {
+            let mut off = 0;
+            while off < len {
+                let n = self.write_bytes.min(len - off);
+                push(
+                    cmds::normal_write(
+                        dst,
+                        (from + off) as u64,
+                        (to + off) as u64,
+                        n as u32,
+                        WIRE_CHANNEL,
+                        0,
+                    )
+                    .map_err(wire)?,
+                )?;
+                off += n;
+            }
+            sent += len;
         }
         push(cmds::normal_write(dst, src, land, 0, WIRE_CHANNEL, 1).map_err(wire)?)?;
         let slot = push(cmds::quiet())?;
         // An idle proxy thread sleeps up to `ProxyConfig::max_park` (1 ms) between
         // looks at its FIFOs: wake it, so the packet leaves now.
         self.proxy.wake_thread(t);
-        self.sent_bytes.set(self.sent_bytes.get() + len as u64);
+        self.sent_bytes.set(self.sent_bytes.get() + sent as u64);
         self.quiets.borrow_mut()[ch as usize * self.num_ranks + dst] = Some((t, i, slot));
         Ok(())
     }

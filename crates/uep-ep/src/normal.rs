@@ -211,6 +211,13 @@ struct RowSink {
     src: usize,
     /// Node packets only: the mask of local ranks that need each token.
     mask: usize,
+    /// Node packets only: x and scales of the rows sent straight to the relay.
+    direct: [usize; 2],
+}
+
+/// Offsets of row `j` of the x and scales areas at `x` and `scales`.
+fn row_at(x: usize, scales: usize, j: usize, row_bytes: usize, groups: usize) -> (usize, usize) {
+    (x + j * row_bytes, scales + j * groups * 4)
 }
 
 /// The routing one dispatch works with, whichever way it was given.
@@ -348,23 +355,44 @@ impl Buffer {
                 })
             })
             .collect();
-        // Position of chunk c's first token among the tokens sent to each destination.
+        // A token that another node's relay itself receives goes straight into the
+        // relay's output rows (its rows from this rank are contiguous there), so the
+        // relay unpacks only the rows of the node's other ranks; where those rows do not
+        // start 16-byte aligned, as one-sided writes need, they travel in the packet.
+        let direct_ok = |r: usize| {
+            out_base[r] * row_bytes % 16 == 0 && (!fp8 || out_base[r] * groups * 4 % 16 == 0)
+        };
+        let direct: Vec<bool> = (0..t_n)
+            .flat_map(|t| {
+                dests.iter().map(move |d| match *d {
+                    Dest::Rank(_) => false,
+                    Dest::Node(m) => {
+                        let relay = topo.relay(me, m);
+                        in_rank[t * r_n + relay] && direct_ok(relay)
+                    }
+                })
+            })
+            .collect();
+        // Position of chunk c's first token among the tokens sent to each destination,
+        // and among those of them sent direct.
         let threads = self.device.threads().min(t_n.max(1));
         let per_chunk = t_n.div_ceil(threads.max(1)).max(1);
-        let mut chunk_start = vec![0usize; threads * nd];
-        // Ends as the number of tokens sent to each destination.
-        let mut running = vec![0usize; nd];
+        let mut chunk_start = vec![(0usize, 0usize); threads * nd];
+        // Ends as the number of tokens (and direct ones) sent to each destination.
+        let mut running = vec![(0usize, 0usize); nd];
         for c in 0..threads {
             chunk_start[c * nd..(c + 1) * nd].copy_from_slice(&running);
             for t in (c * per_chunk).min(t_n)..((c + 1) * per_chunk).min(t_n) {
-                for (d, n) in running.iter_mut().enumerate() {
+                for (d, (n, n_direct)) in running.iter_mut().enumerate() {
                     *n += hit[t * nd + d] as usize;
+                    *n_direct += direct[t * nd + d] as usize;
                 }
             }
         }
-        let sections = |n: usize| {
+        let sections = |(n, n_direct): (usize, usize)| {
             packet::dispatch(
                 n,
+                n - n_direct,
                 row_bytes,
                 if fp8 { groups } else { 0 },
                 if with_topk { k } else { 0 },
@@ -384,6 +412,7 @@ impl Buffer {
                         weights: map.recv_topk_weights + j * k * 4,
                         src: map.recv_src_idx + j * 4,
                         mask: 0,
+                        direct: [0; 2],
                     }
                 }
                 Dest::Node(m) => {
@@ -391,6 +420,7 @@ impl Buffer {
                     self.reclaim(Channel::Dispatch, relay, until)?;
                     let base = map.net.staging(Channel::Dispatch, relay);
                     let sec = sections(running[d]);
+                    let direct = packet::dispatch_direct(&sec, running[d].1, row_bytes);
                     RowSink {
                         region: *self.symm.local(),
                         x: base + sec.at[1],
@@ -399,6 +429,7 @@ impl Buffer {
                         weights: base + sec.at[4],
                         src: base + sec.at[5],
                         mask: base + sec.at[6],
+                        direct: direct.map(|at| base + at),
                     }
                 }
             });
@@ -407,7 +438,7 @@ impl Buffer {
         let (topk_idx, topk_weights) = (args.topk_idx, args.topk_weights);
         self.device.launch(t_n, |range| {
             let chunk = range.start / per_chunk;
-            let mut pos: Vec<usize> = chunk_start[chunk * nd..(chunk + 1) * nd].to_vec();
+            let mut pos = chunk_start[chunk * nd..(chunk + 1) * nd].to_vec();
             let mut idx_row = vec![0i64; k];
             let mut w_row = vec![0f32; k];
             for t in range {
@@ -416,14 +447,21 @@ impl Buffer {
                         continue;
                     }
                     let sink = &sinks[d];
-                    let j = pos[d];
-                    pos[d] += 1;
-                    sink.region.write(sink.x + j * row_bytes, x.row(t, h))?;
+                    let (j, j_direct) = pos[d];
+                    // The row's place: its own, among the direct rows, or among the rest.
+                    let (x_at, scales_at) = if direct[t * nd + d] {
+                        pos[d].1 += 1;
+                        row_at(sink.direct[0], sink.direct[1], j_direct, row_bytes, groups)
+                    } else if matches!(dest, Dest::Node(_)) {
+                        row_at(sink.x, sink.scales, j - j_direct, row_bytes, groups)
+                    } else {
+                        row_at(sink.x, sink.scales, j, row_bytes, groups)
+                    };
+                    pos[d].0 += 1;
+                    sink.region.write(x_at, x.row(t, h))?;
                     if fp8 {
-                        sink.region.write(
-                            sink.scales + j * groups * 4,
-                            bytemuck::cast_slice(x.row_scales(t, h)),
-                        )?;
+                        sink.region
+                            .write(scales_at, bytemuck::cast_slice(x.row_scales(t, h)))?;
                     }
                     let idx: &[i64] = match topk_idx {
                         Some(all) if with_topk => &all[t * k..(t + 1) * k],
@@ -477,10 +515,11 @@ impl Buffer {
                     .atomic_u64(map.dispatch_done + 8 * me)?
                     .store(seq as u64, Ordering::Release),
                 Dest::Node(m) => {
-                    let n = running[d];
+                    let (n, n_direct) = running[d];
                     let relay = topo.relay(me, m);
                     let header = packet::DispatchHeader {
                         tokens: n as u32,
+                        direct: direct_ok(relay).then_some(n_direct as u32),
                         fp8,
                         topk: with_topk,
                         weights: with_weights,
@@ -489,7 +528,25 @@ impl Buffer {
                         map.net.staging(Channel::Dispatch, relay),
                         &header.to_bytes(),
                     )?;
-                    self.send_staged(Channel::Dispatch, relay, sections(n).len)?;
+                    let at = out_base[relay];
+                    let mut direct = vec![(
+                        sinks[d].direct[0],
+                        map.recv_x + at * row_bytes,
+                        n_direct * row_bytes,
+                    )];
+                    if fp8 {
+                        direct.push((
+                            sinks[d].direct[1],
+                            map.recv_scales + at * groups * 4,
+                            n_direct * groups * 4,
+                        ));
+                    }
+                    self.send_staged_with(
+                        Channel::Dispatch,
+                        relay,
+                        sections(running[d]).len,
+                        &direct,
+                    )?;
                 }
             }
         }
@@ -956,9 +1013,18 @@ impl Buffer {
                     self.cfg.num_max_dispatch_tokens_per_rank
                 ));
             }
+            let n_direct = head.direct.unwrap_or(0) as usize;
+            if head.direct.is_some() && n_direct != matrix[src * r_n + me] as usize || n_direct > n
+            {
+                return self.fail(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet says {n_direct} of its {n} tokens came straight here; its counts announced {}",
+                    matrix[src * r_n + me]
+                ));
+            }
             let (row_bytes, groups) = (if head.fp8 { h } else { 2 * h }, h / 128);
             let sec = packet::dispatch(
                 n,
+                n - n_direct,
                 row_bytes,
                 if head.fp8 { groups } else { 0 },
                 if head.topk { k } else { 0 },
@@ -980,7 +1046,37 @@ impl Buffer {
             };
             let mut pos: Vec<usize> = topo.node_ranks(topo.node).map(start).collect();
             let (mut idx_row, mut w_row) = (vec![0i64; k], vec![0f32; k]);
+            // Rows of the packet that went to none but this rank are not in it.
+            let mut rest = 0;
             for j in 0..n {
+                if masks[j]
+                    .checked_shr(topo.ranks_per_node as u32)
+                    .unwrap_or(0)
+                    != 0
+                {
+                    return self.fail(invalid!(
+                        "rank {me}: rank {src}'s dispatch packet names local ranks {:#x} of a node of {}",
+                        masks[j],
+                        topo.ranks_per_node
+                    ));
+                }
+                // Where the token's x row (and scales) is: in this rank's own output
+                // rows when it went straight there, else the next row of the packet.
+                let (x_at, scales_at) = if head.direct.is_some() && masks[j] >> topo.local & 1 != 0
+                {
+                    let at = pos[topo.local];
+                    (
+                        map.recv_x + at * row_bytes,
+                        map.recv_scales + at * groups * 4,
+                    )
+                } else {
+                    rest += 1;
+                    let b = rest - 1;
+                    (
+                        base + sec.at[1] + b * row_bytes,
+                        base + sec.at[2] + b * groups * 4,
+                    )
+                };
                 for (l, r) in topo.node_ranks(topo.node).enumerate() {
                     if masks[j] >> l & 1 == 0 {
                         continue;
@@ -994,19 +1090,17 @@ impl Buffer {
                             matrix[src * r_n + r]
                         ));
                     }
-                    region.copy_from(
-                        map.recv_x + at * row_bytes,
-                        &local,
-                        base + sec.at[1] + j * row_bytes,
-                        row_bytes,
-                    )?;
-                    if head.fp8 {
-                        region.copy_from(
-                            map.recv_scales + at * groups * 4,
-                            &local,
-                            base + sec.at[2] + j * groups * 4,
-                            groups * 4,
-                        )?;
+                    // (This rank's own rows went straight into place, unless unaligned.)
+                    if l != topo.local || head.direct.is_none() {
+                        region.copy_from(map.recv_x + at * row_bytes, &local, x_at, row_bytes)?;
+                        if head.fp8 {
+                            region.copy_from(
+                                map.recv_scales + at * groups * 4,
+                                &local,
+                                scales_at,
+                                groups * 4,
+                            )?;
+                        }
                     }
                     if head.topk {
                         let w = head.weights.then(|| &w[j * k..(j + 1) * k]);
@@ -1031,6 +1125,12 @@ impl Buffer {
                     }
                     region.write(map.recv_src_idx + at * 4, &tokens[j].to_le_bytes())?;
                 }
+            }
+            if rest != n - n_direct {
+                return self.fail(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet carries {} rows for other ranks, but its masks name {rest}",
+                    n - n_direct
+                ));
             }
             for (l, r) in topo.node_ranks(topo.node).enumerate() {
                 let expected = start(r) + matrix[src * r_n + r] as usize;

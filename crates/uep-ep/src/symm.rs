@@ -176,11 +176,14 @@ pub mod packet {
     use super::Sections;
 
     /// Normal dispatch of `n` tokens to a node, sent once to the rank that relays them
-    /// inside it: a [`DispatchHeader`], then x, scales (`groups` a row, 0 for bf16),
-    /// global top-k ids (`k_idx` a row, 0 without top-k), weights (`k_w` a row), source
-    /// index, and the mask of the node's local ranks that need the token.
+    /// inside it: a [`DispatchHeader`], then x and scales (`groups` a row, 0 for bf16)
+    /// of the `n_rest` tokens the relay itself does not receive, global top-k ids
+    /// (`k_idx` a row, 0 without top-k), weights (`k_w` a row), source index, and the
+    /// mask of the node's local ranks that need each of the `n` tokens. The rows the
+    /// relay receives are written straight into its output rows ([`dispatch_direct`]).
     pub fn dispatch(
         n: usize,
+        n_rest: usize,
         row_bytes: usize,
         groups: usize,
         k_idx: usize,
@@ -188,8 +191,8 @@ pub mod packet {
     ) -> Sections {
         Sections::new(&[
             DispatchHeader::BYTES,
-            n * row_bytes,
-            n * groups * 4,
+            n_rest * row_bytes,
+            n_rest * groups * 4,
             n * k_idx * 8,
             n * k_w * 4,
             n * 4,
@@ -197,11 +200,20 @@ pub mod packet {
         ])
     }
 
+    /// Where the sender stages the x rows and the scales of the `n_direct` tokens the
+    /// relay itself receives: after the packet `sec` (the staging area has room).
+    pub fn dispatch_direct(sec: &Sections, n_direct: usize, row_bytes: usize) -> [usize; 2] {
+        [sec.len, sec.len + (n_direct * row_bytes).div_ceil(16) * 16]
+    }
+
     /// The first 16 bytes of a dispatch packet: what the relaying rank needs to read it.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     pub struct DispatchHeader {
         /// Tokens in the packet.
         pub tokens: u32,
+        /// Of them, those the relay receives, whose rows went straight to it; `None`
+        /// when they are in the packet too (their rows there would not be aligned).
+        pub direct: Option<u32>,
         /// Rows carry FP8 scales.
         pub fp8: bool,
         /// Rows carry top-k ids.
@@ -218,7 +230,11 @@ pub mod packet {
         pub fn to_bytes(self) -> [u8; 16] {
             let mut b = [0u8; 16];
             b[..4].copy_from_slice(&self.tokens.to_le_bytes());
-            b[4] = self.fp8 as u8 | (self.topk as u8) << 1 | (self.weights as u8) << 2;
+            b[4] = self.fp8 as u8
+                | (self.topk as u8) << 1
+                | (self.weights as u8) << 2
+                | (self.direct.is_some() as u8) << 3;
+            b[8..12].copy_from_slice(&self.direct.unwrap_or(0).to_le_bytes());
             b
         }
 
@@ -226,6 +242,7 @@ pub mod packet {
         pub fn from_bytes(b: [u8; 16]) -> DispatchHeader {
             DispatchHeader {
                 tokens: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                direct: (b[4] & 8 != 0).then(|| u32::from_le_bytes([b[8], b[9], b[10], b[11]])),
                 fp8: b[4] & 1 != 0,
                 topk: b[4] & 2 != 0,
                 weights: b[4] & 4 != 0,
@@ -354,7 +371,8 @@ impl RegionMap {
             let ll_rows = (m * k).min(epr * m);
             net.cap = [
                 align_up(4 * (r + e)),
-                align_up(packet::dispatch(t, row, groups, k, k).len),
+                // Room for every row, in the packet or staged direct, plus alignment.
+                align_up(packet::dispatch(t, t, row, groups, k, k).len + 32),
                 align_up(packet::combine(t, h, k).len),
                 align_up(packet::ll_dispatch(epr, ll_rows, row, groups).len),
                 align_up(packet::ll_dispatch(epr, ll_rows, row, groups).len),
