@@ -481,6 +481,7 @@ mod tests {
             "dtype",
             "bytes_per_rank",
             "net_bytes_per_rank",
+            "net_wire_bytes_per_rank",
             "gbps",
             "net_gbps",
             "limit_gbps",
