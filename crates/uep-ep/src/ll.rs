@@ -177,9 +177,9 @@ impl Buffer {
                 });
                 sinks.push(LlSink {
                     region: *self.symm.local(),
-                    x: base + sec.at[1],
-                    scales: base + sec.at[2],
-                    src: base + sec.at[3],
+                    x: base + sec.at[3],
+                    scales: base + sec.at[1],
+                    src: base + sec.at[2],
                     first: Some(first.collect()),
                 });
             }
@@ -226,9 +226,23 @@ impl Buffer {
                         .atomic_u64(map.ll_count_at(b, le, me))?
                         .store(word, Ordering::Release);
                 }
-            } else {
-                let n = per_expert[r * epr..(r + 1) * epr].iter().sum::<u32>() as usize;
-                self.send_staged(ch, r, packet::ll_dispatch(epr, n, row_bytes, groups).len)?;
+            } else if let Some(first) = &sink.first {
+                // Each expert's rows straight into their block at the receiver (one write
+                // per expert: the per-expert batching of the reference), then the packet.
+                let counts = &per_expert[r * epr..(r + 1) * epr];
+                let direct: Vec<(usize, usize, usize)> = (0..epr)
+                    .filter(|&le| counts[le] > 0)
+                    .map(|le| {
+                        (
+                            sink.x + first[le] * row_bytes,
+                            areas.recv_x + (le * r_n * m + me * m) * row_bytes,
+                            counts[le] as usize * row_bytes,
+                        )
+                    })
+                    .collect();
+                let n = counts.iter().sum::<u32>() as usize;
+                let sec = packet::ll_dispatch(epr, n, row_bytes, groups);
+                self.send_staged_with(ch, r, sec.at[3], &direct)?;
             }
         }
         let mut counts = vec![0u32; epr * r_n];
@@ -257,26 +271,21 @@ impl Buffer {
                 }
                 let sec = packet::ll_dispatch(epr, total, row_bytes, groups);
                 let mut first = 0;
+                // The rows themselves went straight into their blocks.
                 for (le, &c) in header.iter().enumerate() {
                     let (n, row) = (c as usize, le * r_n * m + src * m);
-                    local.copy_from(
-                        areas.recv_x + row * row_bytes,
-                        &local,
-                        base + sec.at[1] + first * row_bytes,
-                        n * row_bytes,
-                    )?;
                     if use_fp8 {
                         local.copy_from(
                             areas.recv_scales + row * groups * 4,
                             &local,
-                            base + sec.at[2] + first * groups * 4,
+                            base + sec.at[1] + first * groups * 4,
                             n * groups * 4,
                         )?;
                     }
                     local.copy_from(
                         areas.recv_src + row * 4,
                         &local,
-                        base + sec.at[3] + first * 4,
+                        base + sec.at[2] + first * 4,
                         n * 4,
                     )?;
                     counts[le * r_n + src] = c;

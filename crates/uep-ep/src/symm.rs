@@ -256,9 +256,11 @@ pub mod packet {
     }
 
     /// Low-latency dispatch of `n` copies to `experts` local experts: per-expert counts,
-    /// rows, scales, (token * K + slot) codes.
+    /// scales, (token * K + slot) codes, then the rows. The packet sent is what precedes
+    /// the rows (`at[3]`): the rows are staged last, expert by expert, and each expert's
+    /// block is written straight into its place in the receiver's rows.
     pub fn ll_dispatch(experts: usize, n: usize, row_bytes: usize, groups: usize) -> Sections {
-        Sections::new(&[experts * 4, n * row_bytes, n * groups * 4, n * 4])
+        Sections::new(&[experts * 4, n * groups * 4, n * 4, n * row_bytes])
     }
 
     /// Low-latency combine of `n` rows.
