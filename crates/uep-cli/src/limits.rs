@@ -222,6 +222,19 @@ pub fn transport_streams_gbps(
     Ok((count * msg as u64) as f64 / best.as_secs_f64().max(1e-9) / 1e9)
 }
 
+/// Wraps a transport error of `stage` of a stream over `provider`.
+fn at_stage(
+    provider: &str,
+    stage: &'static str,
+) -> impl FnOnce(uep_transport::TransportError) -> LimitError {
+    let provider = provider.to_string();
+    move |source| LimitError::Transport {
+        provider,
+        stage,
+        source,
+    }
+}
+
 /// One stream's two endpoints and the time of its last run.
 struct Pair {
     tx: LibfabricTransport,
@@ -232,14 +245,7 @@ struct Pair {
 impl Pair {
     /// Opens and connects a sender and a receiver for `msg`-byte writes.
     fn open(provider: &str, msg: usize) -> Result<Pair, LimitError> {
-        let fail = |stage| {
-            let provider = provider.to_string();
-            move |source| LimitError::Transport {
-                provider,
-                stage,
-                source,
-            }
-        };
+        let fail = |stage| at_stage(provider, stage);
         let opts = FabricOptions::loopback(provider);
         // Every write reads the same source bytes (they are never modified); each
         // write in flight lands in its own destination slot.
@@ -288,14 +294,7 @@ fn stream(
     msg: usize,
     polite: bool,
 ) -> Result<Streamed, LimitError> {
-    let fail = |stage| {
-        let provider = provider.to_string();
-        move |source| LimitError::Transport {
-            provider,
-            stage,
-            source,
-        }
-    };
+    let fail = |stage| at_stage(provider, stage);
     let start = Arc::new(Barrier::new(2));
     // Set when the sender gives up, so the receiver stops waiting at once.
     let stop = Arc::new(AtomicBool::new(false));

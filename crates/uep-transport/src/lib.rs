@@ -58,6 +58,13 @@ pub struct PeerAddr(pub Vec<u8>);
 /// A send-side completion: an operation posted with `ctx` finished at the
 /// initiator (for a write: the data left the local region and may be reused;
 /// the target observes it through its own [`Arrival`]).
+///
+/// The proxy's send window (uep-proxy) also relies on this: a write whose
+/// completion has been seen reaches the target before any write posted to the
+/// same peer after that. Reliable connections, EFA's SRD with delivery-complete
+/// semantics, `tcp;ofi_rxm` (one ordered socket per peer) and the fault injector
+/// (which reports the inner completion) all give it; a transport that does not
+/// must hold its completions back until it does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Completion {
     /// A [`Transport::post_write`] or [`Transport::post_imm`] completed.
