@@ -331,7 +331,7 @@ impl Buffer {
 
         // 2. data: each token once to each same-node rank that needs it, straight into
         // its final output row there, and once to each other node that needs it, into
-        // a packet for the rank there that relays it to the node's ranks (SPEC.md §3).
+        // a packet for the rank there that relays it to the node's ranks (SPEC.md §1.3).
         let out_base: Vec<usize> = (0..r_n).map(|r| column_sum(me, r)).collect();
         let row_bytes = args.x.row_bytes(h);
         let groups = h / 128;
