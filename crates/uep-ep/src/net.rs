@@ -187,14 +187,39 @@ impl Net {
             return Ok(());
         };
         let fifo = self.proxy.fifo(t, i).map_err(|e| invalid!("{e}"))?;
+        self.wait_consumed(fifo, slot, until, || {
+            format!(
+                "waiting for the proxy to finish sending a {ch:?} packet to rank {dst} (FIFO {t}.{i}, slot {})",
+                slot.0
+            )
+        })
+    }
+
+    /// Wait until the proxy has popped `slot` of `fifo` (a Quiet or Barrier pops only
+    /// once done), failing on a proxy error, on `until`'s abort word or at its deadline.
+    fn wait_consumed(
+        &self,
+        fifo: &uep_fifo::Fifo,
+        slot: Slot,
+        until: Until<'_>,
+        what: impl Fn() -> String,
+    ) -> Result<()> {
         let mut backoff = Backoff::new();
         while !fifo.is_consumed(slot) {
             self.check()?;
-            if Instant::now() >= until.deadline {
-                return Err(EpError::Timeout(format!(
-                    "waiting for the proxy to finish sending a {ch:?} packet to rank {dst} (FIFO {t}.{i}, slot {})",
-                    slot.0
+            if let Some(who) = until
+                .abort
+                .map(|a| a.load(Ordering::Acquire))
+                .filter(|&w| w != 0)
+            {
+                return Err(EpError::Peer(format!(
+                    "{}: rank {} aborted",
+                    what(),
+                    who - 1
                 )));
+            }
+            if Instant::now() >= until.deadline {
+                return Err(EpError::Timeout(what()));
             }
             backoff.snooze();
         }
@@ -303,17 +328,15 @@ impl Net {
                 self.proxy.wake_thread(t);
             }
             // The word must not land before the message it points to.
-            let mut backoff = Backoff::new();
+            let until = Until {
+                deadline,
+                abort: None,
+                peer: None,
+            };
             for (fifo, slot) in quiets {
-                while !fifo.is_consumed(slot) {
-                    self.check()?;
-                    if Instant::now() >= deadline {
-                        return Err(EpError::Timeout(format!(
-                            "rank {me}: telling the other nodes that this rank failed"
-                        )));
-                    }
-                    backoff.snooze();
-                }
+                self.wait_consumed(fifo, slot, until, || {
+                    format!("rank {me}: telling the other nodes that this rank failed")
+                })?;
             }
         }
         Ok(())
@@ -332,26 +355,7 @@ impl Net {
             .map_err(|e| EpError::Timeout(format!("{}: FIFO 0.0: {e}", what())))?;
         // Barrier messages arrive at thread 0 too: keep it polling until it pops.
         let _watch = self.proxy.watch_arrivals(0);
-        let mut backoff = Backoff::new();
-        while !fifo.is_consumed(slot) {
-            self.check()?;
-            if let Some(who) = until
-                .abort
-                .map(|a| a.load(Ordering::Acquire))
-                .filter(|&w| w != 0)
-            {
-                return Err(EpError::Peer(format!(
-                    "{}: rank {} aborted",
-                    what(),
-                    who - 1
-                )));
-            }
-            if Instant::now() >= until.deadline {
-                return Err(EpError::Timeout(what()));
-            }
-            backoff.snooze();
-        }
-        Ok(())
+        self.wait_consumed(fifo, slot, until, what)
     }
 
     /// Whether [`Net::send_abort`] ran.
