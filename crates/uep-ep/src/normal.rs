@@ -215,6 +215,12 @@ struct RowSink {
     direct: [usize; 2],
 }
 
+/// Tokens ranks `0..upto` send to rank `r`, from the `[R, R]` count matrix: where rows
+/// from rank `upto` start among rank `r`'s received rows.
+fn column_sum(matrix: &[u32], r_n: usize, upto: usize, r: usize) -> usize {
+    (0..upto).map(|s| matrix[s * r_n + r] as usize).sum()
+}
+
 /// Offsets of row `j` of the x and scales areas at `x` and `scales`.
 fn row_at(x: usize, scales: usize, j: usize, row_bytes: usize, groups: usize) -> (usize, usize) {
     (x + j * row_bytes, scales + j * groups * 4)
@@ -308,9 +314,7 @@ impl Buffer {
                 *n += row[r_n + me * epr + le] as usize;
             }
         }
-        let column_sum = |upto: usize, r: usize| -> usize {
-            (0..upto).map(|s| matrix[s * r_n + r] as usize).sum()
-        };
+        let column_sum = |upto: usize, r: usize| column_sum(&matrix, r_n, upto, r);
         let num_recv = column_sum(r_n, me);
         let rows = if args.num_worst_tokens > 0 {
             args.num_worst_tokens
@@ -1039,11 +1043,7 @@ impl Buffer {
             local.read(base + sec.at[5], bytemuck::cast_slice_mut(&mut tokens))?;
             local.read(base + sec.at[6], bytemuck::cast_slice_mut(&mut masks))?;
             // Rows from `src` start, on each rank of this node, after those of ranks 0..src.
-            let start = |r: usize| {
-                (0..src)
-                    .map(|s| matrix[s * r_n + r] as usize)
-                    .sum::<usize>()
-            };
+            let start = |r: usize| column_sum(matrix, r_n, src, r);
             let mut pos: Vec<usize> = topo.node_ranks(topo.node).map(start).collect();
             let (mut idx_row, mut w_row) = (vec![0i64; k], vec![0f32; k]);
             // Rows of the packet that went to none but this rank are not in it.
