@@ -9,12 +9,15 @@
 //!   connections. Every wait has a deadline; a rank that crashes, leaves or calls
 //!   [`Group::abort`] makes every other rank's pending or next collective fail with an error
 //!   naming it.
+//! * [`ControlPlane`] is what the data path needs of the job's control plane; [`Group`]
+//!   implements it, and so can a framework's process group.
 //! * [`launch_local`] runs all ranks of a job as processes on this machine (what `uep bench`
 //!   does), handing rank 0 a pre-bound listening socket so the port is chosen without races.
 //!
 //! The wire protocol is documented in the `proto` module's source.
 #![deny(unsafe_code)]
 
+mod control;
 mod env;
 mod error;
 mod fdpass;
@@ -25,6 +28,7 @@ mod proto;
 #[cfg(test)]
 mod tests;
 
+pub use control::{host_id, ControlPlane};
 pub use env::{EnvSource, WorldInfo, LAUNCHER_LOCAL, LAUNCHER_VAR, SECRET_VAR};
 pub use error::BootstrapError;
 pub use fdpass::LISTEN_FD_VAR;

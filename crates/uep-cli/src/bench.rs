@@ -10,13 +10,12 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use uep_bootstrap::{launch_local, EnvSource, Group, LaunchSpec, WorldInfo};
-use uep_ep::quant::{dequantize, quantize};
-use uep_ep::reference;
-use uep_ep::workload::{self, RankInput, Routing, Shape, TokenData, WorkloadSpec};
-use uep_ep::{Buffer, BufferConfig, DispatchArgs, RecvTokens, Tokens};
+use uep_ep::{Buffer, BufferConfig, CombineArgs, DispatchArgs};
+use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
+use uep_harness::check::Mismatches;
+use uep_harness::workload::{self, JobShape, RankInput, Routing, TokenData, WorkloadSpec};
 use uep_transport::{FabricOptions, FaultConfig};
 
-use crate::check::Mismatches;
 use crate::report::{gbps, render_json, render_table, OpReport, Progress, Samples};
 
 /// Which modes to run.
@@ -221,7 +220,7 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
 /// needs every sender's tokens).
 pub(crate) fn make_inputs(
     args: &BenchArgs,
-    shape: &Shape,
+    shape: &JobShape,
     tokens: usize,
     salt: u64,
 ) -> anyhow::Result<Vec<RankInput>> {
@@ -241,8 +240,8 @@ pub(crate) fn make_inputs(
     Ok(workload::generate_all(&spec)?)
 }
 
-fn read_inputs(dir: &Path, rank: usize, shape: &Shape) -> anyhow::Result<RankInput> {
-    use crate::npy::NpyArray;
+fn read_inputs(dir: &Path, rank: usize, shape: &JobShape) -> anyhow::Result<RankInput> {
+    use uep_harness::npy::NpyArray;
     let d = dir.join(format!("rank{rank}"));
     let x = NpyArray::read(&d.join("x.npy"))?;
     let hidden = *x.shape.last().unwrap_or(&0);
@@ -270,115 +269,6 @@ fn read_inputs(dir: &Path, rank: usize, shape: &Shape) -> anyhow::Result<RankInp
         topk_idx,
         topk_weights,
     })
-}
-
-fn to_fp8(input: &RankInput, hidden: usize) -> anyhow::Result<RankInput> {
-    let TokenData::Bf16(x) = &input.x else {
-        return Ok(input.clone());
-    };
-    let (data, scales) = quantize(x, hidden, false)?;
-    Ok(RankInput {
-        x: TokenData::Fp8 { data, scales },
-        ..input.clone()
-    })
-}
-
-/// What an identity expert returns for received rows `rows` of `x`: the rows themselves,
-/// or their dequantised values rounded to bf16, written into `y` (which keeps its size,
-/// so other rows stay as they were, and is reused across steps: a real expert computes
-/// only the rows it got, into memory it keeps).
-pub(crate) fn identity_expert(
-    x: RecvTokens<'_>,
-    rows: std::ops::Range<usize>,
-    hidden: usize,
-    y: &mut [bf16],
-) -> anyhow::Result<()> {
-    let span = rows.start * hidden..rows.end * hidden;
-    match x {
-        RecvTokens::Bf16(v) => y[span.clone()].copy_from_slice(&v[span]),
-        RecvTokens::Fp8 { data, scales } => {
-            let g = hidden / 128;
-            let values = dequantize(
-                &data[span.clone()],
-                &scales[rows.start * g..rows.end * g],
-                hidden,
-            )?;
-            for (o, v) in y[span].iter_mut().zip(values) {
-                *o = bf16::from_f32(v);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// One normal-mode step's inputs and what the reference says every output must be.
-pub(crate) struct NormalCase {
-    pub(crate) sent: Vec<RankInput>,
-    pub(crate) expected: reference::NormalRecv,
-    pub(crate) expected_combine: (Vec<bf16>, Option<Vec<f32>>),
-    pub(crate) layout: uep_ep::DispatchLayout,
-}
-
-impl NormalCase {
-    pub(crate) fn new(
-        buffer: &Buffer,
-        inputs: Vec<RankInput>,
-        args: &BenchArgs,
-        shape: &Shape,
-    ) -> anyhow::Result<Self> {
-        let rank = buffer.rank();
-        let sent: Vec<RankInput> = if args.fp8 {
-            inputs
-                .iter()
-                .map(|i| to_fp8(i, args.hidden))
-                .collect::<anyhow::Result<_>>()?
-        } else {
-            inputs
-        };
-        let expected = reference::normal_dispatch(&sent, shape, rank, args.expert_alignment, true)?;
-        let expected_combine = reference::normal_combine_identity(&sent, shape, rank)?;
-        let layout = buffer.get_dispatch_layout(&sent[rank].topk_idx)?;
-        Ok(NormalCase {
-            sent,
-            expected,
-            expected_combine,
-            layout,
-        })
-    }
-
-    pub(crate) fn x(&self, rank: usize) -> Tokens<'_> {
-        match &self.sent[rank].x {
-            TokenData::Bf16(v) => Tokens::Bf16(v),
-            TokenData::Fp8 { data, scales } => Tokens::Fp8 { data, scales },
-        }
-    }
-}
-
-/// One low-latency step's inputs and expected outputs.
-pub(crate) struct LlCase {
-    pub(crate) inputs: Vec<RankInput>,
-    pub(crate) expected: reference::LlRecv,
-    pub(crate) expected_combine: Vec<bf16>,
-}
-
-impl LlCase {
-    pub(crate) fn new(
-        rank: usize,
-        inputs: Vec<RankInput>,
-        args: &BenchArgs,
-        shape: &Shape,
-        max_ll: usize,
-    ) -> anyhow::Result<Self> {
-        let expected =
-            reference::ll_dispatch(&inputs, shape, rank, max_ll, args.fp8, args.round_scale)?;
-        let expected_combine =
-            reference::ll_combine_identity(&inputs, shape, rank, args.fp8, args.round_scale)?;
-        Ok(LlCase {
-            inputs,
-            expected,
-            expected_combine,
-        })
-    }
 }
 
 /// Salt of step `step`'s inputs: step 0 uses the base seed; `--fresh` steps draw anew.
@@ -426,13 +316,16 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     let timeout = args
         .timeout
         .map(Duration::from_secs_f64)
-        .or_else(uep_ep::buffer::timeout_from_env);
+        .or_else(uep_ep::timeout_from_env);
     let group = Group::connect(&info, timeout.unwrap_or(Duration::from_secs(60)))?;
-    let (rank, world, lws) = (group.rank(), group.world_size(), group.local_world_size());
+    let (rank, world) = (group.rank(), group.world_size());
     let is_root = rank == 0;
-    let shape = Shape {
+    // uep's own launcher runs every rank on this host and says how many form a node
+    // (`--nodes`); under another launcher the Buffer finds the nodes from the hosts.
+    let emulated = (info.source == EnvSource::Uep).then_some(info.local_world_size);
+    let mut shape = JobShape {
         num_ranks: world,
-        ranks_per_node: group.local_world_size(),
+        ranks_per_node: emulated.unwrap_or(info.local_world_size),
         hidden: args.hidden,
         topk: args.topk,
         num_experts: args.experts,
@@ -458,11 +351,13 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     let threads = if args.threads > 0 {
         args.threads
     } else {
-        (std::thread::available_parallelism().map_or(1, |n| n.get()) / group.local_world_size())
-            .max(1)
+        (std::thread::available_parallelism().map_or(1, |n| n.get()) / info.local_world_size).max(1)
     };
     let mut cfg = BufferConfig::new(args.experts, args.hidden, args.topk, max_normal, max_ll);
     cfg.device_threads = threads;
+    if emulated.is_some() {
+        cfg.ranks_per_node = emulated;
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if let Some(p) = &args.provider {
         cfg.net.fabric.provider = p.clone();
@@ -478,7 +373,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     cfg.net.proxy.threads = if args.proxy_threads > 0 {
         args.proxy_threads
     } else {
-        (cores / group.local_world_size()).clamp(1, 4)
+        (cores / info.local_world_size).clamp(1, 4)
     };
     cfg.net.proxy.emulate_ordering = !args.no_ordering_emulation;
     cfg.net.faults = args.faults.map(FaultConfig::with_seed);
@@ -489,8 +384,10 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     if let Some(t) = timeout {
         cfg.timeout = t;
     }
-    uep_ep::device::set_spin_only(args.spin_waits);
+    uep_ep::wait::set_spin_only(args.spin_waits);
     let mut buffer = Buffer::new(group, cfg)?;
+    let lws = buffer.topology().ranks_per_node;
+    shape.ranks_per_node = lws;
     if let Some(steps) = args.soak {
         return crate::soak::run(&mut buffer, args, &shape, max_ll, steps);
     }
@@ -508,7 +405,13 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     };
 
     if run_normal {
-        let mut case = NormalCase::new(&buffer, normal_inputs.clone(), args, &shape)?;
+        let mut case = NormalCase::new(
+            normal_inputs.clone(),
+            &shape,
+            rank,
+            args.fp8,
+            args.expert_alignment,
+        )?;
         let t_n = case.sent[rank].num_tokens;
         let mut t_layout = Timer::new(args.warmup, args.iters);
         let mut t_dispatch = Timer::new(args.warmup, args.iters);
@@ -526,7 +429,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         for step in 0..steps {
             if args.fresh && step > 0 {
                 let inputs = make_inputs(args, &shape, args.tokens, step_salt(0, step))?;
-                case = NormalCase::new(&buffer, inputs, args, &shape)?;
+                case = NormalCase::new(inputs, &shape, rank, args.fp8, args.expert_alignment)?;
             }
             let check = args.fresh || step == 0 || step + 1 == steps;
             let mine = &case.sent[rank];
@@ -570,15 +473,15 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             let out = buffer.dispatch(args_d)?;
             t_dispatch.record(start.elapsed());
             if check {
-                crate::check::normal_dispatch(&mut bad, &out, &case.expected);
+                uep_harness::check::normal_dispatch(&mut bad, &out, &case.expected, h);
             }
             let mut dump = match &args.dump {
-                Some(_) if step + 1 == steps => Some(crate::dump::Dump::normal(&out)),
+                Some(_) if step + 1 == steps => Some(crate::dump::Dump::normal(&out, h)),
                 _ => None,
             };
             let n = out.handle.num_recv_tokens;
             y.resize(n * h, bf16::ZERO);
-            identity_expert(out.recv_x, 0..n, h, &mut y)?;
+            identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, &mut y)?;
             let w = out.recv_topk_weights.map(<[f32]>::to_vec);
             let handle = out.handle;
             if args.cached && cached.is_none() {
@@ -597,7 +500,11 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
                 .combined_topk_weights
                 .as_deref_mut()
                 .filter(|_| w.is_some());
-            buffer.combine_into(&y, w.as_deref(), &handle, &mut combined.combined_x, out_w)?;
+            let combine_args = CombineArgs {
+                topk_weights: w.as_deref(),
+                ..Default::default()
+            };
+            buffer.combine_into(&y, combine_args, &handle, &mut combined.combined_x, out_w)?;
             t_combine.record(start.elapsed());
             if step >= args.warmup as u64 {
                 wire[1] += buffer.net_bytes_sent() - sent;
@@ -655,7 +562,14 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     }
 
     if run_ll {
-        let mut case = LlCase::new(rank, ll_inputs.clone(), args, &shape, max_ll)?;
+        let mut case = LlCase::new(
+            rank,
+            ll_inputs.clone(),
+            &shape,
+            max_ll,
+            args.fp8,
+            args.round_scale,
+        )?;
         let t_n = case.inputs[rank].num_tokens;
         let epr = (args.experts / world) as i64;
         let (mut copies, mut net_copies) = (0u64, 0u64);
@@ -666,7 +580,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         for step in 0..steps {
             if args.fresh && step > 0 {
                 let inputs = make_inputs(args, &shape, args.ll_tokens, step_salt(0x11, step))?;
-                case = LlCase::new(rank, inputs, args, &shape, max_ll)?;
+                case = LlCase::new(rank, inputs, &shape, max_ll, args.fp8, args.round_scale)?;
             }
             let check = args.fresh || step == 0 || step + 1 == steps;
             let mine = &case.inputs[rank];
@@ -688,7 +602,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
             t_dispatch.record(start.elapsed());
             if check {
-                crate::check::ll_dispatch(&mut bad, &out, &case.expected, h);
+                uep_harness::check::ll_dispatch(&mut bad, &out, &case.expected, h);
             }
             let mut dump = match &args.dump {
                 Some(_) if step + 1 == steps => Some(crate::dump::Dump::ll(&out, h)),
@@ -697,7 +611,8 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             let rows_per_expert = world * max_ll;
             for (le, &n) in out.recv_count.iter().enumerate() {
                 let begin = le * rows_per_expert;
-                identity_expert(out.recv_x, begin..begin + n as usize, h, &mut y)?;
+                let layout = ScaleLayout::ColumnMajor { rows_per_expert };
+                identity_expert(out.recv_x, begin..begin + n as usize, h, layout, &mut y)?;
             }
             let handle = out.handle;
             if step >= args.warmup as u64 {
@@ -757,7 +672,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             blob.extend_from_slice(&(d.as_nanos() as u64).to_le_bytes());
         }
     }
-    let all = buffer.group().all_gather(&blob)?;
+    let all = buffer.control_plane().all_gather(&blob)?;
     bad.print();
     if !is_root {
         return Ok(bad.count() == 0);
@@ -800,12 +715,12 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             let intra = bytes - net;
             let mut seconds = 0.0;
             if intra > 0 {
-                let gbps = crate::limits::memcpy_gbps(intra, 2 * h, threads, sharing);
+                let gbps = uep_harness::limits::memcpy_gbps(intra, 2 * h, threads, sharing);
                 seconds += intra as f64 / (gbps * 1e9);
             }
             if net > 0 {
                 let msg = (net as usize).min(1 << 20);
-                match crate::limits::transport_streams_gbps(&provider, net, msg, sharing) {
+                match uep_transport::stream::transport_streams_gbps(&provider, net, msg, sharing) {
                     Ok(gbps) => seconds += net as f64 / (gbps * 1e9),
                     Err(e) => {
                         eprintln!("uep bench: no transport limit for {}: {e}", m.op);
@@ -823,7 +738,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             op: m.op.into(),
             mode: m.mode.into(),
             ranks: world,
-            nodes: buffer.group().num_nodes(),
+            nodes: buffer.topology().num_nodes,
             tokens: m.tokens,
             hidden: h,
             dtype: if m.op == "layout" {
@@ -853,7 +768,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     } else {
         println!(
             "uep bench: {world} ranks x {} node(s), hidden {h}, top-k {}, {} experts, routing {}, {} kernel thread(s)/rank",
-            buffer.group().num_nodes(),
+            buffer.topology().num_nodes,
             args.topk,
             args.experts,
             args.routing,

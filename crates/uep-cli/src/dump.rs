@@ -14,7 +14,7 @@
 //! | `combined_x.npy` | uint16 (bf16) | `[T, H]` |
 //! | `combined_topk_weights.npy` | float32 | `[T, K]` |
 //! | `ll_recv_x.npy` | uint16 (bf16) or uint8 (FP8) | `[E/R, R*M, H]` (rows past `ll_recv_count` are unspecified) |
-//! | `ll_recv_x_scales.npy` | float32 (FP8 only) | `[E/R, R*M, H/128]` |
+//! | `ll_recv_x_scales.npy` | float32 (FP8 only) | `[E/R, H/128, R*M]` (column-major scales, as DeepEP returns them) |
 //! | `ll_recv_count.npy` | int32 | `[E/R]` |
 //! | `ll_recv_src_info.npy` | int32 | `[E/R, R*M]` (source token, -1 past the count) |
 //! | `ll_combined_x.npy` | uint16 (bf16) | `[T, H]` |
@@ -24,7 +24,7 @@ use std::path::Path;
 use half::bf16;
 use uep_ep::{DispatchOutput, LlDispatchOutput, RecvTokens};
 
-use crate::npy::{NpyArray, NpyData};
+use uep_harness::npy::{NpyArray, NpyData};
 
 /// Arrays to write for one rank.
 #[derive(Debug, Default)]
@@ -39,43 +39,42 @@ impl Dump {
         self.arrays.push((name.to_string(), array));
     }
 
-    fn tokens(&mut self, prefix: &str, x: RecvTokens<'_>, lead: &[usize], hidden: usize) {
-        let shape = |last: usize| lead.iter().copied().chain([last]).collect::<Vec<_>>();
+    /// Rows of `hidden` channels with leading dimensions `lead`, and their scales in
+    /// shape `scale_shape`.
+    fn tokens(
+        &mut self,
+        prefix: &str,
+        x: RecvTokens<'_>,
+        lead: &[usize],
+        hidden: usize,
+        scale_shape: &[usize],
+    ) {
+        let shape: Vec<usize> = lead.iter().copied().chain([hidden]).collect();
         match x {
-            RecvTokens::Bf16(v) => self.bf16(&format!("{prefix}recv_x"), &shape(hidden), v),
+            RecvTokens::Bf16(v) => self.bf16(&format!("{prefix}recv_x"), &shape, v),
             RecvTokens::Fp8 { data, scales } => {
                 self.push(
                     &format!("{prefix}recv_x"),
-                    &shape(hidden),
+                    &shape,
                     NpyData::U8(data.to_vec()),
                 );
-                self.f32(
-                    &format!("{prefix}recv_x_scales"),
-                    &shape(hidden / 128),
-                    scales,
-                );
+                self.f32(&format!("{prefix}recv_x_scales"), scale_shape, scales);
             }
         }
     }
 
-    /// The outputs of a normal dispatch.
-    pub fn normal(out: &DispatchOutput<'_>) -> Dump {
+    /// The outputs of a normal dispatch of `hidden` channels (and the top-k they
+    /// carried): every array keeps its trailing dimensions, also with no rows.
+    pub fn normal(out: &DispatchOutput<'_>, hidden: usize) -> Dump {
         let mut d = Dump::default();
         let n = out.handle.num_rows;
-        let hidden = match out.recv_x {
-            RecvTokens::Bf16(v) => v.len() / n.max(1),
-            RecvTokens::Fp8 { data, .. } => data.len() / n.max(1),
-        };
-        d.tokens("", out.recv_x, &[n], hidden);
+        d.tokens("", out.recv_x, &[n], hidden, &[n, hidden / 128]);
+        let k = out.handle.topk;
         if let Some(idx) = out.recv_topk_idx {
-            d.push(
-                "recv_topk_idx",
-                &[n, idx.len() / n.max(1)],
-                NpyData::I64(idx.to_vec()),
-            );
+            d.push("recv_topk_idx", &[n, k], NpyData::I64(idx.to_vec()));
         }
         if let Some(w) = out.recv_topk_weights {
-            d.f32("recv_topk_weights", &[n, w.len() / n.max(1)], w);
+            d.f32("recv_topk_weights", &[n, k], w);
         }
         let src = &out.handle.recv_src_idx;
         d.push("recv_src_idx", &[src.len()], NpyData::I32(src.clone()));
@@ -97,7 +96,13 @@ impl Dump {
         let mut d = Dump::default();
         let experts = out.recv_count.len();
         let rows = out.handle.src_info.len() / experts.max(1);
-        d.tokens("ll_", out.recv_x, &[experts, rows], hidden);
+        d.tokens(
+            "ll_",
+            out.recv_x,
+            &[experts, rows],
+            hidden,
+            &[experts, hidden / 128, rows],
+        );
         d.push(
             "ll_recv_count",
             &[experts],

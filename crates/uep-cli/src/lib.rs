@@ -1,11 +1,7 @@
 //! uep command-line library
 pub mod bench;
-pub mod check;
 pub mod dump;
-pub mod fifo_bench;
 pub mod info;
-pub mod limits;
-pub mod npy;
 pub mod report;
 pub mod soak;
 pub mod sweep;

@@ -15,30 +15,12 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run layout, normal and low-latency dispatch/combine on local ranks, verify
-    /// every result against the reference, and print GB/s and latency
-    /// (`uep bench fifo`: the command FIFO's throughput and latency).
-    Bench(Box<BenchCommand>),
+    /// every result against the reference, and print GB/s and latency.
+    Bench(Box<uep_cli::bench::BenchArgs>),
     /// List the libfabric providers this machine offers and which fit uep.
     Info,
     /// Remove shared-memory segments left by uep processes that no longer exist.
     Clean,
-}
-
-/// `uep bench [flags]` runs dispatch/combine; `uep bench fifo [flags]` the FIFO bench.
-#[derive(clap::Args, Debug)]
-#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
-struct BenchCommand {
-    #[command(subcommand)]
-    sub: Option<BenchSub>,
-    #[command(flatten)]
-    args: uep_cli::bench::BenchArgs,
-}
-
-#[derive(Subcommand, Debug)]
-enum BenchSub {
-    /// Measure the command FIFO: commands/s and push->pop latency, next to rtrb /
-    /// crossbeam ArrayQueue.
-    Fifo(Box<uep_cli::fifo_bench::FifoBenchArgs>),
 }
 
 fn main() -> ExitCode {
@@ -48,13 +30,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Bench(bench) => match *bench {
-            BenchCommand {
-                sub: Some(BenchSub::Fifo(args)),
-                ..
-            } => uep_cli::fifo_bench::run(&args),
-            BenchCommand { args, .. } => uep_cli::bench::run(&args),
-        },
+        Command::Bench(args) => uep_cli::bench::run(&args),
         Command::Info => uep_cli::info::report().map(|r| {
             print!("{r}");
             true

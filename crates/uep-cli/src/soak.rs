@@ -5,11 +5,12 @@
 use std::time::Instant;
 
 use half::bf16;
-use uep_ep::workload::{Shape, TokenData};
 use uep_ep::{Buffer, DispatchArgs};
+use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
+use uep_harness::check::{self, Mismatches};
+use uep_harness::workload::{JobShape, TokenData};
 
-use crate::bench::{identity_expert, make_inputs, step_salt, BenchArgs, LlCase, NormalCase};
-use crate::check::{self, Mismatches};
+use crate::bench::{make_inputs, step_salt, BenchArgs};
 use crate::report::Progress;
 
 /// Resident and peak resident memory of this process, in KiB (`/proc/self/status`).
@@ -29,7 +30,7 @@ pub fn rss_kib() -> (u64, u64) {
 pub fn run(
     buffer: &mut Buffer,
     args: &BenchArgs,
-    shape: &Shape,
+    shape: &JobShape,
     max_ll: usize,
     steps: u64,
 ) -> anyhow::Result<bool> {
@@ -43,17 +44,17 @@ pub fn run(
     for step in 0..steps {
         // Normal mode.
         let inputs = make_inputs(args, shape, args.tokens, step_salt(0, step))?;
-        let case = NormalCase::new(buffer, inputs, args, shape)?;
+        let case = NormalCase::new(inputs, shape, rank, args.fp8, args.expert_alignment)?;
         let mine = &case.sent[rank];
         let out = buffer.dispatch(
             DispatchArgs::new(case.x(rank))
                 .topk(&mine.topk_idx, Some(&mine.topk_weights))
                 .layout(&case.layout),
         )?;
-        check::normal_dispatch(&mut bad, &out, &case.expected);
+        check::normal_dispatch(&mut bad, &out, &case.expected, h);
         let n = out.handle.num_recv_tokens;
         y.resize(n * h, bf16::ZERO);
-        identity_expert(out.recv_x, 0..n, h, &mut y)?;
+        identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, &mut y)?;
         let w = out.recv_topk_weights.map(<[f32]>::to_vec);
         let handle = out.handle;
         let combined = buffer.combine(&y, w.as_deref(), &handle)?;
@@ -65,16 +66,18 @@ pub fn run(
 
         // Low-latency mode.
         let inputs = make_inputs(args, shape, args.ll_tokens, step_salt(0x11, step))?;
-        let case = LlCase::new(rank, inputs, args, shape, max_ll)?;
+        let case = LlCase::new(rank, inputs, shape, max_ll, args.fp8, args.round_scale)?;
         let mine = &case.inputs[rank];
         let TokenData::Bf16(x) = &mine.x else {
             unreachable!("workload inputs are bf16")
         };
         let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
         check::ll_dispatch(&mut bad, &out, &case.expected, h);
+        let rows_per_expert = world * max_ll;
         for (le, &n) in out.recv_count.iter().enumerate() {
-            let begin = le * world * max_ll;
-            identity_expert(out.recv_x, begin..begin + n as usize, h, &mut ll_y)?;
+            let begin = le * rows_per_expert;
+            let layout = ScaleLayout::ColumnMajor { rows_per_expert };
+            identity_expert(out.recv_x, begin..begin + n as usize, h, layout, &mut ll_y)?;
         }
         let handle = out.handle;
         let combined =
@@ -99,7 +102,7 @@ pub fn run(
     ] {
         blob.extend_from_slice(&v.to_le_bytes());
     }
-    let all = buffer.group().all_gather(&blob)?;
+    let all = buffer.control_plane().all_gather(&blob)?;
     bad.print();
     if rank == 0 {
         let rows: Vec<[u64; 5]> = all

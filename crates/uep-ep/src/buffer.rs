@@ -1,240 +1,77 @@
 //! The `Buffer`: one per rank, owning the registered memory every EP call works in.
+//!
+//! Every public call that communicates is *collective* and runs through
+//! [`Buffer::collective`], the one place where an error becomes the abort broadcast:
+//! the failing rank writes why into every rank of its node (and, through the proxy,
+//! of the other nodes), so that nobody waits for it, and every later call on any rank's
+//! Buffer fails at once instead of pairing with the wrong call of another rank.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use half::bf16;
-use uep_bootstrap::Group;
+use uep_bootstrap::ControlPlane;
 use uep_shm::Region;
 
-use crate::device::{wait_at_least, HostDevice, Until};
+use crate::area::Mem;
+use crate::config::BufferConfig;
+use crate::device::HostDevice;
 use crate::error::{EpError, Result};
 use crate::invalid;
-use crate::net::{wait_packet, Net, NetConfig};
-use crate::symm::{Channel, RegionMap, Symmetric, ABORT_MSG_BYTES};
+use crate::map::{RegionMap, ABORT_MSG_BYTES};
+use crate::net::{NetPath, LL_BUFFERS};
+use crate::symm::{Bank, Lease, Symmetric};
+use crate::topology::Topology;
+use crate::wait::{abort_reason, Peer, Wait};
 
 /// How long a failing rank spends telling the other nodes (its own deadline if shorter).
 const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a Buffer that told other nodes of a failure keeps its proxy when dropped.
 const ABORT_LINGER: Duration = Duration::from_millis(300);
 
-/// Default deadline of every wait, unless `UEP_TIMEOUT_S` or the config says otherwise.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(100);
-
-/// What a Buffer is sized for. Every rank must pass the same values.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BufferConfig {
-    /// Experts across all ranks; a multiple of the number of ranks.
-    pub num_experts: usize,
-    /// Hidden size (channels a token); a multiple of 128 for FP8.
-    pub hidden: usize,
-    /// Top-k slots a token has.
-    pub topk: usize,
-    /// Normal mode: most tokens one rank dispatches in a call.
-    pub num_max_dispatch_tokens_per_rank: usize,
-    /// Low-latency mode: most tokens one rank dispatches in a call (0 disables LL).
-    pub num_max_ll_tokens_per_rank: usize,
-    /// Deadline of every wait.
-    pub timeout: Duration,
-    /// Kernel threads of the host device.
-    pub device_threads: usize,
-    /// The network path to ranks on other nodes (used only when there are several).
-    pub net: NetConfig,
+/// Sequence numbers of the collective calls; equal on every rank between calls.
+#[derive(Debug, Default)]
+pub(crate) struct Seqs {
+    pub dispatch: u32,
+    pub combine: u32,
+    pub ll: u32,
+    pub ll_combine: u32,
+    pub barrier: u64,
+    /// Per LL buffer: a dispatch whose receive (hook) has not run yet.
+    pub ll_unreceived: [Option<u32>; LL_BUFFERS],
 }
 
-impl BufferConfig {
-    /// A config with the default timeout (`UEP_TIMEOUT_S` if set) and one kernel thread.
-    pub fn new(
-        num_experts: usize,
-        hidden: usize,
-        topk: usize,
-        max_tokens: usize,
-        ll_max_tokens: usize,
-    ) -> Self {
-        BufferConfig {
-            num_experts,
-            hidden,
-            topk,
-            num_max_dispatch_tokens_per_rank: max_tokens,
-            num_max_ll_tokens_per_rank: ll_max_tokens,
-            timeout: timeout_from_env().unwrap_or(DEFAULT_TIMEOUT),
-            device_threads: 1,
-            net: NetConfig::default(),
-        }
-    }
-
-    /// Bytes of registered memory each rank needs for this config on `num_ranks` ranks
-    /// spread over `num_nodes` nodes (most of it is touched only when used).
-    pub fn bytes_needed(&self, num_ranks: usize, num_nodes: usize) -> usize {
-        RegionMap::new(self, num_ranks, num_nodes > 1).total
-    }
-
-    fn validate(&self, num_ranks: usize) -> Result<()> {
-        if num_ranks == 0 || self.num_experts == 0 || self.num_experts % num_ranks != 0 {
-            return Err(invalid!(
-                "num_experts ({}) must be a positive multiple of the number of ranks ({num_ranks})",
-                self.num_experts
-            ));
-        }
-        if self.hidden == 0 || self.hidden % 8 != 0 {
-            return Err(invalid!(
-                "hidden ({}) must be a positive multiple of 8",
-                self.hidden
-            ));
-        }
-        if self.topk == 0 || self.topk > self.num_experts {
-            return Err(invalid!(
-                "topk ({}) must be in 1..={} (num_experts)",
-                self.topk,
-                self.num_experts
-            ));
-        }
-        if self.num_max_dispatch_tokens_per_rank == 0 && self.num_max_ll_tokens_per_rank == 0 {
-            return Err(invalid!(
-                "a Buffer needs room for normal or low-latency tokens (both maxima are 0)"
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// `UEP_TIMEOUT_S` as a Duration, if set and valid.
-pub fn timeout_from_env() -> Option<Duration> {
-    let s = std::env::var("UEP_TIMEOUT_S").ok()?;
-    s.trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|v| *v > 0.0)
-        .map(Duration::from_secs_f64)
-}
-
-/// Activations a rank sends: bf16, or FP8 e4m3 bytes with one f32 scale per 128 channels.
-#[derive(Clone, Copy, Debug)]
-pub enum Tokens<'a> {
-    /// `[T, H]` bf16.
-    Bf16(&'a [bf16]),
-    /// `[T, H]` e4m3 bytes and `[T, H/128]` scales.
-    Fp8 {
-        /// The e4m3 values.
-        data: &'a [u8],
-        /// The per-128-channel scales.
-        scales: &'a [f32],
-    },
-}
-
-impl Tokens<'_> {
-    /// Whether these are FP8.
-    pub fn is_fp8(&self) -> bool {
-        matches!(self, Tokens::Fp8 { .. })
-    }
-
-    /// Bytes of one token row (without scales).
-    pub fn row_bytes(&self, hidden: usize) -> usize {
-        if self.is_fp8() {
-            hidden
-        } else {
-            hidden * 2
-        }
-    }
-
-    /// Number of tokens, checking the shapes against `hidden`.
-    pub fn num_tokens(&self, hidden: usize) -> Result<usize> {
-        match self {
-            Tokens::Bf16(x) => {
-                if x.len() % hidden != 0 {
-                    return Err(invalid!(
-                        "x has {} bf16 values, not a multiple of hidden = {hidden}",
-                        x.len()
-                    ));
-                }
-                Ok(x.len() / hidden)
-            }
-            Tokens::Fp8 { data, scales } => {
-                if hidden % 128 != 0 {
-                    return Err(invalid!(
-                        "FP8 needs hidden to be a multiple of 128, got {hidden}"
-                    ));
-                }
-                if data.len() % hidden != 0 {
-                    return Err(invalid!(
-                        "x has {} FP8 values, not a multiple of hidden = {hidden}",
-                        data.len()
-                    ));
-                }
-                let t = data.len() / hidden;
-                if scales.len() != t * (hidden / 128) {
-                    return Err(invalid!(
-                        "x scales have {} values, expected [tokens = {t}, hidden/128 = {}]",
-                        scales.len(),
-                        hidden / 128
-                    ));
-                }
-                Ok(t)
-            }
-        }
-    }
-
-    /// The bytes of row `t`.
-    pub(crate) fn row(&self, t: usize, hidden: usize) -> &[u8] {
-        match self {
-            Tokens::Bf16(x) => bytemuck::cast_slice(&x[t * hidden..(t + 1) * hidden]),
-            Tokens::Fp8 { data, .. } => &data[t * hidden..(t + 1) * hidden],
-        }
-    }
-
-    /// The scales of row `t` (empty for bf16).
-    pub(crate) fn row_scales(&self, t: usize, hidden: usize) -> &[f32] {
-        match self {
-            Tokens::Bf16(_) => &[],
-            Tokens::Fp8 { scales, .. } => {
-                let g = hidden / 128;
-                &scales[t * g..(t + 1) * g]
-            }
-        }
-    }
-}
-
-/// Received activations, borrowed from the Buffer until its next call.
-#[derive(Clone, Copy, Debug)]
-pub enum RecvTokens<'a> {
-    /// `[N, H]` bf16.
-    Bf16(&'a [bf16]),
-    /// `[N, H]` e4m3 bytes and `[N, H/128]` scales.
-    Fp8 {
-        /// The e4m3 values.
-        data: &'a [u8],
-        /// The per-128-channel scales.
-        scales: &'a [f32],
-    },
+/// Output banks that can be leased (see [`Bank`]).
+#[derive(Debug)]
+pub(crate) struct Banks {
+    pub normal: Option<[Bank; 2]>,
+    pub ll: Option<[Bank; LL_BUFFERS]>,
 }
 
 /// One rank's handle on expert-parallel communication: registered memory mapped by the
 /// node's ranks, and the calls of the DeepEP programming model.
 pub struct Buffer {
-    pub(crate) group: Group,
+    pub(crate) cp: Arc<dyn ControlPlane>,
     pub(crate) cfg: BufferConfig,
+    pub(crate) topo: Topology,
     pub(crate) map: RegionMap,
     pub(crate) symm: Symmetric,
     pub(crate) device: HostDevice,
-    pub(crate) rank: usize,
-    pub(crate) num_ranks: usize,
     /// Identifies this Buffer in the handles it returns.
     pub(crate) id: u64,
-    pub(crate) dispatch_seq: u32,
-    pub(crate) combine_seq: u32,
-    pub(crate) ll_seq: u32,
-    pub(crate) barrier_seq: u64,
-    /// The proxy, when some ranks are on other nodes. Declared after `symm` is not
-    /// enough: `Drop` stops it explicitly before the memory it writes goes away.
-    pub(crate) net: Option<Net>,
+    pub(crate) seq: Seqs,
+    pub(crate) banks: Banks,
+    /// The network path, when some ranks are on other nodes. Its proxy writes into
+    /// `symm`'s memory (holding a handle on it): `Drop` stops it first.
+    pub(crate) net: Option<NetPath>,
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // The proxy's threads and transports write into `symm`: stop them first. After
-        // telling other nodes of a failure, keep them a moment longer: a send completion
-        // only says the bytes left; closing the connections at once could lose them.
-        if self.net.as_ref().is_some_and(Net::abort_sent) {
+        // After telling other nodes of a failure, keep the proxy a moment: a send
+        // completion only says the bytes left; closing the connections at once could
+        // lose them.
+        if self.net.as_ref().is_some_and(NetPath::abort_sent) {
             std::thread::sleep(ABORT_LINGER);
         }
         self.net.take();
@@ -244,38 +81,48 @@ impl Drop for Buffer {
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Buffer")
-            .field("rank", &self.rank)
-            .field("num_ranks", &self.num_ranks)
+            .field("topology", &self.topo)
             .field("cfg", &self.cfg)
             .field("bytes", &self.map.total)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
 impl Buffer {
-    /// Create this rank's registered memory, map the node's peers, and synchronise.
-    /// Collective: every rank of `group` calls it with the same `cfg`.
-    pub fn new(group: Group, cfg: BufferConfig) -> Result<Buffer> {
-        let rank = group.rank();
-        let num_ranks = group.world_size();
+    /// Create this rank's registered memory, map the node's peers, connect the other
+    /// nodes, and synchronise. Collective: every rank of the control plane calls it with
+    /// the same shapes.
+    pub fn new<C: ControlPlane + 'static>(cp: C, cfg: BufferConfig) -> Result<Buffer> {
+        Buffer::with_control_plane(Arc::new(cp), cfg)
+    }
+
+    /// [`Buffer::new`] on a shared control plane.
+    pub fn with_control_plane(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<Buffer> {
+        let (rank, num_ranks) = (cp.rank(), cp.world_size());
         if let Err(e) = cfg.validate(num_ranks) {
-            group.abort(&e.to_string());
+            cp.abort(&e.to_string());
             return Err(e);
         }
-        let map = RegionMap::new(&cfg, num_ranks, group.num_nodes() > 1);
-        // Every rank must agree on the config: compare it through the bootstrap first,
-        // so a mismatch is a clear error rather than a size mismatch of segments.
-        // Local settings (deadline, threads, fault injection) may differ between ranks.
-        let fingerprint = format!(
-            "num_experts {}, hidden {}, topk {}, max tokens {}, LL max tokens {}, {} bytes",
-            cfg.num_experts,
-            cfg.hidden,
-            cfg.topk,
-            cfg.num_max_dispatch_tokens_per_rank,
-            cfg.num_max_ll_tokens_per_rank,
-            map.total
-        );
-        let all = group.all_gather(fingerprint.as_bytes())?;
+        // Hosts (which ranks share memory) and a job id for the segment names, in one
+        // exchange.
+        let token = rand::random::<u64>();
+        let hello = format!("{token:016x} {}", uep_bootstrap::host_id());
+        let hellos = cp.all_gather(hello.as_bytes())?;
+        let hellos: Vec<String> = hellos
+            .iter()
+            .map(|h| String::from_utf8_lossy(h).into_owned())
+            .collect();
+        let job = hellos[0].split(' ').next().unwrap_or("0").to_string();
+        let hosts: Vec<String> = hellos
+            .iter()
+            .map(|h| h.split_once(' ').map_or("", |(_, host)| host).to_string())
+            .collect();
+        let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
+        let map = RegionMap::new(&cfg, num_ranks, topo.num_nodes > 1);
+        // Every rank must agree on the shapes: compare them first, so a mismatch is a
+        // clear error rather than a size mismatch of segments.
+        let fingerprint = cfg.fingerprint(map.total);
+        let all = cp.all_gather(fingerprint.as_bytes())?;
         if let Some((peer, other)) = all
             .iter()
             .enumerate()
@@ -286,72 +133,78 @@ impl Buffer {
                 String::from_utf8_lossy(other)
             ));
         }
-        let name = uep_shm::segment_name(group.job_id(), rank, std::process::id());
+        let name = uep_shm::segment_name(&job, rank, std::process::id());
         let own = uep_shm::Segment::create(&name, map.total);
-        let names = group.all_gather(own.as_ref().map(|_| name.as_bytes()).unwrap_or(b""))?;
+        // Everyone takes part in every exchange, failed or not, so nobody waits.
+        let names = cp.all_gather(own.as_ref().map(|_| name.as_bytes()).unwrap_or(b""))?;
         let own = own?;
         own.region()
-            .atomic_u64(map.pid)?
+            .word(map.control.pid, 0)?
             .store(std::process::id() as u64, Ordering::Release);
         let names: Vec<String> = names
             .iter()
             .map(|n| String::from_utf8_lossy(n).into_owned())
             .collect();
         if let Some(peer) = names.iter().position(String::is_empty) {
-            return Err(EpError::Peer(format!(
-                "rank {peer} could not create its shared memory segment"
-            )));
+            return Err(invalid!(
+                "rank {peer} could not create its shared memory segment of {} bytes",
+                map.total
+            ));
         }
-        let node = group.node();
-        let lws = group.local_world_size();
-        let local: Vec<usize> = (node * lws..(node + 1) * lws).collect();
+        let local: Vec<usize> = topo.node_ranks(topo.node).collect();
         let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
-        let ok = symm.is_ok();
-        // Everyone has mapped everything (or failed) past this barrier; then the names go.
-        let verdicts = group.all_gather(&[ok as u8])?;
+        // Everyone has mapped everything (or failed) past this exchange; then the names go.
+        let verdicts = cp.all_gather(&[symm.is_ok() as u8])?;
         let mut symm = symm?;
         if let Some(peer) = verdicts.iter().position(|v| v.first() != Some(&1)) {
-            return Err(EpError::Peer(format!(
-                "rank {peer} could not map the node's shared memory"
-            )));
+            return Err(invalid!(
+                "rank {peer} could not map the shared memory of its node"
+            ));
         }
         symm.unlink()?;
-        let net = if group.num_nodes() > 1 {
-            // The proxy's leader barrier needs to know who leads each node.
-            let mut net = cfg.net.clone();
-            net.proxy.ranks_per_node = Some(lws);
-            Some(Net::start(&group, &map, symm.local(), &net)?)
-        } else {
-            None
+        let net = match map.net {
+            Some(areas) if topo.num_nodes > 1 => Some(NetPath::start(
+                cp.as_ref(),
+                topo,
+                symm.local(),
+                areas,
+                &cfg.net,
+            )?),
+            _ => None,
         };
-        let mut id = [0u8; 8];
-        id[..4].copy_from_slice(&(rank as u32).to_le_bytes());
-        id[4..].copy_from_slice(&std::process::id().to_le_bytes());
+        let banks = Banks {
+            normal: map
+                .normal
+                .map(|n| [Bank::new(n.banks[0].area), Bank::new(n.banks[1].area)]),
+            ll: map.ll.map(|ll| ll.map(|a| Bank::new(a.bank))),
+        };
         Ok(Buffer {
             device: HostDevice::new(cfg.device_threads),
-            group,
+            cp,
+            topo,
             map,
             symm,
-            rank,
-            num_ranks,
-            id: u64::from_le_bytes(id) ^ rand::random::<u64>(),
+            id: rand::random::<u64>() ^ ((rank as u64) << 48) ^ std::process::id() as u64,
             cfg,
-            dispatch_seq: 0,
-            combine_seq: 0,
-            ll_seq: 0,
-            barrier_seq: 0,
+            seq: Seqs::default(),
+            banks,
             net,
         })
     }
 
     /// This rank.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.topo.rank
     }
 
     /// Number of ranks.
     pub fn num_ranks(&self) -> usize {
-        self.num_ranks
+        self.topo.num_ranks
+    }
+
+    /// Where the ranks sit (nodes, this rank's node and index).
+    pub fn topology(&self) -> Topology {
+        self.topo
     }
 
     /// The config.
@@ -364,355 +217,275 @@ impl Buffer {
         self.map.total
     }
 
-    /// Experts hosted by each rank.
-    pub fn experts_per_rank(&self) -> usize {
-        self.cfg.num_experts / self.num_ranks
-    }
-
     /// Set the deadline of every wait.
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.cfg.timeout = timeout;
     }
 
-    /// The bootstrap group (for out-of-band collectives such as result checks).
-    pub fn group(&self) -> &Group {
-        &self.group
+    /// The control plane (for out-of-band collectives such as result checks).
+    pub fn control_plane(&self) -> &dyn ControlPlane {
+        self.cp.as_ref()
     }
 
-    /// Deadline and abort word for the waits of one call.
-    pub(crate) fn until(&self) -> Result<Until<'_>> {
-        let abort = self.symm.local().atomic_u64(self.map.abort)?;
-        Ok(Until {
-            deadline: Instant::now() + self.cfg.timeout,
-            abort: Some(abort),
-            peer: None,
+    /// Bytes this rank has handed to its proxy for ranks on other nodes so far: every
+    /// packet (token rows, their metadata and headers), as sent, not as computed.
+    pub fn net_bytes_sent(&self) -> u64 {
+        self.net.as_ref().map_or(0, NetPath::sent_bytes)
+    }
+
+    /// Faults injected into this rank's network path so far (see `NetConfig::faults`).
+    pub fn faults_injected(&self) -> u64 {
+        self.net.as_ref().map_or(0, NetPath::faults_injected)
+    }
+
+    /// The outputs of the normal dispatch `handle` describes (x, scales, top-k ids,
+    /// weights; empty ranges where it carried none), mapped to outlive the Buffer's
+    /// next calls: for callers that hand outputs to code that keeps them (the Python
+    /// package's tensors). Without a copy; an output still held when its bank is
+    /// reused is copied then (see [`Bank`]).
+    pub fn lease_dispatch(&mut self, handle: &crate::NormalHandle) -> Result<Lease> {
+        if handle.buffer_id != self.id {
+            return Err(invalid!(
+                "the handle was made by another Buffer (or another rank)"
+            ));
+        }
+        let parts = self.dispatch_areas(handle)?;
+        let banks = self
+            .banks
+            .normal
+            .as_mut()
+            .ok_or_else(|| invalid!("this Buffer has no normal-mode buffers"))?;
+        Lease::of(&mut banks[handle.bank], &self.symm, &parts, &parts)
+    }
+
+    /// The rows and column-major scales (empty for bf16) of low-latency buffer `buffer`
+    /// with `fp8` rows, mapped to outlive the Buffer's next calls (see
+    /// [`Buffer::lease_dispatch`]). With `handle`, only its valid rows are kept when the
+    /// bank is reused while held; without (leased before the receive), all of them.
+    pub fn lease_ll(
+        &mut self,
+        buffer: usize,
+        fp8: bool,
+        handle: Option<&crate::LlHandle>,
+    ) -> Result<Lease> {
+        let areas = self.ll_areas(buffer)?;
+        let s = areas.shape;
+        let (r_n, m) = (self.topo.num_ranks, s.max_tokens);
+        let rows_per_expert = r_n * m;
+        let epr = s.experts_per_rank(r_n);
+        let (rb, groups) = if fp8 {
+            (s.hidden, s.hidden / 128)
+        } else {
+            (2 * s.hidden, 0)
+        };
+        let x = areas.recv_x.prefix(epr * rows_per_expert * rb)?;
+        let scales = areas
+            .out_scales
+            .prefix(epr * rows_per_expert * groups)?
+            .cast::<u8>();
+        let mut keep = Vec::new();
+        match handle {
+            Some(h) => {
+                for (le, &n) in h.recv_count.iter().enumerate() {
+                    let first = le * rows_per_expert;
+                    keep.push(x.slice(first * rb..(first + n as usize) * rb)?);
+                    for g in 0..groups {
+                        let at = (le * groups + g) * rows_per_expert;
+                        keep.push(areas.out_scales.slice(at..at + n as usize)?.cast());
+                    }
+                }
+            }
+            None => keep.extend([x, scales]),
+        }
+        let banks = self
+            .banks
+            .ll
+            .as_mut()
+            .ok_or_else(|| invalid!("this Buffer has no low-latency buffers"))?;
+        Lease::of(
+            &mut banks[buffer % LL_BUFFERS],
+            &self.symm,
+            &[x, scales],
+            &keep,
+        )
+    }
+
+    /// The waits of a call starting now.
+    pub(crate) fn wait(&self) -> Wait<'_> {
+        Wait::new(
+            self.cfg.timeout,
+            self.symm.local(),
+            &self.map.control,
+            self.net.as_ref(),
+        )
+    }
+
+    /// Who `rank` is for a wait: its region when it shares this host (so that its
+    /// process is watched).
+    pub(crate) fn peer(&self, rank: usize) -> Peer<'_> {
+        Peer {
+            rank,
+            region: self.symm.peer(rank),
+        }
+    }
+
+    /// The region of `peer` (a rank of this node).
+    pub(crate) fn peer_region(&self, peer: usize) -> Result<&Region> {
+        self.symm.peer(peer).ok_or_else(|| {
+            EpError::internal(format!(
+                "rank {peer} shares no memory with rank {}",
+                self.topo.rank
+            ))
         })
     }
 
-    /// Wait until the counter at `offset` of this rank's region reaches `target`.
-    pub(crate) fn wait_local(
-        &self,
-        offset: usize,
-        target: u64,
-        peer: usize,
-        until: Until<'_>,
-        what: impl Fn() -> String,
-    ) -> Result<u64> {
-        let counter = self.symm.local().atomic_u64(offset)?;
-        wait_at_least(
-            counter,
-            target,
-            until.watching(peer, self.peer_pid(peer)),
-            what,
-        )
-        .map_err(|e| self.explain_abort(e))
-        .or_else(|e| self.fail(e))
+    /// The network path (several nodes only).
+    pub(crate) fn net(&self) -> Result<&NetPath> {
+        self.net.as_ref().ok_or_else(|| {
+            EpError::internal(format!(
+                "rank {} has no network path (one node)",
+                self.topo.rank
+            ))
+        })
     }
 
-    /// The process id of `peer`, when it shares this machine's memory.
-    pub(crate) fn peer_pid(&self, peer: usize) -> Option<u32> {
-        let region = self.symm.peer(peer)?;
-        let pid = region
-            .atomic_u64(self.map.pid)
-            .ok()?
-            .load(Ordering::Acquire);
-        (pid != 0).then_some(pid as u32)
-    }
-
-    /// Add the aborting peer's reason to a peer-failure error (and the deadline to a timeout).
-    pub(crate) fn explain_abort(&self, e: EpError) -> EpError {
-        let EpError::Peer(msg) = e else {
-            return self.explain_timeout(e);
-        };
-        match self.abort_reason() {
-            Some((_, reason)) if !msg.contains(&reason) => {
-                EpError::Peer(format!("{msg}: {reason}"))
+    /// Run one collective call `f`: refuse it on a Buffer whose job already failed, and
+    /// turn its error into the abort broadcast, unless every rank found it together
+    /// ([`EpError::Capacity`]).
+    pub(crate) fn collective<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        self.ensure_usable()?;
+        f(self).map_err(|e| {
+            if !matches!(e, EpError::Capacity { .. } | EpError::Unusable { .. }) {
+                self.broadcast_failure(&e);
             }
-            _ => EpError::Peer(msg),
-        }
-    }
-
-    /// Say how long was waited and how to wait longer.
-    pub(crate) fn explain_timeout(&self, e: EpError) -> EpError {
-        match e {
-            EpError::Timeout(m) => EpError::Timeout(format!(
-                "{m} after {:?} (raise it with UEP_TIMEOUT_S or Buffer::set_timeout)",
-                self.cfg.timeout
-            )),
-            e => e,
-        }
-    }
-
-    /// The first rank that failed and why, if any rank did.
-    fn abort_reason(&self) -> Option<(usize, String)> {
-        let local = self.symm.local();
-        let who = local
-            .atomic_u64(self.map.abort)
-            .ok()?
-            .load(Ordering::Acquire);
-        let who = (who as usize).checked_sub(1)?;
-        let mut reason = [0u8; ABORT_MSG_BYTES];
-        let _ = local.read(self.map.abort_msg(who.min(self.num_ranks - 1)), &mut reason);
-        let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
-        Some((who, String::from_utf8_lossy(&reason[..end]).into_owned()))
+            e
+        })
     }
 
     /// Calls after a failure would pair with the wrong calls of other ranks: refuse them.
-    pub(crate) fn ensure_usable(&self) -> Result<()> {
-        match self.abort_reason() {
+    fn ensure_usable(&self) -> Result<()> {
+        match abort_reason(self.symm.local(), &self.map.control) {
             None => Ok(()),
-            Some((who, reason)) => Err(EpError::Peer(format!(
-                "rank {}: this Buffer is unusable after rank {who} failed ({reason}); create a new Buffer",
-                self.rank
-            ))),
+            Some((peer, reason)) => Err(EpError::Unusable {
+                rank: self.topo.rank,
+                peer,
+                reason,
+            }),
         }
     }
 
-    /// Fail a call: tell every rank that shares memory with this one, this rank included
-    /// (so none waits for it, and later calls refuse to run), and return `e`.
-    pub(crate) fn fail<T>(&self, e: EpError) -> Result<T> {
-        let msg = format!("rank {}: {e}", self.rank);
-        let mut bytes = msg.into_bytes();
+    /// Tell every rank that this one failed with `e`: its message and (if no rank failed
+    /// first) its abort word into every region of the node, this rank's included, and
+    /// through the proxy into the regions of the other nodes.
+    fn broadcast_failure(&self, e: &EpError) {
+        let me = self.topo.rank;
+        let mut bytes = format!("rank {me}: {e}").into_bytes();
+        // Cut at a character boundary; the reader stops at the first 0.
         bytes.truncate(ABORT_MSG_BYTES - 1);
+        while std::str::from_utf8(&bytes).is_err() {
+            bytes.pop();
+        }
         bytes.push(0);
-        let slot = self.map.abort_msg(self.rank);
-        for peer in 0..self.num_ranks {
-            let Ok(region) = self.peer_region(peer) else {
+        let Ok(slot) = self.map.control.abort_msg_of(me) else {
+            return;
+        };
+        for peer in self.topo.node_ranks(self.topo.node) {
+            let Some(region) = self.symm.peer(peer) else {
                 continue;
             };
-            if region.write(slot, &bytes).is_ok() {
-                if let Ok(word) = region.atomic_u64(self.map.abort) {
+            if region.put(slot, &bytes).is_ok() {
+                if let Ok(word) = region.word(self.map.control.abort, 0) {
                     let _ = word.compare_exchange(
                         0,
-                        self.rank as u64 + 1,
+                        me as u64 + 1,
                         Ordering::AcqRel,
                         Ordering::Acquire,
                     );
                 }
             }
         }
-        // Ranks on other nodes share no memory: the proxy writes the same two things
-        // into their regions, so they stop now rather than at their deadline.
+        // Only the rank that failed first tells the other nodes: the others of its node
+        // share its abort word, and the ranks of other nodes hear it from it.
         let origin = self
             .symm
             .local()
-            .atomic_u64(self.map.abort)
-            .is_ok_and(|w| w.load(Ordering::Acquire) == self.rank as u64 + 1);
-        // Only the rank that failed first: the others of its node share its abort
-        // word, and the ranks of other nodes hear it from it.
+            .word(self.map.control.abort, 0)
+            .is_ok_and(|w| w.load(Ordering::Acquire) == me as u64 + 1);
         if let (Some(net), true) = (&self.net, origin) {
-            let remote: Vec<usize> = (0..self.num_ranks).filter(|&r| !self.is_local(r)).collect();
-            let local = self.symm.local();
-            let staged = local
-                .atomic_u64(self.map.net.abort_src)
-                .map(|w| w.store(self.rank as u64 + 1, Ordering::Release));
-            let deadline = Instant::now() + self.cfg.timeout.min(ABORT_SEND_TIMEOUT);
-            if let Err(why) = staged
-                .map_err(EpError::from)
-                .and_then(|()| net.send_abort(&self.map, self.rank, &remote, deadline))
-            {
-                tracing::warn!(rank = self.rank, "could not tell the other nodes: {why}");
+            let remote: Vec<usize> = (0..self.topo.num_ranks)
+                .filter(|&r| !self.topo.is_local(r))
+                .collect();
+            let wait = self.wait().sooner(Instant::now() + ABORT_SEND_TIMEOUT);
+            if let Err(why) = net.send_abort(&self.map.control, &remote, &wait) {
+                tracing::warn!(rank = me, "could not tell the other nodes: {why}");
             }
         }
-        Err(e)
     }
 
-    /// The region of `peer`: mapped memory for ranks of this node.
-    pub(crate) fn peer_region(&self, peer: usize) -> Result<Region> {
-        self.symm
-            .peer(peer)
-            .copied()
-            .ok_or_else(|| invalid!("rank {peer} shares no memory with rank {}", self.rank))
+    /// Give up on this job: tell every rank that this one failed because of `reason`
+    /// (their waits end with it, and their later calls fail), as a call that rejects
+    /// its input does. For callers that check input before entering a collective call
+    /// (the Python package). Returns the error that was broadcast.
+    pub fn abort(&mut self, reason: &str) -> EpError {
+        let e = invalid!("{reason}");
+        if self.ensure_usable().is_ok() {
+            self.broadcast_failure(&e);
+        }
+        self.cp.abort(reason);
+        e
     }
 
     /// A barrier over all ranks, hierarchical: release stores among the node's ranks;
     /// on several nodes the node leaders (local rank 0) then meet through the proxy's
     /// barrier (zero-length writes carrying a barrier immediate) and release their node.
     pub fn barrier(&mut self) -> Result<()> {
-        self.ensure_usable()?;
-        self.barrier_seq += 1;
-        let (seq, me) = (self.barrier_seq, self.rank);
-        let until = self.until()?;
-        let topo = self.topology();
+        self.collective(|b| {
+            b.seq.barrier += 1;
+            b.barrier_phases(b.seq.barrier)
+        })
+    }
+
+    fn barrier_phases(&self, seq: u64) -> Result<()> {
+        let (me, topo, c) = (self.topo.rank, self.topo, &self.map.control);
+        let wait = self.wait();
         for peer in topo.node_ranks(topo.node) {
             self.peer_region(peer)?
-                .atomic_u64(self.map.barrier + 8 * me)?
+                .word(c.barrier, me)?
                 .store(seq, Ordering::Release);
         }
+        let local = self.symm.local();
         for peer in topo.node_ranks(topo.node) {
             let what =
                 || format!("rank {me}: barrier {seq}: waiting for rank {peer} (barrier[{peer}])");
-            self.wait_local(self.map.barrier + 8 * peer, seq, peer, until, what)?;
+            wait.at_least(
+                local.word(c.barrier, peer)?,
+                seq,
+                Some(self.peer(peer)),
+                &what,
+            )?;
         }
         if topo.num_nodes == 1 {
             return Ok(());
         }
         let leader = topo.node * topo.ranks_per_node;
         if me == leader {
-            self.net()?
-                .barrier(me, seq, until)
-                .map_err(|e| self.explain_abort(e))
-                .or_else(|e| self.fail(e))?;
+            self.net()?.barrier(seq, &wait)?;
             for peer in topo.node_ranks(topo.node).filter(|&p| p != me) {
                 self.peer_region(peer)?
-                    .atomic_u64(self.map.barrier_release)?
+                    .word(c.barrier_release, 0)?
                     .store(seq, Ordering::Release);
             }
         } else {
             let what = || {
                 format!("rank {me}: barrier {seq}: waiting for rank {leader} to meet the other nodes (barrier_release)")
             };
-            self.wait_local(self.map.barrier_release, seq, leader, until, what)?;
+            wait.at_least(
+                local.word(c.barrier_release, 0)?,
+                seq,
+                Some(self.peer(leader)),
+                &what,
+            )?;
         }
         Ok(())
-    }
-
-    /// Bytes this rank has handed to its proxy for ranks on other nodes so far: every
-    /// packet (token rows, their metadata and headers), as sent, not as computed.
-    pub fn net_bytes_sent(&self) -> u64 {
-        self.net.as_ref().map_or(0, Net::sent_bytes)
-    }
-
-    /// Faults injected into this rank's network path so far (see `NetConfig::faults`).
-    pub fn faults_injected(&self) -> u64 {
-        self.net.as_ref().map_or(0, Net::faults_injected)
-    }
-
-    /// `rows` received token rows at `x` (with FP8 scales at `scales`) of this rank's
-    /// region, as the view a dispatch returns.
-    pub(crate) fn recv_tokens(
-        &self,
-        x: usize,
-        scales: usize,
-        rows: usize,
-        fp8: bool,
-    ) -> Result<RecvTokens<'_>> {
-        let h = self.cfg.hidden;
-        Ok(if fp8 {
-            RecvTokens::Fp8 {
-                data: self.symm.view(x, rows * h)?,
-                scales: self.symm.view(scales, rows * (h / 128))?,
-            }
-        } else {
-            RecvTokens::Bf16(bytemuck::cast_slice(self.symm.view::<u16>(x, rows * h)?))
-        })
-    }
-
-    /// Where this rank sits among nodes.
-    pub(crate) fn topology(&self) -> Topology {
-        let l = self.group.local_world_size();
-        Topology {
-            ranks_per_node: l,
-            node: self.rank / l,
-            local: self.rank % l,
-            num_nodes: self.num_ranks / l,
-        }
-    }
-
-    /// Whether `peer` shares memory with this rank (same node).
-    pub(crate) fn is_local(&self, peer: usize) -> bool {
-        self.symm.peer(peer).is_some()
-    }
-
-    fn net(&self) -> Result<&Net> {
-        self.net
-            .as_ref()
-            .ok_or_else(|| invalid!("rank {} has no network path (one node)", self.rank))
-    }
-
-    /// Wait until this rank's staging packet for (`ch`, `dst`) may be rewritten.
-    pub(crate) fn reclaim(&self, ch: Channel, dst: usize, until: Until<'_>) -> Result<()> {
-        let until = Until {
-            abort: None,
-            ..until
-        };
-        self.net()?.reclaim(ch, dst, until)
-    }
-
-    /// Send the `len`-byte packet staged for (`ch`, `dst`) and announce it.
-    pub(crate) fn send_staged(&self, ch: Channel, dst: usize, len: usize) -> Result<()> {
-        self.send_staged_with(ch, dst, len, &[])
-    }
-
-    /// [`Buffer::send_staged`], after writing each `(from, to, len)` of `direct` from
-    /// this rank's region into `dst`'s.
-    pub(crate) fn send_staged_with(
-        &self,
-        ch: Channel,
-        dst: usize,
-        len: usize,
-        direct: &[(usize, usize, usize)],
-    ) -> Result<()> {
-        let deadline = Instant::now() + self.cfg.timeout;
-        self.net()?
-            .send(&self.map, self.rank, ch, dst, len, direct, deadline)
-    }
-
-    /// Stage `len` bytes for (`ch`, `dst`) with `fill(region, offset)` and send them.
-    pub(crate) fn stage_and_send(
-        &self,
-        ch: Channel,
-        dst: usize,
-        len: usize,
-        until: Until<'_>,
-        fill: impl FnOnce(&Region, usize) -> uep_shm::Result<()>,
-    ) -> Result<()> {
-        self.reclaim(ch, dst, until)?;
-        fill(self.symm.local(), self.map.net.staging(ch, dst))?;
-        self.send_staged(ch, dst, len)
-    }
-
-    /// Wait for the next packet from `src` (on another node).
-    pub(crate) fn wait_packet(
-        &self,
-        src: usize,
-        until: Until<'_>,
-        what: impl Fn() -> String,
-    ) -> Result<()> {
-        wait_packet(self.net()?, self.symm.local(), &self.map, src, until, what)
-            .map_err(|e| self.explain_abort(e))
-            .or_else(|e| self.fail(e))
-    }
-
-    /// Fail this rank's peers' pending bootstrap collectives with `reason` (used when a
-    /// rank rejects its input, so that nobody waits for it).
-    pub fn abort(&self, reason: &str) {
-        self.group.abort(reason);
-    }
-}
-
-/// Ranks are numbered node by node: rank `r` is local rank `r % L` of node `r / L`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Topology {
-    /// `L`.
-    pub ranks_per_node: usize,
-    /// This rank's node.
-    pub node: usize,
-    /// This rank's index inside its node.
-    pub local: usize,
-    /// Number of nodes.
-    pub num_nodes: usize,
-}
-
-impl Topology {
-    /// The ranks of node `m`.
-    pub fn node_ranks(self, m: usize) -> std::ops::Range<usize> {
-        m * self.ranks_per_node..(m + 1) * self.ranks_per_node
-    }
-
-    /// The node of rank `r`.
-    pub fn node_of(self, r: usize) -> usize {
-        r / self.ranks_per_node
-    }
-
-    /// Every node but this rank's.
-    pub fn remote_nodes(self) -> impl Iterator<Item = usize> {
-        (0..self.num_nodes).filter(move |&m| m != self.node)
-    }
-
-    /// The rank of node `m` with `r`'s local index: it relays `r`'s tokens inside `m`
-    /// (and returns `m`'s partial sums to `r`), as DeepEP pairs RDMA peers by local rank.
-    pub fn relay(self, r: usize, m: usize) -> usize {
-        m * self.ranks_per_node + r % self.ranks_per_node
     }
 }

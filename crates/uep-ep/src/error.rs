@@ -1,26 +1,149 @@
 //! Errors of the EP layer: every message says what was wrong and what is allowed.
+//!
+//! Variants are what a caller can act on: bad input ([`EpError::InvalidArgument`]), a
+//! Buffer too small for a call ([`EpError::Capacity`], every rank returns it together
+//! and the Buffer stays usable), a wait that passed its deadline, a peer that died or
+//! gave up, and the failures of the layers below with their sources kept.
+
+use std::time::Duration;
 
 /// Result alias of the EP layer.
 pub type Result<T, E = EpError> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in an EP call.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EpError {
     /// An argument is out of range, has the wrong shape, or does not fit the Buffer.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// A wait passed its deadline; the message names rank, peer, counter, expected and seen.
-    #[error("timeout: {0}")]
-    Timeout(String),
-    /// A peer rank reported an error or went away.
-    #[error("peer failure: {0}")]
-    Peer(String),
+    /// A call needs more room than the Buffer has. Found by all ranks of the call at the
+    /// same point, before any data moved: the Buffer stays usable, and a larger one
+    /// (or smaller inputs) will do.
+    #[error("capacity: {what}")]
+    Capacity {
+        /// What did not fit, and the limit.
+        what: String,
+        /// The most tokens any rank dispatched in the call.
+        tokens: usize,
+    },
+    /// A wait passed its deadline.
+    #[error("timeout: {what}: {detail} after {waited:?} (raise it with UEP_TIMEOUT_S or Buffer::set_timeout)")]
+    Timeout {
+        /// Who waited for what (rank, call, peer, counter).
+        what: String,
+        /// What was expected and what was seen.
+        detail: String,
+        /// The deadline that passed.
+        waited: Duration,
+    },
+    /// A peer's process is gone.
+    #[error("peer failure: {what}: rank {peer} (pid {pid}) has died")]
+    PeerDied {
+        /// Who waited for what.
+        what: String,
+        /// The rank that died.
+        peer: usize,
+        /// Its process id.
+        pid: u32,
+    },
+    /// A peer gave up (bad input, a timeout, a dead peer of its own) and said why.
+    #[error("peer failure: {what}: rank {peer} aborted: {reason}")]
+    PeerAborted {
+        /// Who waited for what.
+        what: String,
+        /// The rank that gave up first.
+        peer: usize,
+        /// Its error.
+        reason: String,
+    },
+    /// A call on a Buffer whose job already failed: it would pair with the wrong calls
+    /// of other ranks.
+    #[error("peer failure: rank {rank}: this Buffer is unusable after rank {peer} failed ({reason}); create a new Buffer")]
+    Unusable {
+        /// This rank.
+        rank: usize,
+        /// The rank that failed first.
+        peer: usize,
+        /// Its error.
+        reason: String,
+    },
+    /// The proxy that carries traffic to other nodes stopped.
+    #[error("peer failure: rank {rank}: proxy: {source}")]
+    Proxy {
+        /// This rank.
+        rank: usize,
+        /// What the proxy reported.
+        #[source]
+        source: Box<uep_proxy::ProxyError>,
+    },
+    /// The transport (libfabric) failed.
+    #[error("transport: {context}: {source}")]
+    Transport {
+        /// What was being done.
+        context: String,
+        /// The transport's error.
+        #[source]
+        source: Box<uep_transport::TransportError>,
+    },
+    /// A kernel thread of the host device panicked.
+    #[error("a device thread panicked: {0}")]
+    Panicked(String),
     /// Shared-memory failure.
     #[error(transparent)]
-    Shm(#[from] uep_shm::ShmError),
-    /// Bootstrap (rendezvous) failure.
+    Shm(Box<uep_shm::ShmError>),
+    /// Control-plane (bootstrap) failure.
     #[error(transparent)]
-    Bootstrap(#[from] uep_bootstrap::BootstrapError),
+    Bootstrap(Box<uep_bootstrap::BootstrapError>),
+    /// A broken invariant of uep itself (please report it).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl EpError {
+    /// An [`EpError::Internal`].
+    pub(crate) fn internal(msg: String) -> EpError {
+        EpError::Internal(msg)
+    }
+
+    /// Whether the error came from another rank (it is that rank's to report): a peer
+    /// that died or gave up, or a Buffer already unusable because of one.
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(
+            self,
+            EpError::PeerDied { .. } | EpError::PeerAborted { .. } | EpError::Unusable { .. }
+        )
+    }
+
+    /// A short name of the variant, for logs and tests.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EpError::InvalidArgument(_) => "invalid",
+            EpError::Capacity { .. } => "capacity",
+            EpError::Timeout { .. } => "timeout",
+            EpError::PeerDied { .. } | EpError::PeerAborted { .. } | EpError::Unusable { .. } => {
+                "peer"
+            }
+            EpError::Proxy { .. } => "proxy",
+            EpError::Transport { .. } => "transport",
+            EpError::Panicked(_) => "panicked",
+            EpError::Shm(_) => "shm",
+            EpError::Bootstrap(_) => "bootstrap",
+            EpError::Internal(_) => "internal",
+        }
+    }
+}
+
+impl From<uep_shm::ShmError> for EpError {
+    fn from(e: uep_shm::ShmError) -> Self {
+        EpError::Shm(Box::new(e))
+    }
+}
+
+impl From<uep_bootstrap::BootstrapError> for EpError {
+    fn from(e: uep_bootstrap::BootstrapError) -> Self {
+        EpError::Bootstrap(Box::new(e))
+    }
 }
 
 /// Build an [`EpError::InvalidArgument`] with `format!` syntax.

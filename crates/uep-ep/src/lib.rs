@@ -1,26 +1,47 @@
 //! Expert-parallel algorithms of uep: the DeepEP programming model on any transport.
 //!
-//! * [`layout`]: `get_dispatch_layout`, which ranks and experts each token goes to.
-//! * [`quant`]: the FP8 e4m3 per-128-channel quantiser and bf16 helpers (SPEC.md §5).
-//! * [`reference`]: a plain, sequential model of every data path; the oracle of all tests.
-//! * [`Buffer`]: owns the registered (symmetric) memory and runs normal and
-//!   low-latency dispatch/combine on the host device.
+//! One [`Buffer`] per rank owns registered memory that the ranks of a node map into
+//! each other ([`symm`]), laid out the same on every rank as typed areas ([`area`],
+//! [`map`]). Its calls are those of DeepEP:
+//!
+//! * [`layout`]: `get_dispatch_layout`, which ranks and experts each token goes to;
+//! * [`normal`]: high-throughput dispatch and combine (notify → plan → pack → publish →
+//!   relay → finish), across nodes through a relay rank per node;
+//! * [`ll`]: low-latency dispatch and combine with fixed layouts, FP8 on the way, and a
+//!   receive half that can be deferred;
+//! * [`quant`]: the FP8 e4m3 per-128-channel quantiser and the f32 reductions.
+//!
+//! Peers on the same node are written directly; peers on other nodes through the
+//! network path ([`net`]): packets staged here, posted as one-sided writes by the CPU
+//! proxy, announced in order. Every wait goes through one primitive ([`wait`]) that also
+//! watches for aborts, dead peers and a failed proxy, and every call fails the job for
+//! every rank at once rather than leaving one waiting. `docs/architecture.md` tells the
+//! whole story.
+#![deny(unsafe_code)]
 
+pub mod area;
 pub mod buffer;
+pub mod config;
 pub mod device;
 pub mod error;
 pub mod layout;
 pub mod ll;
+pub mod map;
 pub mod net;
 pub mod normal;
 pub mod quant;
-pub mod reference;
 pub mod symm;
-pub mod workload;
+pub mod tokens;
+pub mod topology;
+pub mod wait;
 
-pub use buffer::{Buffer, BufferConfig, RecvTokens, Tokens};
+pub use buffer::Buffer;
+pub use config::{ranks_per_node_from_env, timeout_from_env, BufferConfig, Shape, DEFAULT_TIMEOUT};
 pub use error::{EpError, Result};
 pub use layout::{get_dispatch_layout, DispatchLayout};
-pub use ll::{LlDispatchOutput, LlHandle};
+pub use ll::{LlCombinePending, LlDispatchOutput, LlHandle, LlPending};
 pub use net::NetConfig;
-pub use normal::{CombineOutput, DispatchArgs, DispatchOutput, NormalHandle};
+pub use normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, NormalHandle};
+pub use symm::Lease;
+pub use tokens::{RecvTokens, Tokens};
+pub use topology::Topology;

@@ -354,7 +354,7 @@ mod tests {
         struct Buf([u8; 1024]);
         let mut buf = Box::new(Buf([0xAB; 1024]));
         let p = buf.0.as_mut_ptr();
-        // SAFETY (test): `buf` outlives every Fifo made here and is only
+        // SAFETY: (test) `buf` outlives every Fifo made here and is only
         // accessed through them.
         unsafe {
             assert!(matches!(

@@ -242,9 +242,8 @@ impl Proxy {
     /// Starts `cfg.threads` proxy threads for `rank` of `num_ranks`.
     ///
     /// `region` is this rank's registered symmetric region (the memory the
-    /// transports registered). The caller must keep its mapping (e.g. the
-    /// `uep_shm::Segment`) alive until the proxy is shut down or dropped:
-    /// the threads use it until then. `counters` places the receive-side counters in it;
+    /// transports registered); the threads hold a handle on it, which keeps the
+    /// mapping alive for as long as they run. `counters` places the receive-side counters in it;
     /// `transports[i]`, ALREADY connected to thread `i` of every peer, goes
     /// to thread `i`. Fails, starting nothing, on an invalid configuration
     /// or layout.
@@ -312,7 +311,7 @@ impl Proxy {
                 thread: t,
                 num_ranks,
                 cfg: cfg.clone(),
-                region,
+                region: region.clone(),
                 counters: counters.clone(),
                 transport,
                 consumers,

@@ -124,7 +124,7 @@ impl Recv {
             ));
         }
         let (src, channel) = (stream / nc, stream % nc);
-        let region = self.region;
+        let region = self.region.clone();
         let ctr = counter(&region, self.counters.tail(src, channel))?;
         if !self.emulate {
             // Tests only: apply on arrival, whatever the order.
@@ -179,7 +179,7 @@ impl Recv {
             usize::from(l.expert),
             usize::from(l.src_rank),
         );
-        let region = self.region;
+        let region = self.region.clone();
         let ctr = counter(&region, self.counters.ll_signal(buffer, expert, src))?;
         let idx =
             (buffer * self.counters.num_local_experts + expert) * self.counters.num_ranks + src;
@@ -225,7 +225,7 @@ impl Recv {
     }
 
     fn atomic(&mut self, a: AtomicImm) -> Result<(), Malformed> {
-        let region = self.region;
+        let region = self.region.clone();
         let ctr = counter(&region, self.counters.atomic(a.slot.into()))?;
         // Sign-extend: a negative addend wraps the u64 like a subtraction.
         ctr.fetch_add(i64::from(a.value) as u64, Ordering::AcqRel);
@@ -234,7 +234,7 @@ impl Recv {
     }
 
     fn barrier(&mut self, b: BarrierImm) -> Result<(), Malformed> {
-        let region = self.region;
+        let region = self.region.clone();
         let ctr = counter(&region, self.counters.barrier(b.src_rank.into()))?;
         let m = BARRIER_SEQ_MODULUS;
         let mut cur = ctr.load(Ordering::Acquire);
@@ -305,7 +305,7 @@ mod tests {
     fn recv(seg: &Segment, emulate: bool) -> Recv {
         let l = layout();
         l.validate(seg.len()).unwrap();
-        Recv::new(l, *seg.region(), emulate, Arc::default())
+        Recv::new(l, seg.region().clone(), emulate, Arc::default())
     }
 
     fn load(seg: &Segment, off: u64) -> u64 {
@@ -507,7 +507,7 @@ mod tests {
         };
         let seg = segment_of(4096);
         l.validate(seg.len()).unwrap();
-        let mut r = Recv::new(l.clone(), *seg.region(), true, Arc::default());
+        let mut r = Recv::new(l.clone(), seg.region().clone(), true, Arc::default());
         let imm = |stream: u16, seq: u64, count: u16| {
             WriteImm {
                 stream,

@@ -291,7 +291,7 @@ impl Worker {
     fn new(init: WorkerInit) -> Worker {
         let recv = Recv::new(
             init.counters.clone(),
-            init.region,
+            init.region.clone(),
             init.cfg.emulate_ordering,
             Arc::clone(&init.stats),
         );

@@ -20,7 +20,7 @@ const CANARY: u8 = 0xA5;
 /// every needle, stay unconsumed, and nothing after it may land.
 fn expect_rejection(bad: TransferCmd, needles: &[&str]) -> ProxyError {
     let c = Cluster::start(2, REGION, config(1), |_, _| None);
-    let r1 = *c.region(1);
+    let r1 = c.region(1).clone();
     r1.write(DATA as usize, &vec![CANARY; REGION - DATA as usize])
         .unwrap();
     c.region(0)
@@ -163,7 +163,7 @@ fn proxy_and_raw(
     let mut ts = transports(&segs, cfg.threads, |_, _| None);
     let raw = ts[1].pop().unwrap();
     let t0 = ts.swap_remove(0);
-    let p = Proxy::start(0, 2, cfg, *segs[0].region(), layout(2), t0).unwrap();
+    let p = Proxy::start(0, 2, cfg, segs[0].region().clone(), layout(2), t0).unwrap();
     (p, raw, segs)
 }
 
@@ -402,7 +402,7 @@ fn malformed_immediates_are_counted_not_applied() {
             assert!(start.elapsed() < DEADLINE, "raw post stayed blocked");
         }
     }
-    let r0 = *segs[0].region();
+    let r0 = segs[0].region().clone();
     let slot0 = l.atomic(0).unwrap();
     while proxy.stats().imms_received < all.len() as u64 || load(&r0, slot0) != 7 {
         pump(raw.as_mut(), &mut arr, &mut done);

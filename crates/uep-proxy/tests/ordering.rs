@@ -55,7 +55,7 @@ fn normal_stream(
     c.proxies[0].wake();
 
     let tail_off = layout(2).tail(0, CH.into()).unwrap();
-    let r1 = *c.region(1);
+    let r1 = c.region(1).clone();
     let mut verified = 0;
     let mut violations = 0;
     let start = Instant::now();
@@ -129,7 +129,7 @@ fn ll_rounds(seed: Option<u64>, emulate: bool, rounds: usize, n_max: usize, row:
         |round: usize, src: usize, i: usize| DATA + (((round * 2 + src) * n_max + i) * row) as u64;
     let mut k: HashMap<(usize, usize, usize), u64> = HashMap::new();
     let mut violations = 0;
-    let r2 = *c.region(2);
+    let r2 = c.region(2).clone();
     for round in 0..rounds {
         let (buffer, expert) = (round % 2, (round / 2) % l.num_local_experts);
         let n = |src: usize| (round * 7 + src * 3) % (n_max + 1);

@@ -186,7 +186,16 @@ fn streams_above_64_end_to_end() {
     let proxies: Vec<Proxy> = ranks
         .iter()
         .zip(&segs)
-        .map(|(&r, s)| Proxy::start(r, 100, cfg(), *s.region(), l.clone(), vec![mem(&net, r)]))
+        .map(|(&r, s)| {
+            Proxy::start(
+                r,
+                100,
+                cfg(),
+                s.region().clone(),
+                l.clone(),
+                vec![mem(&net, r)],
+            )
+        })
         .collect::<Result<_, _>>()
         .unwrap();
     let deadline = Instant::now() + DEADLINE;
@@ -198,7 +207,7 @@ fn streams_above_64_end_to_end() {
     for p in &proxies {
         p.wake();
     }
-    let (r0, r70) = (*segs[0].region(), *segs[1].region());
+    let (r0, r70) = (segs[0].region().clone(), segs[1].region().clone());
     wait_until("rank 0's tails of rank 70", || {
         load(&r0, l.tail(70, 1).unwrap()) == 258 && load(&r0, l.tail(70, 0).unwrap()) == 2
     });
@@ -255,7 +264,7 @@ fn too_many_streams_fail_at_start() {
         barrier_base: 8800,
         ..layout_100x2()
     };
-    let err = Proxy::start(0, 100, cfg(), *seg.region(), l, vec![mem(&net, 0)]).unwrap_err();
+    let err = Proxy::start(0, 100, cfg(), seg.region().clone(), l, vec![mem(&net, 0)]).unwrap_err();
     let msg = err.to_string();
     assert!(
         msg.contains("1100") && msg.contains("1024") && msg.contains("at most 10 channels"),
@@ -278,7 +287,7 @@ fn send_window_waits_for_the_oldest_completion() {
         ..layout_100x2()
     };
     let seg = segment(4096);
-    let proxy = Proxy::start(0, 2, cfg(), *seg.region(), l, vec![mem(&net, 0)]).unwrap();
+    let proxy = Proxy::start(0, 2, cfg(), seg.region().clone(), l, vec![mem(&net, 0)]).unwrap();
     let deadline = Instant::now() + DEADLINE;
     let n = SEND_WINDOW + 52;
     let fifo = proxy.fifo(0, 0).unwrap();

@@ -18,9 +18,11 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::ops::Range;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -102,11 +104,14 @@ fn check_name(name: &str) -> Result<PathBuf> {
     }
 }
 
-/// A mapped shared-memory segment. Dropping it unmaps; the owner's drop also unlinks
-/// the name if [`Segment::unlink`] has not done so already.
+/// A mapped shared-memory segment. Dropping it unmaps once the last [`Region`] handle of
+/// it is gone; the owner's drop also unlinks the name if [`Segment::unlink`] has not
+/// done so already.
 pub struct Segment {
     path: PathBuf,
-    map: MmapRaw,
+    /// Kept open (also after the unlink) so that [`Segment::view`] can map parts of the
+    /// same pages again.
+    file: File,
     region: Region,
     owner: bool,
     linked: bool,
@@ -138,12 +143,12 @@ impl Segment {
             .mode(0o600)
             .open(&path)
             .map_err(io("create"))?;
-        let seg = (|| {
-            file.set_len(len.max(1) as u64).map_err(io("set size"))?;
-            Self::map(&path, &file, len.max(1))
-        })();
-        match seg {
-            Ok(map) => Ok(Segment::new(path, map, true)),
+        let map = file
+            .set_len(len.max(1) as u64)
+            .map_err(io("set size"))
+            .and_then(|()| Self::map(&path, &file, len.max(1)));
+        match map {
+            Ok(map) => Ok(Segment::new(path, file, map, true)),
             Err(e) => {
                 let _ = std::fs::remove_file(&path);
                 Err(e)
@@ -170,7 +175,7 @@ impl Segment {
                         .len();
                     if found == len as u64 {
                         let map = Self::map(&path, &file, len)?;
-                        return Ok(Segment::new(path, map, false));
+                        return Ok(Segment::new(path, file, map, false));
                     }
                     if found > len as u64 || start.elapsed() > timeout {
                         return Err(ShmError::SizeMismatch {
@@ -200,15 +205,11 @@ impl Segment {
         }
     }
 
-    fn new(path: PathBuf, map: MmapRaw, owner: bool) -> Segment {
-        let region = Region {
-            ptr: map.as_mut_ptr(),
-            len: map.len(),
-        };
+    fn new(path: PathBuf, file: File, map: MmapRaw, owner: bool) -> Segment {
         Segment {
             path,
-            map,
-            region,
+            file,
+            region: Region::from_mapping(map),
             owner,
             linked: true,
         }
@@ -249,19 +250,26 @@ impl Segment {
         &self.path
     }
 
-    /// The mapped memory.
+    /// The mapped memory (a handle that keeps the mapping alive).
     pub fn region(&self) -> &Region {
         &self.region
     }
 
     /// Bytes mapped.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.region.len()
     }
 
     /// Whether the mapping is empty (never: segments have at least one byte).
     pub fn is_empty(&self) -> bool {
-        self.map.len() == 0
+        self.region.is_empty()
+    }
+
+    /// Map `len` bytes at `offset` (both multiples of [`page_size`]) of this segment a
+    /// second time, at an address of their own: a [`View`] that can later be
+    /// [detached](View::detach) from the segment.
+    pub fn view(&self, offset: usize, len: usize) -> Result<View> {
+        View::map(&self.file, &self.path, offset, len, self.len())
     }
 }
 
@@ -300,32 +308,77 @@ pub fn clean_stale() -> Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
-/// A view of mapped memory shared with other processes (or with a transport).
+/// The size of a memory page: [`Segment::view`] maps whole pages.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+}
+
+/// A handle on mapped memory shared with other processes (or with a transport).
 ///
-/// Bytes are moved in and out only by copies and read/written concurrently only
-/// through atomics. Which ranges are written by whom, and when, is the job of the
-/// protocol above (counters with release/acquire); every access here is bounds-checked.
-#[derive(Clone, Copy, Debug)]
+/// Cloning is cheap (a reference count), and the mapping lives as long as any handle:
+/// no access through a Region can reach memory that was unmapped. Bytes move in and
+/// out only by copies and are read and written concurrently only through atomics.
+/// Which ranges are written by whom, and when, is the job of the protocol above
+/// (counters with release/acquire); every access here is bounds-checked.
+#[derive(Clone)]
 pub struct Region {
+    /// Owns the mapping that `ptr..ptr + len` lies in.
+    map: Arc<MmapRaw>,
     ptr: *mut u8,
     len: usize,
 }
 
-// SAFETY: a Region is an address range of a mapping that outlives it (the owner keeps
-// the Segment alive); all access goes through bounds-checked copies and atomics, which
-// are sound to issue from any thread.
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+// SAFETY: a Region owns (a share of) its mapping, so the address range stays valid
+// wherever the handle goes; all access goes through bounds-checked copies and
+// atomics, which are sound to issue from any thread.
 unsafe impl Send for Region {}
 // SAFETY: as above; shared access is by atomics and copies only.
 unsafe impl Sync for Region {}
 
 impl Region {
-    /// A region over `len` bytes at `ptr`.
-    ///
-    /// # Safety
-    /// The memory must stay mapped, readable and writable for as long as this Region
-    /// and its copies are used, and be at least 8-byte aligned.
-    pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Region {
-        Region { ptr, len }
+    fn from_mapping(map: MmapRaw) -> Region {
+        let (ptr, len) = (map.as_mut_ptr(), map.len());
+        Region {
+            map: Arc::new(map),
+            ptr,
+            len,
+        }
+    }
+
+    /// `len` zeroed bytes of private memory (page-aligned): a region for tests and
+    /// single-process setups, with the same access rules as a shared one.
+    pub fn anonymous(len: usize) -> Result<Region> {
+        let map = MmapOptions::new()
+            .len(len.max(1))
+            .map_anon()
+            .map_err(|source| ShmError::Io {
+                path: PathBuf::from("[anonymous]"),
+                what: "mmap",
+                source,
+            })?;
+        Ok(Region::from_mapping(map.into()))
+    }
+
+    /// Something that keeps this region's mapping alive while held (for a transport
+    /// that registers the memory and must not outlive it).
+    pub fn keepalive(&self) -> Arc<dyn std::any::Any + Send + Sync> {
+        Arc::new(self.clone())
+    }
+
+    /// Whether `self` and `other` are handles of the same memory.
+    pub fn same_memory(&self, other: &Region) -> bool {
+        Arc::ptr_eq(&self.map, &other.map)
     }
 
     /// Size in bytes.
@@ -338,7 +391,7 @@ impl Region {
         self.len == 0
     }
 
-    /// Base address (for registration with a transport).
+    /// Base address (for registration with a transport, and for logs).
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
     }
@@ -359,8 +412,8 @@ impl Region {
     /// The 64-bit atomic at `offset` (8-byte aligned).
     pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64> {
         self.check(offset, 8, 8)?;
-        // SAFETY: in bounds and aligned (checked); the mapping outlives `self` and is
-        // only ever accessed atomically at this offset by protocol.
+        // SAFETY: in bounds and aligned (checked); `self` keeps the mapping alive for the
+        // returned borrow, and by protocol the word is only ever accessed atomically.
         Ok(unsafe { &*(self.ptr.add(offset) as *const AtomicU64) })
     }
 
@@ -452,6 +505,182 @@ impl Region {
     }
 }
 
+/// A second mapping of whole pages of a [`Segment`], at an address of its own: what a
+/// rank hands out when the rows its peers wrote are to outlive the call that received
+/// them (an output tensor), without copying them.
+///
+/// While attached, the view shows the segment's pages: what peers write there shows
+/// here. [`View::detach`] swaps the pages under the view's addresses for private
+/// memory holding the same bytes, in one `mremap`, so that whoever reads through the
+/// view keeps its data while the segment's pages go back to the peers. The view is
+/// unmapped when dropped.
+///
+/// A View gives out only its address: it is for readers outside Rust (a tensor's
+/// storage), which must not write into it concurrently with a detach.
+pub struct View {
+    ptr: *mut u8,
+    len: usize,
+    /// Whether the pages are private now; also serialises detaches.
+    detached: Mutex<bool>,
+}
+
+// SAFETY: the view owns its mapping (unmapped only in Drop) and gives out nothing but
+// the address; the detach is serialised by the mutex.
+unsafe impl Send for View {}
+// SAFETY: as above.
+unsafe impl Sync for View {}
+
+impl std::fmt::Debug for View {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("View")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("detached", &self.is_detached())
+            .finish()
+    }
+}
+
+impl View {
+    fn map(file: &File, path: &Path, offset: usize, len: usize, total: usize) -> Result<View> {
+        let page = page_size();
+        let in_bounds = offset.checked_add(len).is_some_and(|end| end <= total);
+        if len == 0 || offset % page != 0 || len % page != 0 || !in_bounds {
+            return Err(ShmError::OutOfBounds {
+                offset,
+                len,
+                align: page,
+                size: total,
+            });
+        }
+        let file_offset = libc::off_t::try_from(offset).map_err(|_| ShmError::OutOfBounds {
+            offset,
+            len,
+            align: page,
+            size: total,
+        })?;
+        // SAFETY: a fresh shared mapping of an open file's in-bounds, page-aligned range
+        // (checked); the kernel picks the address, so nothing existing is replaced.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(file),
+                file_offset,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(ShmError::Io {
+                path: path.to_path_buf(),
+                what: "mmap a view",
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(View {
+            ptr: ptr.cast(),
+            len,
+            detached: Mutex::new(false),
+        })
+    }
+
+    /// The view's first byte.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view is empty (never: views map at least one page).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether [`View::detach`] has run.
+    pub fn is_detached(&self) -> bool {
+        *self.detached.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Give the segment's pages back: from now on the view's addresses hold private
+    /// memory with the bytes of `keep` (byte ranges of the view) as they were, and
+    /// zeros elsewhere; writes to the segment no longer show here. Idempotent.
+    pub fn detach(&self, keep: &[Range<usize>]) -> Result<()> {
+        let mut detached = self.detached.lock().unwrap_or_else(|e| e.into_inner());
+        if *detached {
+            return Ok(());
+        }
+        if let Some(r) = keep.iter().find(|r| r.start > r.end || r.end > self.len) {
+            return Err(ShmError::OutOfBounds {
+                offset: r.start,
+                len: r.end.saturating_sub(r.start),
+                align: 1,
+                size: self.len,
+            });
+        }
+        let fail = |what| ShmError::Io {
+            path: PathBuf::from("[view]"),
+            what,
+            source: io::Error::last_os_error(),
+        };
+        // SAFETY: a fresh private anonymous mapping at an address the kernel picks.
+        let fresh = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if fresh == libc::MAP_FAILED {
+            return Err(fail("allocate memory to detach a view"));
+        }
+        for r in keep {
+            // SAFETY: both ranges are in bounds of mappings of `self.len` bytes (checked
+            // above) and belong to different mappings, so they do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.ptr.add(r.start),
+                    fresh.cast::<u8>().add(r.start),
+                    r.len(),
+                )
+            };
+        }
+        // SAFETY: moves the private pages to exactly the view's address range, which
+        // this View owns; the kernel unmaps the shared pages there in the same step, so
+        // the addresses never go unmapped for a reader.
+        let moved = unsafe {
+            libc::mremap(
+                fresh,
+                self.len,
+                self.len,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                self.ptr.cast::<libc::c_void>(),
+            )
+        };
+        if moved == libc::MAP_FAILED {
+            let err = fail("move private pages under a view");
+            // SAFETY: `fresh` is still ours and nothing refers to it.
+            unsafe { libc::munmap(fresh, self.len) };
+            return Err(err);
+        }
+        *detached = true;
+        Ok(())
+    }
+}
+
+impl Drop for View {
+    fn drop(&mut self) {
+        // SAFETY: the view's own mapping (shared or, after a detach, private), which no
+        // one can use once the View is gone.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -518,6 +747,75 @@ mod tests {
         assert!(r.atomic_u64(4).is_err());
         assert!(r.atomic_u64(4096).is_err());
         assert!(r.write(usize::MAX, &[0]).is_err());
+    }
+
+    #[test]
+    fn a_region_keeps_its_mapping_alive() {
+        let name = unique("alive");
+        let seg = Segment::create(&name, 8192).unwrap();
+        let region = seg.region().clone();
+        drop(seg);
+        // The name is gone, the memory is not: the handle owns a share of the mapping.
+        assert!(!Path::new(SHM_DIR).join(&name).exists());
+        region.write(8000, b"still here").unwrap();
+        let mut got = [0u8; 10];
+        region.read(8000, &mut got).unwrap();
+        assert_eq!(&got, b"still here");
+        let anon = Region::anonymous(100).unwrap();
+        assert!(anon.same_memory(&anon.clone()) && !anon.same_memory(&region));
+        assert_eq!(anon.atomic_u64(8).unwrap().load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one kept range is the point
+    fn a_view_shows_the_segment_until_detached() {
+        let page = page_size();
+        let name = unique("view");
+        let mut seg = Segment::create(&name, 4 * page).unwrap();
+        let peer = Segment::open(&name, 4 * page, Duration::from_secs(1)).unwrap();
+        seg.unlink().unwrap();
+        // Views are made after the unlink, from the kept file.
+        let view = seg.view(page, 2 * page).unwrap();
+        assert_eq!(view.len(), 2 * page);
+        let read = |at: usize, n: usize| {
+            // SAFETY: in bounds of the view; nothing writes the view's own addresses.
+            unsafe { std::slice::from_raw_parts(view.as_ptr().add(at), n) }.to_vec()
+        };
+        peer.region().write(page + 10, b"first").unwrap();
+        peer.region().write(page + page + 7, b"tail").unwrap();
+        assert_eq!(read(10, 5), b"first");
+        view.detach(&[0..page]).unwrap();
+        assert!(view.is_detached());
+        view.detach(&[0..1]).unwrap(); // idempotent
+        peer.region().write(page + 10, b"later").unwrap();
+        // The view kept what it had; the segment moved on; bytes outside `keep` are 0.
+        assert_eq!(read(10, 5), b"first");
+        assert_eq!(read(page + 7, 4), [0; 4]);
+        let mut got = [0u8; 5];
+        seg.region().read(page + 10, &mut got).unwrap();
+        assert_eq!(&got, b"later");
+        // A fresh view sees the segment again.
+        let again = seg.view(page, page).unwrap();
+        // SAFETY: in bounds; nothing writes the view's addresses.
+        let bytes = unsafe { std::slice::from_raw_parts(again.as_ptr().add(10), 5) };
+        assert_eq!(bytes, b"later");
+        assert!(matches!(
+            seg.view(1, page),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            seg.view(0, 5 * page),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        assert!(
+            view.detach(&[0..3 * page]).is_ok(),
+            "a detached view ignores keep"
+        );
+        let fresh = seg.view(0, page).unwrap();
+        assert!(matches!(
+            fresh.detach(&[0..page + 1]),
+            Err(ShmError::OutOfBounds { .. })
+        ));
     }
 
     #[test]

@@ -22,6 +22,7 @@ mod fabric;
 mod faulty;
 mod ffi;
 mod region;
+pub mod stream;
 
 pub use fabric::{
     list_providers, FabricOptions, LibfabricTransport, ProviderInfo, DEFAULT_PROVIDER,

@@ -61,6 +61,16 @@ impl RegionRef {
         }
     }
 
+    /// Describes a shared-memory [`uep_shm::Region`], keeping its mapping alive. Safe: a
+    /// Region is accessed only by copies and atomics, so a transport or a remote peer
+    /// writing it at any time cannot break a Rust reference.
+    pub fn from_shm(region: &uep_shm::Region) -> Result<Self, TransportError> {
+        // SAFETY: the owner set below keeps the mapping for as long as this RegionRef
+        // (and every transport built from it) exists; see the doc comment for access.
+        let r = unsafe { Self::from_raw(region.as_ptr(), region.len())? };
+        Ok(r.with_owner(region.keepalive()))
+    }
+
     /// Additionally keeps `owner` alive while this region is in use (e.g.
     /// the mapping object behind a [`RegionRef::from_raw`] pointer).
     pub fn with_owner(mut self, owner: Arc<dyn Any + Send + Sync>) -> Self {

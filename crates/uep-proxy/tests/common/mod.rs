@@ -54,13 +54,7 @@ pub fn segment(len: usize) -> Arc<Segment> {
 
 /// The segment described for a transport.
 pub fn region_ref(seg: &Arc<Segment>) -> RegionRef {
-    // SAFETY: the mapping stays valid while the returned RegionRef (and any
-    // transport holding it) lives, because the RegionRef owns an Arc of the
-    // Segment; every Rust-side access goes through uep_shm::Region (copies
-    // and atomics), never through references held across transport calls.
-    unsafe { RegionRef::from_raw(seg.region().as_ptr(), seg.len()) }
-        .expect("region ref")
-        .with_owner(seg.clone())
+    RegionRef::from_shm(seg.region()).expect("region ref")
 }
 
 /// Opens one connected transport per (rank, thread): `[rank][thread]`.
@@ -115,7 +109,7 @@ impl Cluster {
             .into_iter()
             .enumerate()
             .map(|(r, t)| {
-                Proxy::start(r, n, cfg.clone(), *segs[r].region(), layout(n), t)
+                Proxy::start(r, n, cfg.clone(), segs[r].region().clone(), layout(n), t)
                     .expect("start proxy")
             })
             .collect();

@@ -1,10 +1,7 @@
-//! What this machine can do at best when moving the bytes `uep bench` moves:
-//! the yardsticks its GB/s are compared against.
+//! Raw streams of one-sided writes: what a transport can do at best, the yardstick
+//! the network path's GB/s are compared against (`uep bench`'s limit column, and
+//! `cargo bench -p uep-transport --bench stream`).
 //!
-//! * [`memcpy_gbps`]: the intra-node limit. Ranks on one node exchange tokens
-//!   through shared memory, i.e. by copying rows between buffers; this copies
-//!   the same bytes, in the same row size, with the same number of threads,
-//!   and nothing else.
 //! * [`transport_stream_gbps`]: the inter-node limit. A raw stream of
 //!   libfabric writes with immediates between two endpoints, as the proxies
 //!   post them but without any FIFO, ordering or bookkeeping.
@@ -17,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use uep_transport::{
+use crate::{
     Arrival, Completion, FabricOptions, HeapRegion, LibfabricTransport, RegionRef, Transport,
     TransportError,
 };
@@ -66,66 +63,6 @@ pub enum LimitError {
         /// Time waited.
         waited: Duration,
     },
-}
-
-/// GB/s (1e9 bytes/s) per rank that plain memory copies reach when
-/// `ranks_sharing` ranks at once each copy `bytes_per_rank` bytes in rows of
-/// `chunk` bytes, each rank with `threads` threads splitting its rows.
-///
-/// Every rank has its own source and destination buffers, written before
-/// timing so page faults are not counted; all threads start together and a
-/// run lasts until the last one is done. Best of [`RUNS`] runs. This is the
-/// most the shared-memory path of dispatch/combine could reach for the same
-/// bytes on this machine.
-///
-/// Zero `chunk`, `threads` or `ranks_sharing` count as 1; zero bytes give 0.
-pub fn memcpy_gbps(bytes_per_rank: u64, chunk: usize, threads: usize, ranks_sharing: usize) -> f64 {
-    let (chunk, threads, ranks) = (chunk.max(1), threads.max(1), ranks_sharing.max(1));
-    let Ok(bytes) = usize::try_from(bytes_per_rank) else {
-        return 0.0;
-    };
-    if bytes == 0 {
-        return 0.0;
-    }
-    // Each thread gets whole rows; one thread's share of a rank's bytes.
-    let rows = bytes.div_ceil(chunk);
-    let per_thread: Vec<usize> = (0..threads)
-        .map(|i| (rows / threads + usize::from(i < rows % threads)) * chunk)
-        .collect();
-    // Non-zero fills touch (fault in) every page; a zeroed Vec could stay unmapped.
-    let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = (0..ranks * threads)
-        .map(|i| {
-            (
-                vec![0x5A; per_thread[i % threads]],
-                vec![0xA5; per_thread[i % threads]],
-            )
-        })
-        .collect();
-    let mut best = Duration::MAX;
-    for _ in 0..RUNS {
-        let start = Barrier::new(bufs.len() + 1);
-        let elapsed = std::thread::scope(|s| {
-            for (src, dst) in bufs.iter_mut() {
-                let start = &start;
-                s.spawn(move || {
-                    start.wait();
-                    for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
-                        d.copy_from_slice(s);
-                    }
-                });
-            }
-            // The clock starts before the copiers are released (on a busy machine the
-            // main thread may run last), and leaving the scope joins them all.
-            let t0 = Instant::now();
-            start.wait();
-            t0
-        })
-        .elapsed();
-        best = best.min(elapsed);
-    }
-    // The bytes really copied (whole rows) over the best time.
-    let copied: usize = per_thread.iter().sum();
-    copied as f64 / best.as_secs_f64().max(1e-9) / 1e9
 }
 
 /// GB/s of a raw stream of libfabric writes of `msg` bytes, each with a
@@ -223,10 +160,7 @@ pub fn transport_streams_gbps(
 }
 
 /// Wraps a transport error of `stage` of a stream over `provider`.
-fn at_stage(
-    provider: &str,
-    stage: &'static str,
-) -> impl FnOnce(uep_transport::TransportError) -> LimitError {
+fn at_stage(provider: &str, stage: &'static str) -> impl FnOnce(TransportError) -> LimitError {
     let provider = provider.to_string();
     move |source| LimitError::Transport {
         provider,
@@ -388,15 +322,6 @@ fn stream(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn memcpy_is_positive_and_degenerate_inputs_do_not_panic() {
-        let g = memcpy_gbps(4 << 20, 14336, 2, 2);
-        assert!(g > 0.0 && g.is_finite(), "{g}");
-        // A row larger than the bytes, and zero counts, still measure something.
-        assert!(memcpy_gbps(1000, 1 << 20, 0, 0) > 0.0);
-        assert_eq!(memcpy_gbps(0, 16, 1, 1), 0.0);
-    }
 
     #[test]
     fn transport_stream_moves_bytes_over_tcp() {

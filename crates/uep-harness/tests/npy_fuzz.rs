@@ -5,7 +5,7 @@
 
 use proptest::prelude::*;
 use proptest::sample::Index;
-use uep_cli::npy::{NpyArray, NpyData};
+use uep_harness::npy::{NpyArray, NpyData};
 
 /// A small valid array of any supported dtype.
 fn array() -> impl Strategy<Value = NpyArray> {
@@ -122,7 +122,7 @@ fn check_parsed(input: &[u8], a: &NpyArray) -> Result<(), TestCaseError> {
         a.shape.iter().product()
     };
     prop_assert_eq!(a.len(), count);
-    prop_assert!(a.shape.len() <= uep_cli::npy::MAX_DIMS);
+    prop_assert!(a.shape.len() <= uep_harness::npy::MAX_DIMS);
     prop_assert!(
         a.len() <= input.len(),
         "{} elements from {} bytes",

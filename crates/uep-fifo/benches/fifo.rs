@@ -1,5 +1,9 @@
-//! `uep bench fifo`: how fast the command FIFO moves 16-byte commands from
-//! producer threads to one consumer, next to a well-known queue as the anchor.
+//! The command FIFO's benchmark: how fast it moves 16-byte commands from producer
+//! threads to one consumer, next to a well-known queue as the anchor.
+//!
+//! `cargo bench -p uep-fifo --bench fifo [-- --producers 1,2,4 --json ...]` measures and
+//! prints a table. Run without `--bench` (as `cargo test --all-targets` does), it makes
+//! a short real run of every queue instead and checks what it measured.
 //!
 //! Two runs per producer count, each on uep's [`Fifo`] and on the anchor
 //! (`rtrb` for one producer, crossbeam's `ArrayQueue` for several, both with
@@ -30,7 +34,49 @@ use crossbeam_queue::ArrayQueue;
 use uep_fifo::{Consumer, Fifo, Producer, Slot};
 use uep_wire::{CmdFlags, Command, TransferCmd};
 
-use crate::report::Samples;
+/// Latency samples; percentiles are nearest-rank (always an observed value).
+#[derive(Debug, Default)]
+struct Samples {
+    durations: Vec<Duration>,
+}
+
+/// p50 and p99 of some samples, µs.
+struct Summary {
+    p50_us: f64,
+    p99_us: f64,
+}
+
+impl Samples {
+    fn with_capacity(n: usize) -> Self {
+        Samples {
+            durations: Vec::with_capacity(n),
+        }
+    }
+
+    fn push(&mut self, d: Duration) {
+        self.durations.push(d);
+    }
+
+    fn len(&self) -> usize {
+        self.durations.len()
+    }
+
+    fn durations(&self) -> &[Duration] {
+        &self.durations
+    }
+
+    fn summary(&self) -> Option<Summary> {
+        let mut sorted = self.durations.clone();
+        sorted.sort_unstable();
+        let n = sorted.len();
+        let at = |p: usize| sorted.get((p * n).div_ceil(100).max(1) - 1).copied();
+        let us = |d: Duration| d.as_nanos() as f64 / 1e3;
+        Some(Summary {
+            p50_us: us(at(50)?),
+            p99_us: us(at(99)?),
+        })
+    }
+}
 
 /// Targets of the issue for the FIFO (SPEC §2 asks for ~7-8 M commands/s a device).
 pub const TARGET_MOPS: f64 = 20.0;
@@ -46,9 +92,16 @@ const RUN_DEADLINE: Duration = Duration::from_secs(120);
 /// Busy-wait iterations before a waiting thread starts yielding (as `Fifo::push`).
 const SPIN_LIMIT: u32 = 128;
 
-/// Options of `uep bench fifo`.
-#[derive(Clone, Debug, clap::Args)]
+/// Options of the FIFO benchmark.
+#[derive(Clone, Debug, clap::Parser)]
+#[command(
+    name = "fifo",
+    about = "The command FIFO's throughput and latency, next to rtrb / ArrayQueue"
+)]
 pub struct FifoBenchArgs {
+    /// Set by `cargo bench`: measure (without it, a short self-checking run).
+    #[arg(long, hide = true)]
+    pub bench: bool,
     /// Producer thread counts to measure, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub producers: Vec<usize>,
@@ -75,6 +128,7 @@ pub struct FifoBenchArgs {
 impl Default for FifoBenchArgs {
     fn default() -> Self {
         FifoBenchArgs {
+            bench: false,
             producers: vec![1, 2, 4],
             commands: 4_000_000,
             latency_commands: 50_000,
@@ -86,7 +140,7 @@ impl Default for FifoBenchArgs {
     }
 }
 
-/// What `uep bench fifo` measured for one producer count.
+/// What the benchmark measured for one producer count.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct FifoReport {
     /// Producer threads.
@@ -703,15 +757,15 @@ pub fn render_targets(reports: &[FifoReport]) -> String {
     out
 }
 
-/// Runs `uep bench fifo` and prints a table (or JSON). Returns `Ok(true)`
-/// whether or not the targets are met (they are printed); errors on bad
-/// options or a queue that lost, reordered or stopped delivering commands.
+/// Runs the benchmark and prints a table (or JSON). Returns `Ok(true)` whether or
+/// not the targets are met (they are printed); errors on bad options or a queue that
+/// lost, reordered or stopped delivering commands.
 pub fn run(args: &FifoBenchArgs) -> anyhow::Result<bool> {
     validate(args)?;
     let mut reports = Vec::new();
     for &p in &args.producers {
         if !args.json {
-            eprintln!("uep bench fifo: {p} producer(s)...");
+            eprintln!("fifo bench: {p} producer(s)...");
         }
         reports.push(measure(args, p)?);
     }
@@ -721,7 +775,7 @@ pub fn run(args: &FifoBenchArgs) -> anyhow::Result<bool> {
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "uep bench fifo: 16-byte Write commands, capacity {}, {} per throughput run (best of {}), \
+        "fifo bench: 16-byte Write commands, capacity {}, {} per throughput run (best of {}), \
          {} round trips per producer at low rate; {cores} core(s), threads {}; clock read {:.0} ns",
         args.capacity,
         args.commands,
@@ -739,12 +793,30 @@ pub fn run(args: &FifoBenchArgs) -> anyhow::Result<bool> {
     Ok(true)
 }
 
-#[cfg(test)]
-mod tests {
+fn main() -> anyhow::Result<()> {
+    use clap::Parser;
+    let args = FifoBenchArgs::parse();
+    if args.bench {
+        run(&args)?;
+        return Ok(());
+    }
+    // Test mode (`cargo test --all-targets`): short real runs, checked.
+    self_check::stamp_round_trips_through_a_real_encoding();
+    self_check::shares_add_up();
+    self_check::every_queue_delivers_in_order();
+    self_check::bad_options_are_rejected_clearly();
+    self_check::table_and_targets_show_every_report();
+    println!(
+        "fifo bench: self-check passed (run `cargo bench -p uep-fifo --bench fifo` to measure)"
+    );
+    Ok(())
+}
+
+/// What `cargo test --all-targets` checks of this benchmark.
+mod self_check {
     use super::*;
 
-    #[test]
-    fn stamp_round_trips_through_a_real_encoding() {
+    pub fn stamp_round_trips_through_a_real_encoding() {
         for (p, v) in [(0usize, 0u64), (3, 0x1234_5678_9ABC_DEF0), (255, u64::MAX)] {
             let cmd = stamped_write(p, v).unwrap();
             assert_eq!((producer_of(&cmd), payload(&cmd)), (p, v));
@@ -766,15 +838,13 @@ mod tests {
         assert!(stamped_write(256, 0).is_err());
     }
 
-    #[test]
-    fn shares_add_up() {
+    pub fn shares_add_up() {
         for (n, p) in [(10u64, 3usize), (4, 4), (1_000_001, 7)] {
             assert_eq!((0..p).map(|i| share(n, p, i)).sum::<u64>(), n);
         }
     }
 
-    #[test]
-    fn every_queue_delivers_in_order() {
+    pub fn every_queue_delivers_in_order() {
         // A small real run on each queue: the consumer checks order and count.
         let place = Placement::new(false);
         for p in [1, 3] {
@@ -788,8 +858,7 @@ mod tests {
         }
     }
 
-    #[test]
-    fn bad_options_are_rejected_clearly() {
+    pub fn bad_options_are_rejected_clearly() {
         let bad = |f: fn(&mut FifoBenchArgs)| {
             let mut a = FifoBenchArgs::default();
             f(&mut a);
@@ -801,8 +870,7 @@ mod tests {
         assert!(bad(|a| a.commands = 1).contains("at least the largest"));
     }
 
-    #[test]
-    fn table_and_targets_show_every_report() {
+    pub fn table_and_targets_show_every_report() {
         let r = FifoReport {
             producers: 1,
             commands: 10,

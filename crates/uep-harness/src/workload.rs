@@ -12,9 +12,9 @@ use rand::seq::index::sample;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::error::{EpError, Result};
-use crate::invalid;
-use crate::quant::{quantize, FP8_GROUP};
+use uep_ep::error::{EpError, Result};
+use uep_ep::invalid;
+use uep_ep::quant::{quantize, FP8_GROUP};
 
 /// Token activations of one rank, row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,7 +88,7 @@ pub struct RankInput {
 
 /// The EP geometry shared by every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Shape {
+pub struct JobShape {
     /// Ranks `R`.
     pub num_ranks: usize,
     /// Ranks on one node (shared-memory domain); divides `R`.
@@ -101,8 +101,8 @@ pub struct Shape {
     pub num_experts: usize,
 }
 
-impl Shape {
-    /// Local experts of each rank, `E / R` (0 if `R` is 0; call [`Shape::validate`] first).
+impl JobShape {
+    /// Local experts of each rank, `E / R` (0 if `R` is 0; call [`JobShape::validate`] first).
     pub fn experts_per_rank(&self) -> usize {
         self.num_experts.checked_div(self.num_ranks).unwrap_or(0)
     }
@@ -114,7 +114,7 @@ impl Shape {
 
     /// Check that every count is positive and `E % R == 0`, `R % ranks_per_node == 0`.
     pub fn validate(&self) -> Result<()> {
-        let Shape {
+        let JobShape {
             num_ranks,
             ranks_per_node,
             hidden,
@@ -207,7 +207,7 @@ impl FromStr for Routing {
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkloadSpec {
     /// The EP geometry.
-    pub shape: Shape,
+    pub shape: JobShape,
     /// Tokens of each rank (except where the routing empties a rank).
     pub tokens_per_rank: usize,
     /// How tokens pick experts.
@@ -230,7 +230,7 @@ impl WorkloadSpec {
                 self.drop_prob
             ));
         }
-        let Shape {
+        let JobShape {
             topk, num_experts, ..
         } = self.shape;
         let needs_distinct = matches!(
@@ -288,7 +288,7 @@ fn pick_experts(rng: &mut ChaCha8Rng, first: usize, count: usize, out: &mut [i64
 
 /// Fill one token's `K` slots following `rule` (the spec is validated, so every range drawn
 /// from is non-empty and the distinct rules have room).
-fn route_token(rule: TokenRule, shape: &Shape, rng: &mut ChaCha8Rng, out: &mut [i64]) {
+fn route_token(rule: TokenRule, shape: &JobShape, rng: &mut ChaCha8Rng, out: &mut [i64]) {
     let (e, epr) = (shape.num_experts, shape.experts_per_rank());
     match rule {
         TokenRule::Uniform => pick_experts(rng, 0, e, out),
@@ -412,7 +412,7 @@ mod tests {
 
     fn spec(routing: Routing, num_ranks: usize, experts: usize, topk: usize) -> WorkloadSpec {
         WorkloadSpec {
-            shape: Shape {
+            shape: JobShape {
                 num_ranks,
                 ranks_per_node: 1,
                 hidden: 256,

@@ -6,9 +6,10 @@
 
 use std::fmt::Debug;
 
-use uep_ep::reference::{LlRecv, NormalRecv};
-use uep_ep::workload::TokenData;
 use uep_ep::{DispatchOutput, LlDispatchOutput, RecvTokens};
+
+use crate::reference::{LlRecv, NormalRecv};
+use crate::workload::TokenData;
 
 /// Mismatches found on one rank.
 #[derive(Debug)]
@@ -86,6 +87,7 @@ impl Mismatches {
         }
     }
 
+    /// Compare rows `rows` of received tokens with the reference's (row-major scales).
     fn tokens(
         &mut self,
         what: &str,
@@ -95,18 +97,13 @@ impl Mismatches {
         hidden: usize,
     ) {
         let g = hidden / 128;
+        let span = rows.start * hidden..rows.end * hidden;
         match (got, want) {
-            (RecvTokens::Bf16(a), TokenData::Bf16(b)) => self.bits(
-                what,
-                &a[rows.start * hidden..rows.end * hidden],
-                &b[rows.start * hidden..rows.end * hidden],
-            ),
+            (RecvTokens::Bf16(a), TokenData::Bf16(b)) => {
+                self.bits(what, &a[span.clone()], &b[span])
+            }
             (RecvTokens::Fp8 { data, scales }, TokenData::Fp8 { data: d, scales: s }) => {
-                self.bits(
-                    what,
-                    &data[rows.start * hidden..rows.end * hidden],
-                    &d[rows.start * hidden..rows.end * hidden],
-                );
+                self.bits(what, &data[span.clone()], &d[span]);
                 self.bits(
                     &format!("{what} scales"),
                     &scales[rows.start * g..rows.end * g],
@@ -119,12 +116,13 @@ impl Mismatches {
 }
 
 /// Check a normal dispatch against the reference.
-pub fn normal_dispatch(bad: &mut Mismatches, out: &DispatchOutput<'_>, want: &NormalRecv) {
+pub fn normal_dispatch(
+    bad: &mut Mismatches,
+    out: &DispatchOutput<'_>,
+    want: &NormalRecv,
+    hidden: usize,
+) {
     let n = want.num_rows();
-    let hidden = match &want.x {
-        TokenData::Bf16(v) => v.len() / n.max(1),
-        TokenData::Fp8 { data, .. } => data.len() / n.max(1),
-    };
     if out.handle.num_recv_tokens != n {
         bad.note(format!(
             "dispatch: received {} rows, expected {n}",
@@ -178,16 +176,29 @@ pub fn ll_dispatch(bad: &mut Mismatches, out: &LlDispatchOutput<'_>, want: &LlRe
     if bad.count() > 0 {
         return;
     }
-    let rows_per_expert = want.src_token.len() / want.count.len().max(1);
+    let experts = want.count.len().max(1);
+    let rows_per_expert = want.src_token.len() / experts;
+    let g = hidden / 128;
     for (le, &n) in want.count.iter().enumerate() {
         let begin = le * rows_per_expert;
-        bad.tokens(
-            &format!("ll_dispatch.recv_x[expert {le}]"),
-            out.recv_x,
-            &want.x,
-            begin..begin + n as usize,
-            hidden,
-        );
+        let rows = begin..begin + n as usize;
+        let what = format!("ll_dispatch.recv_x[expert {le}]");
+        match (out.recv_x, &want.x) {
+            // Scales come column-major, `[E/R, H/128, R*M]`: gather this expert's rows.
+            (RecvTokens::Fp8 { data, scales }, TokenData::Fp8 { data: d, scales: s }) => {
+                let span = rows.start * hidden..rows.end * hidden;
+                bad.bits(&what, &data[span.clone()], &d[span]);
+                let got: Vec<f32> = (0..n as usize)
+                    .flat_map(|j| (0..g).map(move |c| scales[(le * g + c) * rows_per_expert + j]))
+                    .collect();
+                bad.bits(
+                    &format!("{what} scales"),
+                    &got,
+                    &s[rows.start * g..rows.end * g],
+                );
+            }
+            (got, want) => bad.tokens(&what, got, want, rows, hidden),
+        }
     }
     bad.eq(
         "ll_dispatch.handle.src_info",
@@ -204,4 +215,36 @@ pub fn ll_dispatch(bad: &mut Mismatches, out: &LlDispatchOutput<'_>, want: &LlRe
         &out.handle.layout_range,
         &want.layout_range,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_single_flipped_bit_is_caught() {
+        let want: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+        for (i, bit) in [(0usize, 0u32), (517, 13), (999, 31)] {
+            let mut got = want.clone();
+            got[i] = f32::from_bits(got[i].to_bits() ^ (1 << bit));
+            let mut bad = Mismatches::new(0);
+            bad.bits("x", &got, &want);
+            assert_eq!(bad.count(), 1, "bit {bit} of value {i}");
+            assert!(
+                bad.messages()[0].starts_with(&format!("x[{i}]")),
+                "{:?}",
+                bad.messages()
+            );
+        }
+        // -0.0 and 0.0 compare equal as floats but not as bits.
+        let mut bad = Mismatches::new(0);
+        bad.bits("z", &[-0.0f32], &[0.0f32]);
+        bad.eq("e", &[1, 2, 3], &[1, 2, 4]);
+        bad.eq("len", &[1, 2], &[1, 2, 3]);
+        assert_eq!(bad.count(), 3);
+        let mut good = Mismatches::new(0);
+        good.bits("x", &want, &want);
+        good.eq("y", &[1u8], &[1u8]);
+        assert_eq!(good.count(), 0);
+    }
 }

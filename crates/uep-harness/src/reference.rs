@@ -1,4 +1,5 @@
-//! The sequential model of SPEC.md §1: what each rank must receive and return. It is the
+//! The sequential model of every data path (docs/architecture.md, "What a call does"):
+//! what each rank must receive and return. It is the
 //! oracle of every test, so it is written plainly: loops in the order the spec states, no
 //! parallelism, every input checked.
 //!
@@ -6,13 +7,13 @@
 
 use half::bf16;
 
-use crate::error::Result;
-use crate::invalid;
-use crate::layout::{get_dispatch_layout, DispatchLayout};
-use crate::quant::{quantize_token, FP8_GROUP};
-use crate::workload::{RankInput, Shape, TokenData};
+use crate::workload::{JobShape, RankInput, TokenData};
+use uep_ep::error::Result;
+use uep_ep::invalid;
+use uep_ep::layout::{get_dispatch_layout, DispatchLayout};
+use uep_ep::quant::{quantize_token, FP8_GROUP};
 
-/// What one rank receives from normal dispatch (SPEC.md §1 step 3).
+/// What one rank receives from normal dispatch (docs/architecture.md, normal mode).
 ///
 /// Rows are grouped by source rank ascending, token order kept inside a source; each token
 /// arrives at most once per rank however many of its experts live there.
@@ -44,7 +45,7 @@ impl NormalRecv {
 }
 
 /// Check every rank's input against `shape` and return each rank's dispatch layout.
-fn check_inputs(inputs: &[RankInput], shape: &Shape) -> Result<Vec<DispatchLayout>> {
+fn check_inputs(inputs: &[RankInput], shape: &JobShape) -> Result<Vec<DispatchLayout>> {
     shape.validate()?;
     if inputs.len() != shape.num_ranks {
         return Err(invalid!(
@@ -101,7 +102,7 @@ fn fmt_name(fp8: bool) -> &'static str {
     }
 }
 
-fn check_rank(rank: usize, shape: &Shape) -> Result<()> {
+fn check_rank(rank: usize, shape: &JobShape) -> Result<()> {
     if rank >= shape.num_ranks {
         return Err(invalid!(
             "reference: rank {rank} out of range; num_ranks = {}",
@@ -121,7 +122,7 @@ fn to_i32(n: usize, what: &str) -> Result<i32> {
 /// (when false, those fields are `None`).
 pub fn normal_dispatch(
     inputs: &[RankInput],
-    shape: &Shape,
+    shape: &JobShape,
     rank: usize,
     expert_alignment: usize,
     with_topk: bool,
@@ -225,14 +226,17 @@ pub fn normal_dispatch(
 /// `combined[t] = bf16(0.0 + p_0 + p_1 + ...)` over nodes ascending, where for `rank`'s own
 /// node `p_m` stands for each of its ranks' rows, ranks ascending (rows in order inside a rank),
 /// and for another node `p_m = f32(bf16(0.0 + y_r + ...))`, its ranks' rows summed the same way
-/// and rounded to bf16 (the one row that crosses the network, SPEC.md §3). On one node this is
+/// and rounded to bf16 (the one row that crosses the network, docs/architecture.md). On one node this is
 /// the plain sum in rank order. Combined weights are the same sums of the `[K]` weight rows in
-/// f32, never rounded. Tokens sent nowhere get zeros.
+/// f32, never rounded. Tokens sent nowhere get zeros. Each `[T, H]` of `bias` (DeepEP's
+/// combine bias) is added to every token's sum after the rows, in f32, before the one
+/// rounding.
 pub fn normal_combine(
-    shape: &Shape,
+    shape: &JobShape,
     recvs: &[NormalRecv],
     ys: &[Vec<bf16>],
     weights: Option<&[Vec<f32>]>,
+    bias: &[&[bf16]],
     rank: usize,
     num_tokens: usize,
 ) -> Result<(Vec<bf16>, Option<Vec<f32>>)> {
@@ -335,11 +339,22 @@ pub fn normal_combine(
             }
         }
     }
+    for (i, b) in bias.iter().enumerate() {
+        if b.len() != num_tokens * h {
+            return Err(invalid!(
+                "normal_combine: bias {i} has {} values; need tokens * hidden = {num_tokens} * {h}",
+                b.len()
+            ));
+        }
+        for (a, y) in acc.iter_mut().zip(b.iter()) {
+            *a += y.to_f32();
+        }
+    }
     let combined = acc.iter().map(|&a| bf16::from_f32(a)).collect();
     Ok((combined, weights.map(|_| acc_w)))
 }
 
-/// What one rank receives from low-latency dispatch (SPEC.md §1 step 5).
+/// What one rank receives from low-latency dispatch (docs/architecture.md, low-latency mode).
 ///
 /// Local expert `e`'s rows are packed at the front of its `R * M` rows: source ranks
 /// ascending, inside a source by (token, slot) ascending. Rows past `count[e]` are zero / `-1`.
@@ -364,7 +379,7 @@ pub struct LlRecv {
 /// an expert twice), because each source owns `M` receive slots per expert.
 pub fn ll_dispatch(
     inputs: &[RankInput],
-    shape: &Shape,
+    shape: &JobShape,
     rank: usize,
     max_tokens_per_rank: usize,
     use_fp8: bool,
@@ -478,7 +493,7 @@ pub fn ll_dispatch(
 /// RNE round to bf16. Tokens whose slots are all `-1` get zeros. Every row of this source must
 /// be accounted for exactly once.
 pub fn ll_combine(
-    shape: &Shape,
+    shape: &JobShape,
     recvs: &[LlRecv],
     ys: &[Vec<bf16>],
     inputs: &[RankInput],
@@ -603,7 +618,7 @@ pub fn ll_combine(
 /// DeepEP's similarity distance `1 - 2 * sum(a*b) / sum(a*a + b*b)` in f64: 0 for identical
 /// inputs (also when both are all zero), up to 2 for `a = -b`. Different lengths give NaN, so
 /// any `calc_diff(..) < threshold` check fails. (DeepEP's Python adds 1 to both first; this is
-/// the plain form of SPEC.md §5.)
+/// the plain form of docs/architecture.md, "Numerics".)
 pub fn calc_diff(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() {
         return f64::NAN;
@@ -632,7 +647,7 @@ pub fn identity_row(x: &TokenData, t: usize, hidden: usize, out: &mut [f32]) {
         }
         TokenData::Fp8 { data, scales } => {
             let g = hidden / FP8_GROUP;
-            crate::quant::dequantize_token(
+            uep_ep::quant::dequantize_token(
                 &data[t * hidden..(t + 1) * hidden],
                 &scales[t * g..(t + 1) * g],
                 out,
@@ -650,7 +665,7 @@ pub fn identity_row(x: &TokenData, t: usize, hidden: usize, out: &mut [f32]) {
 /// full scale). Equal to `normal_combine` with `ys = recv_x`; a test keeps it so.
 pub fn normal_combine_identity(
     inputs: &[RankInput],
-    shape: &Shape,
+    shape: &JobShape,
     rank: usize,
 ) -> Result<(Vec<bf16>, Option<Vec<f32>>)> {
     let layouts = check_inputs(inputs, shape)?;
@@ -723,7 +738,7 @@ pub fn normal_combine_identity(
 /// Equal to `ll_combine` with `ys = recv_x`; a test keeps it so.
 pub fn ll_combine_identity(
     inputs: &[RankInput],
-    shape: &Shape,
+    shape: &JobShape,
     rank: usize,
     use_fp8: bool,
     round_scale: bool,
@@ -736,7 +751,7 @@ pub fn ll_combine_identity(
         return Err(invalid!("reference: low-latency inputs must be bf16"));
     };
     let sent = if use_fp8 {
-        let (data, scales) = crate::quant::quantize(x, h, round_scale)?;
+        let (data, scales) = uep_ep::quant::quantize(x, h, round_scale)?;
         TokenData::Fp8 { data, scales }
     } else {
         input.x.clone()
@@ -766,13 +781,13 @@ pub fn ll_combine_identity(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::quantize;
     use crate::workload::{generate_all, Routing, WorkloadSpec};
+    use uep_ep::quant::quantize;
 
     const H: usize = 128;
 
-    fn shape3() -> Shape {
-        Shape {
+    fn shape3() -> JobShape {
+        JobShape {
             num_ranks: 3,
             ranks_per_node: 1,
             hidden: H,
@@ -863,7 +878,7 @@ mod tests {
     }
 
     /// Combine with y = recv_x: every token comes back as bf16(n_ranks(t) * x[t]).
-    fn check_normal_round_trip(inputs: &[RankInput], shape: &Shape) {
+    fn check_normal_round_trip(inputs: &[RankInput], shape: &JobShape) {
         let recvs: Vec<NormalRecv> = (0..shape.num_ranks)
             .map(|r| normal_dispatch(inputs, shape, r, 1, true).unwrap())
             .collect();
@@ -882,7 +897,7 @@ mod tests {
             )
             .unwrap();
             let (combined, cw) =
-                normal_combine(shape, &recvs, &ys, Some(&ws), s, input.num_tokens).unwrap();
+                normal_combine(shape, &recvs, &ys, Some(&ws), &[], s, input.num_tokens).unwrap();
             let x = bf16_rows(&input.x);
             let h = shape.hidden;
             for t in 0..input.num_tokens {
@@ -914,7 +929,7 @@ mod tests {
             .map(|r| normal_dispatch(&inputs, &shape, r, 1, true).unwrap())
             .collect();
         let ys: Vec<Vec<bf16>> = recvs.iter().map(|r| bf16_rows(&r.x).to_vec()).collect();
-        let (c, w) = normal_combine(&shape, &recvs, &ys, None, 0, 3).unwrap();
+        let (c, w) = normal_combine(&shape, &recvs, &ys, None, &[], 0, 3).unwrap();
         assert!(w.is_none());
         // t0 went to ranks 0 and 1, t1 nowhere, t2 to rank 2 once.
         let two: Vec<bf16> = token_row(0, 0)
@@ -925,7 +940,7 @@ mod tests {
         assert!(c[H..2 * H].iter().all(|v| v.to_bits() == 0));
         assert_eq!(&c[2 * H..], &token_row(0, 2)[..]);
         // The empty rank combines to nothing.
-        assert!(normal_combine(&shape, &recvs, &ys, None, 2, 0)
+        assert!(normal_combine(&shape, &recvs, &ys, None, &[], 2, 0)
             .unwrap()
             .0
             .is_empty());
@@ -949,7 +964,7 @@ mod tests {
             })
             .collect();
         let combine = |ranks_per_node| {
-            let shape = Shape {
+            let shape = JobShape {
                 num_ranks: 4,
                 ranks_per_node,
                 hidden: h,
@@ -965,7 +980,9 @@ mod tests {
                 .enumerate()
                 .map(|(r, recv)| vec![if r == 2 { bf16::ONE } else { tiny }; recv.num_rows() * h])
                 .collect();
-            normal_combine(&shape, &recvs, &ys, None, 0, 1).unwrap().0
+            normal_combine(&shape, &recvs, &ys, None, &[], 0, 1)
+                .unwrap()
+                .0
         };
         // One node: bf16(2^-8 + 1 + 2^-8) = 1 + 2^-7, exact in bf16.
         assert_eq!(combine(4), vec![bf16::from_f32(1.0 + 1.0 / 128.0); h]);
@@ -977,7 +994,7 @@ mod tests {
     fn normal_round_trip_generated() {
         for routing in Routing::ALL {
             let spec = WorkloadSpec {
-                shape: Shape {
+                shape: JobShape {
                     num_ranks: 4,
                     ranks_per_node: 2,
                     hidden: H,
@@ -997,7 +1014,7 @@ mod tests {
     #[test]
     fn normal_dispatch_carries_fp8_bit_for_bit() {
         let spec = WorkloadSpec {
-            shape: Shape {
+            shape: JobShape {
                 num_ranks: 2,
                 ranks_per_node: 1,
                 hidden: 256,
@@ -1084,7 +1101,7 @@ mod tests {
     }
 
     /// LL combine with y = recv_x gives bf16(sum_k w_k * x_t) in slot order.
-    fn check_ll_round_trip(inputs: &[RankInput], shape: &Shape, m: usize) {
+    fn check_ll_round_trip(inputs: &[RankInput], shape: &JobShape, m: usize) {
         let recvs: Vec<LlRecv> = (0..shape.num_ranks)
             .map(|r| ll_dispatch(inputs, shape, r, m, false, false).unwrap())
             .collect();
@@ -1137,7 +1154,7 @@ mod tests {
     fn ll_round_trip_generated() {
         for routing in Routing::ALL {
             let spec = WorkloadSpec {
-                shape: Shape {
+                shape: JobShape {
                     num_ranks: 3,
                     ranks_per_node: 1,
                     hidden: H,
@@ -1254,7 +1271,7 @@ mod tests {
             .flat_map(|r| [(r, 6), (r, 3), (r, 1)])
         {
             for fp8 in [false, true] {
-                let shape = Shape {
+                let shape = JobShape {
                     num_ranks: 6,
                     ranks_per_node,
                     hidden: 256,
@@ -1307,9 +1324,16 @@ mod tests {
                 let lly: Vec<Vec<bf16>> =
                     ll.iter().map(|r| as_y(&r.x, r.src_token.len())).collect();
                 for rank in 0..6 {
-                    let general =
-                        normal_combine(&shape, &recvs, &ys, Some(&ws), rank, sent[rank].num_tokens)
-                            .unwrap();
+                    let general = normal_combine(
+                        &shape,
+                        &recvs,
+                        &ys,
+                        Some(&ws),
+                        &[],
+                        rank,
+                        sent[rank].num_tokens,
+                    )
+                    .unwrap();
                     assert_eq!(
                         general,
                         normal_combine_identity(&sent, &shape, rank).unwrap(),

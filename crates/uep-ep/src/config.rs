@@ -1,0 +1,187 @@
+//! What a [`Buffer`](crate::Buffer) is sized for: one shape per mode, and the settings
+//! that are local to a rank (deadline, kernel threads, the network path).
+
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::invalid;
+use crate::map::RegionMap;
+use crate::net::NetConfig;
+
+/// Default deadline of every wait, unless `UEP_TIMEOUT_S` or the config says otherwise
+/// (DeepEP's CPU timeout).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(100);
+
+/// Widest node the relay handles: a token's destinations inside a node travel as a
+/// 64-bit mask.
+pub const MAX_RANKS_PER_NODE: usize = 64;
+
+/// The shape one mode's calls may use: they may dispatch up to `max_tokens` tokens of
+/// `hidden` channels with `topk` slots to `num_experts` experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Experts across all ranks; a multiple of the number of ranks.
+    pub num_experts: usize,
+    /// Channels a token has; a multiple of 8 (of 128 for FP8).
+    pub hidden: usize,
+    /// Top-k slots a token has.
+    pub topk: usize,
+    /// Most tokens one rank dispatches in a call.
+    pub max_tokens: usize,
+}
+
+impl Shape {
+    /// Experts each of `num_ranks` ranks hosts.
+    pub fn experts_per_rank(&self, num_ranks: usize) -> usize {
+        self.num_experts / num_ranks
+    }
+
+    /// Scale groups (128 channels each) of a token.
+    pub fn groups(&self) -> usize {
+        self.hidden.div_ceil(128)
+    }
+
+    fn validate(&self, mode: &str, num_ranks: usize) -> Result<()> {
+        if self.num_experts == 0 || self.num_experts % num_ranks != 0 {
+            return Err(invalid!(
+                "{mode}: num_experts ({}) must be a positive multiple of the number of ranks ({num_ranks})",
+                self.num_experts
+            ));
+        }
+        if self.hidden == 0 || self.hidden % 8 != 0 {
+            return Err(invalid!(
+                "{mode}: hidden ({}) must be a positive multiple of 8",
+                self.hidden
+            ));
+        }
+        if self.topk == 0 || self.topk > self.num_experts {
+            return Err(invalid!(
+                "{mode}: topk ({}) must be in 1..={} (num_experts)",
+                self.topk,
+                self.num_experts
+            ));
+        }
+        if self.max_tokens == 0 {
+            return Err(invalid!("{mode}: max_tokens must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// What a Buffer is sized for. The shapes must be the same on every rank (the Buffer
+/// checks); the other settings are the rank's own.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BufferConfig {
+    /// Normal (high-throughput) mode, if used.
+    pub normal: Option<Shape>,
+    /// Low-latency mode, if used. Its `max_tokens` is DeepEP's
+    /// `num_max_dispatch_tokens_per_rank`.
+    pub ll: Option<Shape>,
+    /// Deadline of every wait.
+    pub timeout: Duration,
+    /// Kernel threads of the host device.
+    pub device_threads: usize,
+    /// Ranks per node. `None`: the ranks that share a host form a node (found at
+    /// start-up). `Some(l)`: every `l` consecutive ranks form a node, to emulate several
+    /// nodes on one host (they must share a host).
+    pub ranks_per_node: Option<usize>,
+    /// The network path to ranks on other nodes (used only when there are several).
+    pub net: NetConfig,
+}
+
+impl BufferConfig {
+    /// Both modes with the same experts, hidden size and top-k: normal mode for up to
+    /// `max_tokens` tokens a rank (0: no normal mode), low-latency mode for up to
+    /// `ll_max_tokens` (0: none). The deadline is `UEP_TIMEOUT_S` if set, one kernel
+    /// thread, nodes from the hosts.
+    pub fn new(
+        num_experts: usize,
+        hidden: usize,
+        topk: usize,
+        max_tokens: usize,
+        ll_max_tokens: usize,
+    ) -> Self {
+        let shape = |max_tokens| Shape {
+            num_experts,
+            hidden,
+            topk,
+            max_tokens,
+        };
+        BufferConfig {
+            normal: (max_tokens > 0).then(|| shape(max_tokens)),
+            ll: (ll_max_tokens > 0).then(|| shape(ll_max_tokens)),
+            timeout: timeout_from_env().unwrap_or(DEFAULT_TIMEOUT),
+            device_threads: 1,
+            ranks_per_node: ranks_per_node_from_env(),
+            net: NetConfig::default(),
+        }
+    }
+
+    /// Bytes of registered memory each rank needs for this config on `num_ranks` ranks
+    /// spread over `num_nodes` nodes (most of it is touched only when used).
+    pub fn bytes_needed(&self, num_ranks: usize, num_nodes: usize) -> usize {
+        RegionMap::new(self, num_ranks, num_nodes > 1).total
+    }
+
+    /// What every rank must agree on, as text (shown when ranks disagree).
+    pub(crate) fn fingerprint(&self, bytes: usize) -> String {
+        let mode = |s: &Option<Shape>| match s {
+            Some(s) => format!(
+                "num_experts {}, hidden {}, topk {}, max tokens {}",
+                s.num_experts, s.hidden, s.topk, s.max_tokens
+            ),
+            None => "off".into(),
+        };
+        format!(
+            "normal: {}; low-latency: {}; ranks per node {:?}; {bytes} bytes",
+            mode(&self.normal),
+            mode(&self.ll),
+            self.ranks_per_node
+        )
+    }
+
+    pub(crate) fn validate(&self, num_ranks: usize) -> Result<()> {
+        if num_ranks == 0 {
+            return Err(invalid!("a job needs at least one rank"));
+        }
+        if self.normal.is_none() && self.ll.is_none() {
+            return Err(invalid!(
+                "a Buffer needs room for normal or low-latency tokens (both maxima are 0)"
+            ));
+        }
+        if let Some(s) = &self.normal {
+            s.validate("normal mode", num_ranks)?;
+        }
+        if let Some(s) = &self.ll {
+            s.validate("low-latency mode", num_ranks)?;
+        }
+        if let Some(l) = self.ranks_per_node {
+            if l == 0 || num_ranks % l != 0 {
+                return Err(invalid!(
+                    "ranks per node ({l}) must divide the number of ranks ({num_ranks})"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `UEP_TIMEOUT_S` as a Duration, if set and valid.
+pub fn timeout_from_env() -> Option<Duration> {
+    let s = std::env::var("UEP_TIMEOUT_S").ok()?;
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| *v > 0.0 && v.is_finite())
+        .map(Duration::from_secs_f64)
+}
+
+/// `UEP_RANKS_PER_NODE` (nodes of that many consecutive ranks), if set and positive.
+pub fn ranks_per_node_from_env() -> Option<usize> {
+    std::env::var("UEP_RANKS_PER_NODE")
+        .ok()?
+        .trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+}

@@ -1,0 +1,258 @@
+//! Low-latency combine: send (pack each expert output to its source → publish), then
+//! receive (wait → weighted reduce).
+
+#![allow(unsafe_code)]
+
+use std::sync::atomic::Ordering;
+
+use half::bf16;
+
+use super::{fingerprint, LlCombinePending, LlHandle};
+use crate::area::Mem;
+use crate::buffer::Buffer;
+use crate::error::Result;
+use crate::invalid;
+use crate::net::packet::{Channel, LlCombinePacket, LL_BUFFERS};
+use crate::quant::reduce_rows;
+
+impl Buffer {
+    /// Low-latency combine: expert outputs `y` (`[E/R, R*M, H]` bf16, laid out like the
+    /// dispatch's `recv_x`) back to their tokens, weighted by `topk_weights` (`[T, K]`),
+    /// with the same `topk_idx` as the dispatch of `handle`. Returns `[T, H]`. Collective.
+    pub fn low_latency_combine(
+        &mut self,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &LlHandle,
+    ) -> Result<Vec<bf16>> {
+        let h = self.ll_areas(0).map_or(0, |a| a.shape.hidden);
+        let mut out = vec![bf16::ZERO; handle.num_tokens * h];
+        let pending = self.low_latency_combine_send(y, topk_idx, topk_weights, handle)?;
+        self.low_latency_combine_recv(pending, y, &mut out)?;
+        Ok(out)
+    }
+
+    /// The send half of [`Buffer::low_latency_combine`]: every expert output row on its
+    /// way to its source. Finish with [`Buffer::low_latency_combine_recv`] and the same `y`.
+    pub fn low_latency_combine_send(
+        &mut self,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &LlHandle,
+    ) -> Result<LlCombinePending> {
+        self.collective(|b| {
+            b.check_ll_combine(y, topk_idx, topk_weights, handle)?;
+            b.seq.ll_combine = b.seq.ll_combine.wrapping_add(1);
+            b.ll_combine_send(b.seq.ll_combine, y, topk_idx, topk_weights, handle)
+        })
+    }
+
+    /// The receive half of a low-latency combine: waits for every expert output of this
+    /// rank's tokens and writes `sum_k w_k * y_k` into `out` (`[T, H]`). `y` must be the
+    /// one passed to the send half (this rank's own expert outputs are read from it).
+    pub fn low_latency_combine_recv(
+        &mut self,
+        pending: LlCombinePending,
+        y: &[bf16],
+        out: &mut [bf16],
+    ) -> Result<()> {
+        self.collective(|b| b.ll_combine_recv(&pending, y, out))
+    }
+
+    fn check_ll_combine(
+        &self,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &LlHandle,
+    ) -> Result<()> {
+        let s = self.ll_areas(handle.buffer)?.shape;
+        let (r_n, k, h, m) = (self.topo.num_ranks, s.topk, s.hidden, s.max_tokens);
+        let (epr, t_n) = (s.experts_per_rank(r_n), handle.num_tokens);
+        if handle.buffer_id != self.id {
+            return Err(invalid!(
+                "the handle was made by another Buffer (or another rank)"
+            ));
+        }
+        if y.len() != epr * r_n * m * h {
+            return Err(invalid!(
+                "combine input has {} values, expected [E/R = {epr}, R*M = {}, hidden = {h}]",
+                y.len(),
+                r_n * m
+            ));
+        }
+        if topk_idx.len() != t_n * k || topk_weights.len() != t_n * k {
+            return Err(invalid!(
+                "topk_idx/topk_weights have {}/{} values, expected [tokens = {t_n}, topk = {k}]",
+                topk_idx.len(),
+                topk_weights.len()
+            ));
+        }
+        if fingerprint(topk_idx) != handle.topk_hash {
+            return Err(invalid!(
+                "topk_idx differs from the one dispatched with this handle"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Send: each expert output row to its source's `[token, slot]` row on this node, or,
+    /// for a source on another node, into a packet in (expert, row) order, which the
+    /// source replays; then publish.
+    fn ll_combine_send(
+        &self,
+        seq: u32,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &LlHandle,
+    ) -> Result<LlCombinePending> {
+        let c = seq as usize % LL_BUFFERS;
+        let areas = self.ll_areas(c)?;
+        let s = areas.shape;
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
+        let wait = self.wait();
+        let local = self.symm.local();
+        let ch = Channel::ll_combine(c);
+        let mut sinks = Vec::with_capacity(r_n);
+        for src in 0..r_n {
+            if self.topo.is_local(src) {
+                sinks.push((self.peer_region(src)?, areas.combine_x, None, None));
+            } else {
+                let staged = self.net()?.stage(ch, src, &wait)?;
+                let mut first = Vec::with_capacity(epr);
+                let mut n = 0;
+                for le in 0..epr {
+                    first.push(n);
+                    n += handle.layout_range[le * r_n + src].1 as usize;
+                }
+                let p = LlCombinePacket::layout(n, h).at_base(staged.area.offset());
+                sinks.push((local, p.rows, Some(first), Some((staged, p.len))));
+            }
+        }
+        self.device.launch(epr, |experts| {
+            for le in experts {
+                for (src, (region, rows, first, _)) in sinks.iter().enumerate() {
+                    if src == me {
+                        // Read straight from `y` by the reduction.
+                        continue;
+                    }
+                    let (begin, n) = handle.layout_range[le * r_n + src];
+                    for j in begin as usize..(begin + n) as usize {
+                        let row = le * r_n * m + j;
+                        let at = match first {
+                            None => {
+                                handle.src_info[row] as usize * k + handle.src_slot[row] as usize
+                            }
+                            Some(first) => first[le] + j - begin as usize,
+                        };
+                        region.put(rows.row(at, h)?.cast::<bf16>(), &y[row * h..(row + 1) * h])?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        for (region, _, _, staged) in sinks {
+            match staged {
+                None => region
+                    .word(self.map.control.ll_combine_done, c * r_n + me)?
+                    .store(seq as u64, Ordering::Release),
+                Some((staged, len)) => self.net()?.send(staged, len, &[])?,
+            }
+        }
+        let mut own = Vec::new();
+        for le in 0..epr {
+            let (begin, n) = handle.layout_range[le * r_n + me];
+            for row in (begin..begin + n).map(|j| le * r_n * m + j as usize) {
+                let i = handle.src_info[row] as usize * k + handle.src_slot[row] as usize;
+                own.push((i, row));
+            }
+        }
+        Ok(LlCombinePending {
+            buffer_id: self.id,
+            seq,
+            num_tokens: handle.num_tokens,
+            topk_idx: topk_idx.to_vec(),
+            topk_weights: topk_weights.to_vec(),
+            own,
+            y_len: y.len(),
+        })
+    }
+
+    /// Receive: wait for every source, then reduce each token's rows where they landed:
+    /// this rank's own outputs in `y`, a same-node peer's in the combine rows, another
+    /// node's where its packet landed (expert by expert, this rank's (token, slot)
+    /// copies in order).
+    fn ll_combine_recv(&self, p: &LlCombinePending, y: &[bf16], out: &mut [bf16]) -> Result<()> {
+        let (seq, c) = (p.seq, p.seq as usize % LL_BUFFERS);
+        let areas = self.ll_areas(c)?;
+        let s = areas.shape;
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (epr, k, h) = (s.experts_per_rank(r_n), s.topk, s.hidden);
+        let t_n = p.num_tokens;
+        if p.buffer_id != self.id || y.len() != p.y_len || out.len() != t_n * h {
+            return Err(invalid!(
+                "low-latency combine receive: pass the send half's Buffer and y ({} values), and an output of [tokens = {t_n}, hidden = {h}] (got y of {} and an output of {})",
+                p.y_len,
+                y.len(),
+                out.len()
+            ));
+        }
+        let wait = self.wait();
+        let local = self.symm.local();
+        let ch = Channel::ll_combine(c);
+        let mut landed = vec![None; r_n];
+        for (src, landed) in landed.iter_mut().enumerate() {
+            let what = || {
+                format!("rank {me}: LL combine {seq}: waiting for rank {src}'s expert outputs (ll_combine_done[{c}][{src}])")
+            };
+            if self.topo.is_local(src) {
+                let word = local.word(self.map.control.ll_combine_done, c * r_n + src)?;
+                wait.at_least(word, seq as u64, Some(self.peer(src)), &what)?;
+            } else {
+                *landed = Some(self.net()?.recv(ch, src, &wait, &what)?);
+            }
+        }
+        // SAFETY: every source published its rows for this combine (its epoch, or its
+        // announced packet); they write this combine area again only for combine
+        // seq + LL_BUFFERS, which follows this rank's next combine.
+        let rows: &[u16] = unsafe { self.symm.view(areas.combine_x.rows(0..t_n * k, h)?)? };
+        let y_bits: &[u16] = bytemuck::cast_slice(y);
+        let mut from: Vec<&[u16]> = (0..t_n * k).map(|i| &rows[i * h..(i + 1) * h]).collect();
+        for &(i, row) in &p.own {
+            from[i] = &y_bits[row * h..(row + 1) * h];
+        }
+        for (src, at) in landed.iter().enumerate() {
+            let Some(at) = at else { continue };
+            let experts = (src * epr) as i64..((src + 1) * epr) as i64;
+            let n = p.topk_idx.iter().filter(|e| experts.contains(e)).count();
+            let packet = LlCombinePacket::layout(n, h).at_base(at.offset());
+            // SAFETY: the packet was announced; the source writes this landing area again
+            // only with its next combine packet of this area, after this rank's next
+            // combines.
+            let landed: &[u16] = unsafe { self.symm.view(packet.rows)? };
+            let mut j = 0;
+            for e in experts {
+                for (i, _) in p.topk_idx.iter().enumerate().filter(|(_, &v)| v == e) {
+                    from[i] = &landed[j * h..(j + 1) * h];
+                    j += 1;
+                }
+            }
+        }
+        let (idx, w) = (&p.topk_idx, &p.topk_weights);
+        self.device.launch_rows(out, h, |first, out| {
+            let mut parts = Vec::with_capacity(k);
+            for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
+                parts.clear();
+                for slot in (0..k).filter(|&s| idx[t * k + s] >= 0) {
+                    parts.push((from[t * k + slot], w[t * k + slot]));
+                }
+                reduce_rows(&parts, true, out_row);
+            }
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,113 @@
+//! Low-latency (LL) mode: decode-sized batches, fixed layouts, as DeepEP's
+//! `internode_ll` kernels.
+//!
+//! Dispatch ([`dispatch`]) sends each (token, slot) to its expert's rank, no dedup,
+//! optionally cast to FP8 on the way (one f32 scale per 128 channels). The receiver's
+//! layout is fixed and pre-sized, `[E/R, R * M, H]`: source `s` owns rows
+//! `s*M..(s+1)*M` of every local expert, so senders need no offsets from anyone and no
+//! count exchange comes before the data. It runs in two halves, so that the receive
+//! can be deferred (DeepEP's `return_recv_hook`):
+//!
+//! * **send**: enter the step → quantise → pack each copy into its place at the
+//!   receiver (a same-node peer's rows, or a packet for another node) → signal one
+//!   count per (expert, receiver);
+//! * **receive**: wait for every source's counts → pack each expert's rows to the front
+//!   (sources ascending, `(token, slot)` order inside a source), with the scales
+//!   column-major as DeepEP returns them.
+//!
+//! Step `s` uses buffer `s % LL_BUFFERS`. A sender writes a same-node peer's buffer for
+//! step `s` once the peer has entered step `s - 1`; a peer on another node can write it
+//! as early (it has all of this rank's step `s - 1` packets by then). With three
+//! buffers, the outputs of step `s - 1` therefore stay valid while step `s` runs, and
+//! at most two dispatches may wait for their receive.
+//!
+//! Combine ([`combine`]) returns each expert output row to its source's
+//! `[token, slot]` row; the source computes `sum_k w_k * y_k` in f32, in slot order,
+//! and rounds once. Combine `c` uses combine area `c % LL_BUFFERS`, so one handle may be
+//! combined more than once.
+
+mod combine;
+mod dispatch;
+
+use crate::tokens::RecvTokens;
+
+/// Where every packed LL row came from; combine needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LlHandle {
+    pub(crate) buffer_id: u64,
+    /// The dispatch step.
+    pub(crate) seq: u32,
+    /// Which buffer the step used.
+    pub buffer: usize,
+    /// Tokens this rank dispatched.
+    pub num_tokens: usize,
+    /// `[E/R, R*M]`: source token of each packed row (`-1` past the count).
+    pub src_info: Vec<i32>,
+    /// `[E/R, R*M]`: top-k slot that produced each packed row (`-1` past the count).
+    pub src_slot: Vec<i32>,
+    /// `[E/R, R]`: (begin, count) of each source's block among an expert's rows.
+    pub layout_range: Vec<(i32, i32)>,
+    /// `[E/R]`: rows received per local expert.
+    pub recv_count: Vec<i32>,
+    /// Whether the rows are FP8.
+    pub fp8: bool,
+    /// Fingerprint of the `topk_idx` dispatched, so combine can check it gets the same.
+    pub(crate) topk_hash: u64,
+}
+
+/// A low-latency dispatch whose send half ran: pass it to
+/// [`Buffer::low_latency_dispatch_recv`](crate::Buffer::low_latency_dispatch_recv).
+#[derive(Debug)]
+#[must_use = "the dispatch's rows are only received by low_latency_dispatch_recv"]
+pub struct LlPending {
+    pub(crate) buffer_id: u64,
+    pub(crate) seq: u32,
+    pub(crate) buffer: usize,
+    pub(crate) num_tokens: usize,
+    pub(crate) fp8: bool,
+    pub(crate) topk_hash: u64,
+}
+
+/// What a low-latency dispatch returns; slices live until the Buffer's next call.
+#[derive(Debug)]
+pub struct LlDispatchOutput<'b> {
+    /// `[E/R, R*M, H]` rows (rows `..recv_count[e]` of expert `e` are valid); FP8
+    /// scales `[E/R, H/128, R*M]` (column-major in the last two dimensions).
+    pub recv_x: RecvTokens<'b>,
+    /// `[E/R]` valid rows per local expert.
+    pub recv_count: Vec<i32>,
+    /// For combine.
+    pub handle: LlHandle,
+    /// `[R]`: nanoseconds the receive waited for each source's rows.
+    pub wait_ns: Vec<u64>,
+}
+
+/// A low-latency combine whose send half ran: pass it to
+/// [`Buffer::low_latency_combine_recv`](crate::Buffer::low_latency_combine_recv).
+#[derive(Debug)]
+#[must_use = "the combine's rows are only reduced by low_latency_combine_recv"]
+pub struct LlCombinePending {
+    pub(crate) buffer_id: u64,
+    /// The combine's number (its area is `seq % LL_BUFFERS`).
+    pub(crate) seq: u32,
+    pub(crate) num_tokens: usize,
+    pub(crate) topk_idx: Vec<i64>,
+    pub(crate) topk_weights: Vec<f32>,
+    /// `[(token * K + slot, row of y)]`: this rank's own expert outputs, read from `y`.
+    pub(crate) own: Vec<(usize, usize)>,
+    pub(crate) y_len: usize,
+}
+
+impl LlPending {
+    /// The low-latency buffer the dispatch uses.
+    pub fn buffer_index(&self) -> usize {
+        self.buffer
+    }
+}
+
+/// FNV-1a of a routing: cheap, and only guards against passing another step's routing.
+pub(crate) fn fingerprint(topk_idx: &[i64]) -> u64 {
+    topk_idx.iter().fold(0xcbf2_9ce4_8422_2325, |h, &v| {
+        (h ^ v as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}

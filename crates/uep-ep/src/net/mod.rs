@@ -1,0 +1,508 @@
+//! The network path: peers on other nodes, reached through the CPU proxy.
+//!
+//! Kernels never talk to the NIC. For a peer on another node, what a kernel would have
+//! stored into the peer's memory goes into a *packet* instead ([`packet`]): staged in
+//! this rank's registered region, then written by the proxy into the peer's *landing*
+//! area for this rank with one-sided writes, and *announced* by a zero-length write
+//! whose immediate says "one more packet". The receiving proxy applies announcements
+//! strictly in order per peer (the ordering emulation of `uep-proxy`), so once the
+//! receiver's counter for a peer says `k`, `k` packets' bytes have landed, whatever
+//! order the transport delivered the writes in.
+//!
+//! Every rank makes the same collective calls in the same order and each call sends at
+//! most one packet to each peer on another node, so the `k`-th packet from a peer is
+//! the one the `k`-th [`NetPath::recv`] from it expects. Rows that need no unpacking go
+//! straight to their final place at the receiver ([`Write`]s before the announcement),
+//! so a packet carries only what the receiver must read.
+//!
+//! What the EP layer uses of the proxy: one FIFO and one ordered stream per peer,
+//! writes with tail increments, `Quiet` to learn that a staging area may be reused,
+//! and the `NodeLeader` barrier. The proxy's LL partial-completion fence and its
+//! atomics emulation are not used here.
+
+pub mod packet;
+
+use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use uep_bootstrap::ControlPlane;
+use uep_fifo::{Fifo, Slot};
+use uep_proxy::{cmds, CounterLayout, Proxy, ProxyConfig};
+use uep_shm::Region;
+use uep_transport::{
+    FabricOptions, FaultConfig, FaultyTransport, LibfabricTransport, PeerAddr, RegionRef, Transport,
+};
+use uep_wire::BarrierScope;
+
+use crate::area::{Area, Mem};
+use crate::error::{EpError, Result};
+use crate::map::{ControlAreas, NetAreas};
+use crate::topology::Topology;
+use crate::wait::{Peer, Wait};
+
+pub use packet::{Channel, CHANNELS, LL_BUFFERS};
+
+/// The one wire channel: every packet from a peer is announced in one ordered stream.
+const WIRE_CHANNEL: u8 = 0;
+
+/// Default largest single write of a packet: big enough to stream, small enough that
+/// the proxy interleaves peers and the first bytes move while the last are staged.
+pub const DEFAULT_WRITE_BYTES: usize = 1 << 20;
+
+/// How the network path is set up.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NetConfig {
+    /// libfabric options (provider, interface).
+    pub fabric: FabricOptions,
+    /// Proxy threads, FIFOs, flow control.
+    pub proxy: ProxyConfig,
+    /// Wrap every transport in a fault injector (tests and soak runs).
+    pub faults: Option<FaultConfig>,
+    /// Largest write a packet is cut into (a multiple of 16). Packets batch every token
+    /// bound for a peer; a token row's size here sends one write per row instead, as an
+    /// unbatched design would (`uep bench --net-write-bytes` compares them).
+    pub write_bytes: usize,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        NetConfig {
+            fabric: FabricOptions::from_env(),
+            proxy: ProxyConfig::default(),
+            faults: None,
+            write_bytes: DEFAULT_WRITE_BYTES,
+        }
+    }
+}
+
+/// A one-sided write from this rank's region to the same-layout region of a peer,
+/// validated once: equal lengths, 16-byte aligned, inside the region. What
+/// [`NetPath::send`] posts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Write {
+    src: usize,
+    dst: usize,
+    len: usize,
+}
+
+impl Write {
+    /// Write `src` (this rank's region) to `dst` (the peer's), in a region of
+    /// `region_len` bytes.
+    pub fn new(src: Area<u8>, dst: Area<u8>, region_len: usize) -> Result<Write> {
+        let align = uep_wire::OFFSET_ALIGN as usize;
+        if src.len() != dst.len()
+            || src.offset() % align != 0
+            || dst.offset() % align != 0
+            || src.end() > region_len
+            || dst.end() > region_len
+        {
+            return Err(EpError::internal(format!(
+                "a one-sided write of {src:?} to {dst:?} must have equal lengths, {align}-byte aligned offsets and stay inside the {region_len}-byte region"
+            )));
+        }
+        Ok(Write {
+            src: src.offset(),
+            dst: dst.offset(),
+            len: src.len(),
+        })
+    }
+
+    /// Bytes written.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is written.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A staging area that is free to fill: the packet last sent from it has left.
+/// Only [`NetPath::stage`] makes one, and [`NetPath::send`] consumes it.
+#[derive(Debug)]
+pub struct Staged {
+    ch: Channel,
+    dst: usize,
+    /// When the call that staged it gives up (a full FIFO makes `send` wait).
+    deadline: Instant,
+    /// Where to write the packet.
+    pub area: Area<u8>,
+}
+
+/// The Quiet pushed after a packet: its FIFO, the proxy thread and the slot.
+type PendingQuiet = (Arc<Fifo>, usize, Slot);
+
+/// This rank's network path: its proxy, what it has in flight, and what it expects.
+pub struct NetPath {
+    proxy: Proxy,
+    region: Region,
+    areas: NetAreas,
+    me: usize,
+    num_ranks: usize,
+    threads: usize,
+    fifos_per_thread: usize,
+    /// `[channel][dst]`: the Quiet that follows the last packet staged there.
+    quiets: RefCell<Vec<Option<PendingQuiet>>>,
+    /// Largest single write (see [`NetConfig::write_bytes`]).
+    write_bytes: usize,
+    /// `[src]`: packets received so far (the next [`NetPath::recv`] expects one more).
+    received: Vec<Cell<u64>>,
+    /// Faults the injectors of all threads have injected so far.
+    faults: Arc<AtomicU64>,
+    /// Packet bytes handed to the proxy so far.
+    sent_bytes: Cell<u64>,
+    /// Whether this rank has told the other nodes that it failed.
+    abort_sent: Cell<bool>,
+}
+
+impl std::fmt::Debug for NetPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetPath")
+            .field("me", &self.me)
+            .field("threads", &self.threads)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NetPath {
+    /// Register `region`, connect one endpoint per proxy thread to the same thread of
+    /// every peer (addresses exchanged over the control plane), and start the proxy.
+    /// Collective.
+    pub fn start(
+        cp: &dyn ControlPlane,
+        topo: Topology,
+        region: &Region,
+        areas: NetAreas,
+        cfg: &NetConfig,
+    ) -> Result<NetPath> {
+        let (me, num_ranks) = (topo.rank, topo.num_ranks);
+        let threads = cfg.proxy.threads.max(1);
+        let faults = Arc::new(AtomicU64::new(0));
+        let transport_err = |context: String| {
+            move |source| EpError::Transport {
+                context: context.clone(),
+                source: Box::new(source),
+            }
+        };
+        let mut transports: Vec<Box<dyn Transport>> = Vec::with_capacity(threads);
+        for t in 0..threads {
+            let registered = RegionRef::from_shm(region)
+                .map_err(transport_err(format!("rank {me}: registering memory")))?;
+            let mut tr: Box<dyn Transport> = Box::new(
+                LibfabricTransport::new(&cfg.fabric, registered)
+                    .map_err(transport_err(format!("rank {me}: opening libfabric")))?,
+            );
+            let addrs = cp.all_gather(&tr.local_addr().0)?;
+            let peers: Vec<PeerAddr> = addrs
+                .into_iter()
+                .enumerate()
+                .map(|(r, a)| PeerAddr(if r == me { Vec::new() } else { a }))
+                .collect();
+            tr.connect(&peers).map_err(transport_err(format!(
+                "rank {me}: connecting proxy thread {t}"
+            )))?;
+            if let Some(f) = &cfg.faults {
+                let f = FaultConfig {
+                    seed: f.seed ^ ((me * threads + t) as u64 * 0x9e37_79b9),
+                    ..f.clone()
+                };
+                let faulty = FaultyTransport::new(tr, f)
+                    .map_err(transport_err(format!("rank {me}: fault injector")))?;
+                tr = Box::new(faulty.mirror_injected(faults.clone()));
+            }
+            transports.push(tr);
+        }
+        let counters = CounterLayout {
+            num_ranks,
+            tail_base: areas.tails.offset() as u64,
+            num_channels: 1,
+            // LL fences and atomics are not used by this layer: packets are ordered per
+            // peer by the tail stream alone.
+            ll_base: areas.proxy_counters.offset() as u64,
+            num_local_experts: 0,
+            barrier_base: areas.proxy_counters.offset() as u64,
+            atomic_base: areas.proxy_counters.offset() as u64,
+            num_atomic_slots: 0,
+        };
+        let mut proxy_cfg = cfg.proxy.clone();
+        // The leader barrier needs to know who leads each node.
+        proxy_cfg.ranks_per_node = Some(topo.ranks_per_node);
+        let proxy = Proxy::start(
+            me,
+            num_ranks,
+            proxy_cfg,
+            region.clone(),
+            counters,
+            transports,
+        )
+        .map_err(|source| EpError::Proxy {
+            rank: me,
+            source: Box::new(source),
+        })?;
+        Ok(NetPath {
+            proxy,
+            region: region.clone(),
+            areas,
+            me,
+            num_ranks,
+            threads,
+            fifos_per_thread: cfg.proxy.fifos_per_thread.max(1),
+            quiets: RefCell::new(vec![None; CHANNELS * num_ranks]),
+            write_bytes: (cfg.write_bytes.max(16) / 16 * 16)
+                .min(uep_wire::MAX_WRITE_LEN as usize / 16 * 16),
+            received: (0..num_ranks).map(|_| Cell::new(0)).collect(),
+            faults,
+            sent_bytes: Cell::new(0),
+            abort_sent: Cell::new(false),
+        })
+    }
+
+    /// The areas this path owns.
+    pub fn areas(&self) -> &NetAreas {
+        &self.areas
+    }
+
+    /// The FIFO that carries everything for `dst` (one, so that it stays ordered).
+    fn fifo_of(&self, dst: usize) -> Result<(usize, Arc<Fifo>)> {
+        let (t, i) = (
+            dst % self.threads,
+            (dst / self.threads) % self.fifos_per_thread,
+        );
+        let fifo = self
+            .proxy
+            .fifo(t, i)
+            .map_err(|source| EpError::Proxy {
+                rank: self.me,
+                source: Box::new(source),
+            })?
+            .clone();
+        Ok((t, fifo))
+    }
+
+    /// The staging area of (`ch`, `dst`), once the packet last sent from it has left.
+    pub fn stage(&self, ch: Channel, dst: usize, wait: &Wait<'_>) -> Result<Staged> {
+        let area = self.areas.staging(ch, dst)?;
+        let pending = self.quiets.borrow_mut()[ch.index() * self.num_ranks + dst].take();
+        if let Some((fifo, i, slot)) = pending {
+            // Our own proxy's progress: a peer's abort does not end it early.
+            self.wait_consumed(&fifo, slot, &wait.ignoring_abort(), &|| {
+                format!(
+                    "rank {}: waiting for the proxy to finish sending a {ch:?} packet to rank {dst} (FIFO of thread {i}, slot {})",
+                    self.me, slot.0
+                )
+            })?;
+        }
+        Ok(Staged {
+            ch,
+            dst,
+            deadline: wait.deadline,
+            area,
+        })
+    }
+
+    /// Wait until the proxy has popped `slot` of `fifo` (a Quiet or Barrier pops only
+    /// once done).
+    fn wait_consumed(
+        &self,
+        fifo: &Fifo,
+        slot: Slot,
+        wait: &Wait<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        wait.until(None, what, &|| "the command is still queued".into(), || {
+            fifo.is_consumed(slot).then_some(())
+        })
+    }
+
+    /// Send the first `len` bytes of `staged` into the peer's landing area for this
+    /// rank, after the `direct` writes, and announce all of it. Returns at once; the
+    /// next [`NetPath::stage`] of the same area waits for the bytes to leave.
+    pub fn send(&self, staged: Staged, len: usize, direct: &[Write]) -> Result<()> {
+        let Staged {
+            ch,
+            dst,
+            deadline,
+            area,
+        } = staged;
+        let landing = self.areas.landing(ch, self.me)?;
+        let packet = Write::new(area.prefix(len)?, landing.prefix(len)?, self.region.len())?;
+        let (t, fifo) = self.fifo_of(dst)?;
+        let me = self.me;
+        let push = |cmd| {
+            fifo.push(cmd, deadline).map_err(|e| EpError::Timeout {
+                what: format!("rank {me}: sending a {ch:?} packet to rank {dst}"),
+                detail: format!("the FIFO of proxy thread {t} stayed full ({e})"),
+                waited: self.proxy.config().timeout,
+            })
+        };
+        let encode = |r: uep_proxy::Result<uep_wire::TransferCmd>| {
+            r.map_err(|e| EpError::internal(format!("rank {me}: encoding a validated write: {e}")))
+        };
+        let mut sent = 0;
+        for w in direct.iter().chain([&packet]) {
+            let mut off = 0;
+            while off < w.len {
+                let n = self.write_bytes.min(w.len - off);
+                push(encode(cmds::normal_write(
+                    dst,
+                    (w.src + off) as u64,
+                    (w.dst + off) as u64,
+                    n as u32,
+                    WIRE_CHANNEL,
+                    0,
+                ))?)?;
+                off += n;
+            }
+            sent += w.len;
+        }
+        push(encode(cmds::normal_write(
+            dst,
+            packet.src as u64,
+            packet.dst as u64,
+            0,
+            WIRE_CHANNEL,
+            1,
+        ))?)?;
+        let slot = push(cmds::quiet())?;
+        // An idle proxy thread sleeps up to `ProxyConfig::max_park` (1 ms) between
+        // looks at its FIFOs: wake it, so the packet leaves now.
+        self.proxy.wake_thread(t);
+        self.sent_bytes.set(self.sent_bytes.get() + sent as u64);
+        self.quiets.borrow_mut()[ch.index() * self.num_ranks + dst] = Some((fifo, t, slot));
+        Ok(())
+    }
+
+    /// Wait for the next packet from `src` and return the landing area of `ch` it is
+    /// in. `what()` names who waits for what.
+    pub fn recv(
+        &self,
+        ch: Channel,
+        src: usize,
+        wait: &Wait<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<Area<u8>> {
+        let target = self.received[src].get() + 1;
+        let counter = self.region.word(self.areas.tails, src)?;
+        // Every peer sends to this rank through its proxy thread `rank % threads`, whose
+        // endpoint talks to the same thread here: keep that one polling while we wait.
+        let _watch = self.proxy.watch_arrivals(self.me % self.threads);
+        let peer = Peer {
+            rank: src,
+            region: None,
+        };
+        wait.at_least(counter, target, Some(peer), what)?;
+        self.received[src].set(target);
+        self.areas.landing(ch, src)
+    }
+
+    /// Meet the other nodes' leaders: the proxy's `NodeLeader` barrier number `seq`,
+    /// which pops once every leader's barrier message of that number has arrived.
+    pub fn barrier(&self, seq: u64, wait: &Wait<'_>) -> Result<()> {
+        let me = self.me;
+        let fifo = self.proxy.fifo(0, 0).map_err(|source| EpError::Proxy {
+            rank: me,
+            source: Box::new(source),
+        })?;
+        let what = || format!("rank {me}: barrier {seq}: waiting for the other nodes' leaders");
+        // Barrier numbers wrap at 2^32 here; seq 0 is reserved, and never reached first.
+        let cmd = cmds::barrier(BarrierScope::NodeLeader, (seq as u32).max(1))
+            .map_err(|e| EpError::internal(format!("rank {me}: {e}")))?;
+        let slot = fifo
+            .push(cmd, wait.deadline)
+            .map_err(|e| EpError::Timeout {
+                what: what(),
+                detail: format!("FIFO 0.0 stayed full: {e}"),
+                waited: self.proxy.config().timeout,
+            })?;
+        // Barrier messages arrive at thread 0 too: keep it polling until it pops.
+        let _watch = self.proxy.watch_arrivals(0);
+        self.proxy.wake_thread(0);
+        self.wait_consumed(fifo, slot, wait, &what)
+    }
+
+    /// Tell every rank in `peers` (all on other nodes) that this rank failed, once: its
+    /// message slot, then, after those writes completed, its abort word (staged at
+    /// `abort_src`, holding `me + 1`), each written to the same place of the peer's
+    /// region. A peer's waits watch that word, so they stop now instead of at their
+    /// deadline. Best effort on a failing path: gives up at `wait`'s deadline.
+    pub fn send_abort(
+        &self,
+        control: &ControlAreas,
+        peers: &[usize],
+        wait: &Wait<'_>,
+    ) -> Result<()> {
+        if self.abort_sent.replace(true) {
+            return Ok(());
+        }
+        let me = self.me;
+        self.region
+            .word(self.areas.abort_src, 0)?
+            .store(me as u64 + 1, Ordering::Release);
+        let msg = control.abort_msg_of(me)?;
+        let phases = [
+            Write::new(msg, msg, self.region.len())?,
+            Write::new(
+                self.areas.abort_src.cast(),
+                control.abort.prefix(1)?.cast(),
+                self.region.len(),
+            )?,
+        ];
+        let wait = wait.ignoring_abort();
+        for w in phases {
+            let mut quiets = Vec::with_capacity(peers.len());
+            for &dst in peers {
+                let (t, fifo) = self.fifo_of(dst)?;
+                let cmd = cmds::normal_write(
+                    dst,
+                    w.src as u64,
+                    w.dst as u64,
+                    w.len as u32,
+                    WIRE_CHANNEL,
+                    0,
+                )
+                .map_err(|e| EpError::internal(format!("rank {me}: {e}")))?;
+                let push = |cmd| {
+                    fifo.push(cmd, wait.deadline).map_err(|e| {
+                        EpError::internal(format!("rank {me}: abort to rank {dst}: {e}"))
+                    })
+                };
+                push(cmd)?;
+                quiets.push((fifo.clone(), push(cmds::quiet())?));
+                self.proxy.wake_thread(t);
+            }
+            // The word must not land before the message it points to.
+            for (fifo, slot) in quiets {
+                self.wait_consumed(&fifo, slot, &wait, &|| {
+                    format!("rank {me}: telling the other nodes that this rank failed")
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether [`NetPath::send_abort`] ran.
+    pub fn abort_sent(&self) -> bool {
+        self.abort_sent.get()
+    }
+
+    /// Packet bytes handed to the proxy so far.
+    pub fn sent_bytes(&self) -> u64 {
+        self.sent_bytes.get()
+    }
+
+    /// Faults injected so far (0 without `NetConfig::faults`).
+    pub fn faults_injected(&self) -> u64 {
+        self.faults.load(Ordering::Relaxed)
+    }
+
+    /// A fatal error of a proxy thread, if any.
+    pub fn check(&self) -> Result<()> {
+        self.proxy.check().map_err(|source| EpError::Proxy {
+            rank: self.me,
+            source: Box::new(source),
+        })
+    }
+}

@@ -1,0 +1,367 @@
+//! Normal combine: send → publish → relay → gather → reduce.
+
+#![allow(unsafe_code)]
+
+use std::sync::atomic::Ordering;
+
+use half::bf16;
+
+use super::{CombineArgs, CombineOutput, NormalHandle};
+use crate::area::Mem;
+use crate::buffer::Buffer;
+use crate::error::Result;
+use crate::invalid;
+use crate::map::NormalAreas;
+use crate::net::packet::{Channel, CombinePacket};
+use crate::quant::reduce_rows;
+use crate::wait::Wait;
+
+/// Where the rows for each of this rank's tokens came back: per contributing rank, its
+/// row (this rank's own in `x`, a same-node rank's in the combine rows, another node's
+/// partial where its packet landed).
+struct Gathered<'a> {
+    /// `[R, T, H]` combine rows from the node's ranks.
+    rows: &'a [u16],
+    /// `[R, T, K]` weights beside them.
+    wrows: &'a [f32],
+    /// `[relay rank]`: each token's row in that relay's packet (empty: not a relay).
+    packet_row: Vec<Vec<usize>>,
+    /// `[relay rank]`: the packet's rows and weights.
+    partial_x: Vec<&'a [u16]>,
+    partial_w: Vec<&'a [f32]>,
+}
+
+impl Buffer {
+    /// Normal combine: every received row back to its source, summed there per token.
+    /// `x` is `[rows, H]` bf16 (rows past the received count are ignored), `topk_weights`
+    /// `[rows, K]`. Collective.
+    pub fn combine(
+        &mut self,
+        x: &[bf16],
+        topk_weights: Option<&[f32]>,
+        handle: &NormalHandle,
+    ) -> Result<CombineOutput> {
+        let (h, k) = match self.map.normal {
+            Some(a) => (a.shape.hidden, a.shape.topk),
+            None => (0, 0),
+        };
+        let t_n = handle.num_tokens;
+        let mut combined_x = vec![bf16::ZERO; t_n * h];
+        let mut combined_w = topk_weights.map(|_| vec![0f32; t_n * k]);
+        let args = CombineArgs {
+            topk_weights,
+            ..Default::default()
+        };
+        self.combine_into(x, args, handle, &mut combined_x, combined_w.as_deref_mut())?;
+        Ok(CombineOutput {
+            combined_x,
+            combined_topk_weights: combined_w,
+        })
+    }
+
+    /// [`Buffer::combine`] into caller-owned outputs (`[T, H]` and `[T, K]`), so a loop
+    /// of steps allocates nothing, with DeepEP's biases (`args.bias`).
+    pub fn combine_into(
+        &mut self,
+        x: &[bf16],
+        args: CombineArgs<'_>,
+        handle: &NormalHandle,
+        combined_x: &mut [bf16],
+        combined_topk_weights: Option<&mut [f32]>,
+    ) -> Result<()> {
+        self.collective(|b| b.combine_call(x, &args, handle, combined_x, combined_topk_weights))
+    }
+
+    fn combine_call(
+        &mut self,
+        x: &[bf16],
+        args: &CombineArgs<'_>,
+        handle: &NormalHandle,
+        combined_x: &mut [bf16],
+        combined_w: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let areas = self.normal_areas()?;
+        self.check_combine(&areas, x, args, handle, combined_x, combined_w.as_deref())?;
+        self.seq.combine = self.seq.combine.wrapping_add(1);
+        let seq = self.seq.combine;
+        let wait = self.wait();
+        self.send_rows(&areas, x, args, handle)?;
+        self.publish_rows(seq)?;
+        self.relay_combine(seq, &areas, handle, x, args, &wait)?;
+        let gathered = self.gather(seq, &areas, handle, &wait)?;
+        self.reduce(&areas, handle, &gathered, x, args, combined_x, combined_w)
+    }
+
+    fn check_combine(
+        &self,
+        areas: &NormalAreas,
+        x: &[bf16],
+        args: &CombineArgs<'_>,
+        handle: &NormalHandle,
+        combined_x: &[bf16],
+        combined_w: Option<&[f32]>,
+    ) -> Result<()> {
+        let (h, k) = (areas.shape.hidden, areas.shape.topk);
+        let (n, t_n) = (handle.num_recv_tokens, handle.num_tokens);
+        if handle.buffer_id != self.id {
+            return Err(invalid!(
+                "the handle was made by another Buffer (or another rank)"
+            ));
+        }
+        if x.len() != n * h && x.len() != handle.num_rows * h {
+            return Err(invalid!(
+                "combine x has {} values, expected [rows = {n}, hidden = {h}]",
+                x.len()
+            ));
+        }
+        if combined_x.len() != t_n * h || combined_w.is_some_and(|w| w.len() != t_n * k) {
+            return Err(invalid!(
+                "combine outputs have {} and {:?} values; expected [tokens = {t_n}, hidden = {h}] = {} and [tokens, topk = {k}] = {}",
+                combined_x.len(),
+                combined_w.map(<[f32]>::len),
+                t_n * h,
+                t_n * k
+            ));
+        }
+        if let Some(w) = args.topk_weights {
+            if w.len() != n * k && w.len() != handle.num_rows * k {
+                return Err(invalid!(
+                    "combine topk_weights has {} values, expected [rows = {n}, topk = {k}]",
+                    w.len()
+                ));
+            }
+        }
+        for (i, b) in args.bias.iter().enumerate() {
+            if let Some(b) = b {
+                if b.len() != t_n * h {
+                    return Err(invalid!(
+                        "combine bias {i} has {} values, expected [tokens = {t_n}, hidden = {h}]",
+                        b.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Phase 1, send: each received row back towards its source: into the source's
+    /// `[this rank][token]` slot on this node, or, for a source on another node, into
+    /// the `[source node][this rank][token]` relay slot of the rank of this node that
+    /// relays it. Rows this rank reduces itself (its own tokens, and the tokens it
+    /// relays) stay in `x`.
+    fn send_rows(
+        &self,
+        areas: &NormalAreas,
+        x: &[bf16],
+        args: &CombineArgs<'_>,
+        handle: &NormalHandle,
+    ) -> Result<()> {
+        let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
+        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
+        let src_rank = handle.recv_src_rank(me);
+        let mut sinks = Vec::with_capacity(r_n);
+        for s in 0..r_n {
+            sinks.push(if topo.is_local(s) {
+                (
+                    self.peer_region(s)?,
+                    areas.combine_x.rows(me * t_max..(me + 1) * t_max, h)?,
+                    areas
+                        .combine_weights
+                        .rows(me * t_max..(me + 1) * t_max, k)?,
+                )
+            } else {
+                let slot = topo.node_of(s) * topo.ranks_per_node + topo.local;
+                (
+                    self.peer_region(topo.relay(s, topo.node))?,
+                    areas.relay_x.rows(slot * t_max..(slot + 1) * t_max, h)?,
+                    areas
+                        .relay_weights
+                        .rows(slot * t_max..(slot + 1) * t_max, k)?,
+                )
+            });
+        }
+        let stays = |s: usize| s == me || (!topo.is_local(s) && topo.relay(s, topo.node) == me);
+        self.device.launch(handle.num_recv_tokens, |range| {
+            for i in range {
+                let (s, t) = (src_rank[i] as usize, handle.recv_src_idx[i] as usize);
+                if stays(s) {
+                    continue;
+                }
+                let (region, xs, ws) = &sinks[s];
+                region.put(xs.row(t, h)?.cast::<bf16>(), &x[i * h..(i + 1) * h])?;
+                if let Some(w) = args.topk_weights {
+                    region.put(ws.row(t, k)?, &w[i * k..(i + 1) * k])?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Phase 2, publish: the epoch into every rank of the node (`combine_done`, and
+    /// `relay_done` on several nodes).
+    fn publish_rows(&self, seq: u32) -> Result<()> {
+        let (topo, c) = (self.topo, &self.map.control);
+        for s in topo.node_ranks(topo.node) {
+            let region = self.peer_region(s)?;
+            region
+                .word(c.combine_done, topo.rank)?
+                .store(seq as u64, Ordering::Release);
+            if topo.num_nodes > 1 {
+                region
+                    .word(c.relay_done, topo.rank)?
+                    .store(seq as u64, Ordering::Release);
+            }
+        }
+        Ok(())
+    }
+
+    /// Phase 4, gather: wait for the node's ranks, and for one packet of partial sums
+    /// from each other node (partial row `j` of node `m` is this rank's `j`-th token that
+    /// went to node `m`); the reduction reads each where it landed.
+    fn gather(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        handle: &NormalHandle,
+        wait: &Wait<'_>,
+    ) -> Result<Gathered<'_>> {
+        let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
+        let (h, k) = (areas.shape.hidden, areas.shape.topk);
+        let local = self.symm.local();
+        for src in topo.node_ranks(topo.node) {
+            let what = || {
+                format!(
+                    "rank {me}: combine {seq}: waiting for rank {src}'s rows (combine_done[{src}])"
+                )
+            };
+            let word = local.word(self.map.control.combine_done, src)?;
+            wait.at_least(word, seq as u64, Some(self.peer(src)), &what)?;
+        }
+        let in_rank = &handle.is_token_in_rank;
+        let mut packet_row: Vec<Vec<usize>> = vec![Vec::new(); r_n];
+        let mut partial_x: Vec<&[u16]> = vec![&[]; r_n];
+        let mut partial_w: Vec<&[f32]> = vec![&[]; r_n];
+        for m in topo.remote_nodes() {
+            let relay = topo.relay(me, m);
+            let what = || {
+                format!("rank {me}: combine {seq}: waiting for node {m}'s partial sums from rank {relay}")
+            };
+            let landing = self.net()?.recv(Channel::Combine, relay, wait, &what)?;
+            // (Meaningless for a token that did not go to node m: never read.)
+            let mut j = 0;
+            packet_row[relay] = (0..handle.num_tokens)
+                .map(|t| {
+                    j += in_rank[t * r_n..(t + 1) * r_n][topo.node_ranks(m)].contains(&true)
+                        as usize;
+                    j.wrapping_sub(1)
+                })
+                .collect();
+            let p = CombinePacket::layout(j, h, k).at_base(landing.offset());
+            // SAFETY: the relay's packet was announced (the tail reached it); the relay
+            // writes this landing area again only with its next combine packet, which
+            // follows this rank's next combine.
+            unsafe {
+                partial_x[relay] = self.symm.view(p.x)?;
+                partial_w[relay] = self.symm.view(p.weights)?;
+            }
+        }
+        // SAFETY: the node's ranks published their rows (combine_done = this call's
+        // epoch) and write them again only in their next combine, which follows this
+        // rank's next dispatch.
+        let (rows, wrows) = unsafe {
+            (
+                self.symm.view(areas.combine_x)?,
+                self.symm.view(areas.combine_weights)?,
+            )
+        };
+        Ok(Gathered {
+            rows,
+            wrows,
+            packet_row,
+            partial_x,
+            partial_w,
+        })
+    }
+
+    /// Phase 5, reduce: per token, in f32 and rounded once, the rows of this node's
+    /// ranks and the partial sum of each other node, in rank order (a node's partial in
+    /// the place of the rank that relayed it), then the biases, as the reference does.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(
+        &self,
+        areas: &NormalAreas,
+        handle: &NormalHandle,
+        g: &Gathered<'_>,
+        x: &[bf16],
+        args: &CombineArgs<'_>,
+        combined_x: &mut [bf16],
+        combined_w: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
+        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
+        let in_rank = &handle.is_token_in_rank;
+        let node_hit = |t: usize, m: usize| {
+            in_rank[t * r_n..(t + 1) * r_n][topo.node_ranks(m)].contains(&true)
+        };
+        let parts_of = |t: usize, r: usize| {
+            if topo.is_local(r) {
+                in_rank[t * r_n + r]
+            } else {
+                r == topo.relay(me, topo.node_of(r)) && node_hit(t, topo.node_of(r))
+            }
+        };
+        // Where this rank's own rows for its tokens are in `x`.
+        let mut own_row = vec![usize::MAX; handle.num_tokens];
+        for i in handle.rows_from(me, me) {
+            own_row[handle.recv_src_idx[i] as usize] = i;
+        }
+        let x_bits: &[u16] = bytemuck::cast_slice(x);
+        let bias: Vec<&[u16]> = args
+            .bias
+            .iter()
+            .flatten()
+            .map(|b| bytemuck::cast_slice(b))
+            .collect();
+        self.device.launch_rows(combined_x, h, |first, out| {
+            let mut parts = Vec::with_capacity(r_n + 2);
+            for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
+                parts.clear();
+                for r in (0..r_n).filter(|&r| parts_of(t, r)) {
+                    let row = if r == me {
+                        &x_bits[own_row[t] * h..(own_row[t] + 1) * h]
+                    } else if g.packet_row[r].is_empty() {
+                        &g.rows[(r * t_max + t) * h..(r * t_max + t + 1) * h]
+                    } else {
+                        let j = g.packet_row[r][t];
+                        &g.partial_x[r][j * h..(j + 1) * h]
+                    };
+                    parts.push((row, 1.0));
+                }
+                for b in &bias {
+                    parts.push((&b[t * h..(t + 1) * h], 1.0));
+                }
+                reduce_rows(&parts, false, out_row);
+            }
+            Ok(())
+        })?;
+        if let (Some(out), Some(own_w)) = (combined_w, args.topk_weights) {
+            out.fill(0.0);
+            for (t, out_row) in out.chunks_exact_mut(k).enumerate() {
+                for r in (0..r_n).filter(|&r| parts_of(t, r)) {
+                    let w = if r == me {
+                        &own_w[own_row[t] * k..(own_row[t] + 1) * k]
+                    } else if g.packet_row[r].is_empty() {
+                        &g.wrows[(r * t_max + t) * k..(r * t_max + t + 1) * k]
+                    } else {
+                        let j = g.packet_row[r][t];
+                        &g.partial_w[r][j * k..(j + 1) * k]
+                    };
+                    for (a, &b) in out_row.iter_mut().zip(w) {
+                        *a += b;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

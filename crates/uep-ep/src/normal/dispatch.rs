@@ -1,0 +1,794 @@
+//! Normal dispatch: notify → plan → pack → publish → relay → finish.
+
+#![allow(unsafe_code)]
+
+use std::borrow::Cow;
+use std::sync::atomic::Ordering;
+
+use uep_shm::Region;
+
+use super::{column_sum, localize, DispatchArgs, DispatchOutput, NormalHandle, Relayed};
+use crate::area::{Area, Mem};
+use crate::buffer::Buffer;
+use crate::config::Shape;
+use crate::error::{EpError, Result};
+use crate::invalid;
+use crate::layout::{get_dispatch_layout, DispatchLayout};
+use crate::map::NormalAreas;
+use crate::net::packet::{
+    Channel, DispatchHeader, DispatchPacket, NotifyHead, NotifyPacket, RowFormat,
+};
+use crate::net::{Staged, Write};
+use crate::tokens::RecvTokens;
+use crate::wait::Wait;
+
+/// The routing one dispatch works with, whichever way it was given.
+struct Routing<'a> {
+    in_rank: Cow<'a, [bool]>,
+    per_rank: Cow<'a, [i32]>,
+    per_expert: Cow<'a, [i32]>,
+}
+
+impl<'a> Routing<'a> {
+    fn of_layout(layout: Cow<'a, DispatchLayout>) -> Self {
+        match layout {
+            Cow::Borrowed(l) => Routing {
+                in_rank: l.is_token_in_rank.as_slice().into(),
+                per_rank: l.num_tokens_per_rank.as_slice().into(),
+                per_expert: l.num_tokens_per_expert.as_slice().into(),
+            },
+            Cow::Owned(l) => Routing {
+                in_rank: l.is_token_in_rank.into(),
+                per_rank: l.num_tokens_per_rank.into(),
+                per_expert: l.num_tokens_per_expert.into(),
+            },
+        }
+    }
+}
+
+/// What the notify phase gathered: every rank's counts.
+struct Counts {
+    /// `[R, R]`: tokens rank `s` sends to rank `r`.
+    matrix: Vec<u32>,
+    /// `[E/R]`: (token, slot) pairs each local expert receives (from the senders' counts).
+    recv_per_expert: Vec<usize>,
+    /// `[R]`: tokens each rank dispatches.
+    tokens: Vec<u32>,
+}
+
+impl Counts {
+    /// Where rows from rank `upto` start among rank `r`'s received rows.
+    fn column_sum(&self, upto: usize, r: usize) -> usize {
+        column_sum(&self.matrix, self.tokens.len(), upto, r)
+    }
+}
+
+/// Where dispatch sends a token: a rank of this node, or another node (through the rank
+/// there that relays for this one).
+#[derive(Clone, Copy, Debug)]
+enum Dest {
+    Rank(usize),
+    Node(usize),
+}
+
+/// Where one destination's rows go: a same-node rank's output areas (from this
+/// source's first row there), or the staged packet for another node.
+struct RowSink<'a> {
+    region: &'a Region,
+    x: Area<u8>,
+    scales: Area<f32>,
+    topk: Area<i64>,
+    weights: Area<f32>,
+    src: Area<i32>,
+    /// Node packets only.
+    mask: Area<u64>,
+    direct_x: Area<u8>,
+    direct_scales: Area<f32>,
+}
+
+/// The plan of one dispatch: destinations, which tokens go where, and where each kernel
+/// thread's rows start.
+struct Plan<'a> {
+    dests: Vec<Dest>,
+    /// `[T][dest]`: the token goes there.
+    hit: Vec<bool>,
+    /// `[T][dest]`: the token goes straight to the relay's output rows.
+    direct: Vec<bool>,
+    /// `[chunk][dest]`: (tokens, direct tokens) before the chunk's first token.
+    chunk_start: Vec<(usize, usize)>,
+    per_chunk: usize,
+    /// `[dest]`: (tokens, direct tokens) in all.
+    totals: Vec<(usize, usize)>,
+    sinks: Vec<RowSink<'a>>,
+    /// `[dest]`: the staging area of a node's packet.
+    staged: Vec<Option<Staged>>,
+    /// `[R]`: this source's first row in each rank's output.
+    out_base: Vec<usize>,
+    fmt: RowFormat,
+    fp8: bool,
+    with_topk: bool,
+    with_weights: bool,
+}
+
+/// Whether rows starting at row `at` of a bank are 16-byte aligned (x and scales), as a
+/// one-sided write needs.
+fn rows_aligned(at: usize, fmt: RowFormat) -> bool {
+    (at * fmt.row_bytes) % 16 == 0 && (at * fmt.groups * 4) % 16 == 0
+}
+
+impl Plan<'_> {
+    fn packet(&self, d: usize) -> DispatchPacket {
+        let (n, n_direct) = self.totals[d];
+        DispatchPacket::layout(n, n_direct, self.fmt)
+    }
+}
+
+impl Buffer {
+    /// The normal-mode shape, if this Buffer has one.
+    pub(crate) fn normal_areas(&self) -> Result<NormalAreas> {
+        self.map.normal.ok_or_else(|| {
+            invalid!("this Buffer has no normal-mode buffers (its config has no normal shape)")
+        })
+    }
+
+    /// Compute the dispatch layout of `topk_idx` (`[T, K]`) for this Buffer's ranks and
+    /// normal-mode experts.
+    pub fn get_dispatch_layout(&self, topk_idx: &[i64]) -> Result<DispatchLayout> {
+        let s = self.normal_areas()?.shape;
+        get_dispatch_layout(
+            topk_idx,
+            s.topk,
+            s.num_experts,
+            self.topo.num_ranks,
+            self.topo.ranks_per_node,
+        )
+    }
+
+    /// Normal dispatch: every token once to every rank hosting one of its experts.
+    /// Collective. Bad input is rejected before anything is sent, and peers are told.
+    /// If any rank dispatches more tokens than the Buffer's `max_tokens`, every rank
+    /// returns [`EpError::Capacity`] and the Buffer stays usable.
+    pub fn dispatch(&mut self, args: DispatchArgs<'_>) -> Result<DispatchOutput<'_>> {
+        let handle = self.collective(|b| b.dispatch_call(&args))?;
+        self.dispatch_output(handle)
+    }
+
+    fn dispatch_call(&mut self, args: &DispatchArgs<'_>) -> Result<NormalHandle> {
+        let areas = self.normal_areas()?;
+        let routing = self.check_dispatch(args, areas.shape)?;
+        let t_n = args.x.num_tokens(areas.shape.hidden)?;
+        self.seq.dispatch = self.seq.dispatch.wrapping_add(1);
+        let seq = self.seq.dispatch;
+        // Peers write this call's bank once they have its notify: outputs of the call
+        // before the last that someone still holds must leave it first.
+        if let Some(banks) = &mut self.banks.normal {
+            banks[(seq % 2) as usize].reclaim()?;
+        }
+        let wait = self.wait();
+        let counts = self.notify(seq, &areas, &routing, t_n, &wait)?;
+        self.check_room(&counts, &areas, args)?;
+        let mut plan = self.plan(seq, &areas, &counts, &routing, args, t_n, &wait)?;
+        self.pack(&plan, &areas, args, &routing, t_n)?;
+        self.publish(seq, &areas, &mut plan)?;
+        let relay = self.relay_dispatch(seq, &areas, &counts.matrix, &wait)?;
+        self.finish(seq, &areas, counts, routing, relay, &plan, args, t_n, &wait)
+    }
+
+    /// Validate a dispatch before anything is sent.
+    fn check_dispatch<'a>(&self, args: &DispatchArgs<'a>, shape: Shape) -> Result<Routing<'a>> {
+        let (r_n, k, h) = (self.topo.num_ranks, shape.topk, shape.hidden);
+        let t_n = args.x.num_tokens(h)?;
+        if args.num_worst_tokens > r_n * shape.max_tokens {
+            return Err(invalid!(
+                "num_worst_tokens = {} exceeds the Buffer's receive rows (ranks * num_max_dispatch_tokens_per_rank = {})",
+                args.num_worst_tokens,
+                r_n * shape.max_tokens
+            ));
+        }
+        if args.expert_alignment == 0 {
+            return Err(invalid!("expert_alignment must be at least 1"));
+        }
+        if let Some(w) = args.topk_weights {
+            if args.topk_idx.is_none() {
+                return Err(invalid!("topk_weights were given without topk_idx"));
+            }
+            if w.len() != t_n * k {
+                return Err(invalid!(
+                    "topk_weights has {} values, expected [tokens = {t_n}, topk = {k}]",
+                    w.len()
+                ));
+            }
+        }
+        if let Some(handle) = args.handle {
+            if handle.buffer_id != self.id {
+                return Err(invalid!(
+                    "the handle was made by another Buffer (or another rank)"
+                ));
+            }
+            if args.topk_idx.is_some() || args.layout.is_some() {
+                return Err(invalid!(
+                    "a cached dispatch reuses the handle's routing: pass no topk_idx and no layout"
+                ));
+            }
+            if handle.num_tokens != t_n {
+                return Err(invalid!(
+                    "the handle routes {} tokens but x has {t_n}",
+                    handle.num_tokens
+                ));
+            }
+            return Ok(Routing {
+                in_rank: handle.is_token_in_rank.as_slice().into(),
+                per_rank: handle.num_tokens_per_rank.as_slice().into(),
+                per_expert: handle.num_tokens_per_expert.as_slice().into(),
+            });
+        }
+        if let Some(idx) = args.topk_idx {
+            if idx.len() != t_n * k {
+                return Err(invalid!(
+                    "topk_idx has {} values, expected [tokens = {t_n}, topk = {k}]",
+                    idx.len()
+                ));
+            }
+        }
+        let layout = match (args.layout, args.topk_idx) {
+            (Some(layout), idx) => {
+                if layout.num_tokens != t_n
+                    || layout.num_ranks != r_n
+                    || layout.num_experts != shape.num_experts
+                {
+                    return Err(invalid!(
+                        "the layout is for {} tokens, {} ranks, {} experts; this call has {t_n}, {r_n}, {}",
+                        layout.num_tokens,
+                        layout.num_ranks,
+                        layout.num_experts,
+                        shape.num_experts
+                    ));
+                }
+                if let Some(idx) = idx {
+                    // Validates the ids too, and proves the layout belongs to them.
+                    let own = self.get_dispatch_layout(idx)?;
+                    if own.is_token_in_rank != layout.is_token_in_rank {
+                        return Err(invalid!(
+                            "the layout was computed from a different topk_idx"
+                        ));
+                    }
+                }
+                Cow::Borrowed(layout)
+            }
+            (None, Some(idx)) => Cow::Owned(self.get_dispatch_layout(idx)?),
+            (None, None) => {
+                return Err(invalid!(
+                    "dispatch needs topk_idx, a layout, or a cached handle"
+                ))
+            }
+        };
+        Ok(Routing::of_layout(layout))
+    }
+
+    /// Phase 1, notify: this rank's counts into every same-node peer's slot and a packet
+    /// to every other node; then every rank's counts.
+    fn notify(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        routing: &Routing<'_>,
+        t_n: usize,
+        wait: &Wait<'_>,
+    ) -> Result<Counts> {
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (e_n, epr) = (areas.shape.num_experts, areas.shape.experts_per_rank(r_n));
+        let parity = (seq % 2) as usize;
+        let mut mine: Vec<u32> = Vec::with_capacity(r_n + e_n);
+        mine.extend(routing.per_rank.iter().map(|&c| c as u32));
+        mine.extend(routing.per_expert.iter().map(|&c| c as u32));
+        let head = NotifyHead {
+            tokens: t_n as u32,
+            flags: 0,
+        };
+        let local = self.symm.local();
+        for peer in 0..r_n {
+            if self.topo.is_local(peer) {
+                let slot = areas.notify_slot(parity, me, r_n)?;
+                let region = self.peer_region(peer)?;
+                region.put(slot.counts, &mine)?;
+                region.put(slot.head, &[head])?;
+                region
+                    .word(slot.epoch, 0)?
+                    .store(seq as u64, Ordering::Release);
+            } else {
+                let net = self.net()?;
+                let staged = net.stage(Channel::Notify, peer, wait)?;
+                let p = NotifyPacket::layout(r_n, e_n);
+                let at = p.head.at_base(staged.area.offset());
+                local.put(at, &[head])?;
+                local.put(p.counts.at_base(staged.area.offset()), &mine)?;
+                net.send(staged, p.len, &[])?;
+            }
+        }
+        let mut counts = Counts {
+            matrix: vec![0u32; r_n * r_n],
+            recv_per_expert: vec![0usize; epr],
+            tokens: vec![0u32; r_n],
+        };
+        let mut row = vec![0u32; r_n + e_n];
+        let mut head = [NotifyHead::default()];
+        for src in 0..r_n {
+            let what = || {
+                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s token counts (notify[{parity}][{src}])")
+            };
+            let (head_at, counts_at) = if self.topo.is_local(src) {
+                let slot = areas.notify_slot(parity, src, r_n)?;
+                wait.at_least(
+                    local.word(slot.epoch, 0)?,
+                    seq as u64,
+                    Some(self.peer(src)),
+                    &what,
+                )?;
+                (slot.head, slot.counts)
+            } else {
+                let landing = self.net()?.recv(Channel::Notify, src, wait, &what)?;
+                let p = NotifyPacket::layout(r_n, e_n);
+                (
+                    p.head.at_base(landing.offset()),
+                    p.counts.at_base(landing.offset()),
+                )
+            };
+            local.get(head_at, &mut head)?;
+            local.get(counts_at, &mut row)?;
+            counts.tokens[src] = head[0].tokens;
+            counts.matrix[src * r_n..(src + 1) * r_n].copy_from_slice(&row[..r_n]);
+            for (le, n) in counts.recv_per_expert.iter_mut().enumerate() {
+                *n += row[r_n + me * epr + le] as usize;
+            }
+        }
+        Ok(counts)
+    }
+
+    /// After notify, every rank knows every rank's tokens: if one dispatches more than
+    /// the Buffer holds, all stop here together, before any row moves.
+    fn check_room(
+        &self,
+        counts: &Counts,
+        areas: &NormalAreas,
+        args: &DispatchArgs<'_>,
+    ) -> Result<()> {
+        let max = areas.shape.max_tokens;
+        if let Some((src, &n)) = counts
+            .tokens
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, &n)| n)
+            .filter(|(_, &n)| n as usize > max)
+        {
+            return Err(EpError::Capacity {
+                what: format!(
+                    "rank {src} dispatches {n} tokens, more than num_max_dispatch_tokens_per_rank = {max} (seen by rank {}); make a Buffer with room for {n}",
+                    self.topo.rank
+                ),
+                tokens: n as usize,
+            });
+        }
+        let num_recv = counts.column_sum(self.topo.num_ranks, self.topo.rank);
+        if args.num_worst_tokens > 0 && args.num_worst_tokens < num_recv {
+            return Err(invalid!(
+                "rank {} receives {num_recv} tokens, more than num_worst_tokens = {}",
+                self.topo.rank,
+                args.num_worst_tokens
+            ));
+        }
+        Ok(())
+    }
+
+    /// Phase 2, plan: destinations, which tokens go where, where each kernel thread's
+    /// rows start, and the areas they land in (staging the other nodes' packets).
+    #[allow(clippy::too_many_arguments)]
+    fn plan(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        counts: &Counts,
+        routing: &Routing<'_>,
+        args: &DispatchArgs<'_>,
+        t_n: usize,
+        wait: &Wait<'_>,
+    ) -> Result<Plan<'_>> {
+        let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
+        let (h, k) = (areas.shape.hidden, areas.shape.topk);
+        let fp8 = args.x.is_fp8();
+        let with_topk = args.handle.is_none() && args.topk_idx.is_some();
+        let with_weights = with_topk && args.topk_weights.is_some();
+        let groups = h / 128;
+        let fmt = RowFormat {
+            row_bytes: args.x.row_bytes(h),
+            groups: if fp8 { groups } else { 0 },
+            topk: if with_topk { k } else { 0 },
+            weights: if with_weights { k } else { 0 },
+        };
+        let bank = areas.bank(seq);
+        let out_base: Vec<usize> = (0..r_n).map(|r| counts.column_sum(me, r)).collect();
+        let in_rank = &routing.in_rank;
+        let dests: Vec<Dest> = (0..r_n)
+            .filter(|&r| topo.is_local(r))
+            .map(Dest::Rank)
+            .chain(topo.remote_nodes().map(Dest::Node))
+            .collect();
+        let nd = dests.len();
+        let hit: Vec<bool> = (0..t_n)
+            .flat_map(|t| {
+                let row = &in_rank[t * r_n..(t + 1) * r_n];
+                dests.iter().map(move |d| match *d {
+                    Dest::Rank(r) => row[r],
+                    Dest::Node(m) => row[topo.node_ranks(m)].contains(&true),
+                })
+            })
+            .collect();
+        // A token that another node's relay itself receives goes straight into the
+        // relay's output rows (its rows from this rank are contiguous there), so the
+        // relay unpacks only the rows of the node's other ranks; where those rows do not
+        // start 16-byte aligned, as one-sided writes need, they travel in the packet.
+        let direct_ok = |r: usize| rows_aligned(out_base[r], fmt);
+        let direct: Vec<bool> = (0..t_n)
+            .flat_map(|t| {
+                dests.iter().map(move |d| match *d {
+                    Dest::Rank(_) => false,
+                    Dest::Node(m) => {
+                        let relay = topo.relay(me, m);
+                        in_rank[t * r_n + relay] && direct_ok(relay)
+                    }
+                })
+            })
+            .collect();
+        let (chunks, per_chunk) = self.device.chunks(t_n);
+        let mut chunk_start = vec![(0usize, 0usize); chunks * nd];
+        let mut totals = vec![(0usize, 0usize); nd];
+        for c in 0..chunks {
+            chunk_start[c * nd..(c + 1) * nd].copy_from_slice(&totals);
+            for t in (c * per_chunk).min(t_n)..((c + 1) * per_chunk).min(t_n) {
+                for (d, (n, n_direct)) in totals.iter_mut().enumerate() {
+                    *n += hit[t * nd + d] as usize;
+                    *n_direct += direct[t * nd + d] as usize;
+                }
+            }
+        }
+        let mut sinks = Vec::with_capacity(nd);
+        let mut staged = Vec::with_capacity(nd);
+        for (d, dest) in dests.iter().enumerate() {
+            match *dest {
+                Dest::Rank(r) => {
+                    let j = out_base[r];
+                    let rows = r_n * areas.shape.max_tokens;
+                    sinks.push(RowSink {
+                        region: self.peer_region(r)?,
+                        x: bank.recv_x.slice(j * fmt.row_bytes..rows * fmt.row_bytes)?,
+                        scales: bank.recv_scales.slice(j * groups..rows * groups)?,
+                        topk: bank.recv_topk_idx.slice(j * k..rows * k)?,
+                        weights: bank.recv_topk_weights.slice(j * k..rows * k)?,
+                        src: areas.recv_src_idx.slice(j..rows)?,
+                        mask: Area::default(),
+                        direct_x: Area::default(),
+                        direct_scales: Area::default(),
+                    });
+                    staged.push(None);
+                }
+                Dest::Node(m) => {
+                    let relay = topo.relay(me, m);
+                    let s = self.net()?.stage(Channel::Dispatch, relay, wait)?;
+                    let (n, n_direct) = totals[d];
+                    let p = DispatchPacket::layout(n, n_direct, fmt).at_base(s.area.offset());
+                    if p.staged_len > s.area.len() {
+                        return Err(EpError::internal(format!(
+                            "a dispatch packet of {} bytes does not fit its {}-byte staging area",
+                            p.staged_len,
+                            s.area.len()
+                        )));
+                    }
+                    sinks.push(RowSink {
+                        region: self.symm.local(),
+                        x: p.x,
+                        scales: p.scales,
+                        topk: p.topk_idx,
+                        weights: p.weights,
+                        src: p.src,
+                        mask: p.mask,
+                        direct_x: p.direct_x,
+                        direct_scales: p.direct_scales,
+                    });
+                    staged.push(Some(s));
+                }
+            }
+        }
+        Ok(Plan {
+            dests,
+            hit,
+            direct,
+            chunk_start,
+            per_chunk,
+            totals,
+            sinks,
+            staged,
+            out_base,
+            fmt,
+            fp8,
+            with_topk,
+            with_weights,
+        })
+    }
+
+    /// Phase 3, pack: the kernel threads store every token once into each destination.
+    fn pack(
+        &self,
+        plan: &Plan<'_>,
+        areas: &NormalAreas,
+        args: &DispatchArgs<'_>,
+        routing: &Routing<'_>,
+        t_n: usize,
+    ) -> Result<()> {
+        let (r_n, topo) = (self.topo.num_ranks, self.topo);
+        let (h, k) = (areas.shape.hidden, areas.shape.topk);
+        let epr = areas.shape.experts_per_rank(r_n);
+        // Scales a row: 0 for bf16, where the scale areas are empty.
+        let (rb, groups) = (plan.fmt.row_bytes, plan.fmt.groups);
+        let nd = plan.dests.len();
+        let (x, in_rank) = (args.x, &routing.in_rank);
+        self.device.launch(t_n, |range| {
+            let chunk = range.start / plan.per_chunk;
+            let mut pos = plan.chunk_start[chunk * nd..(chunk + 1) * nd].to_vec();
+            let mut idx_row = vec![0i64; k];
+            let mut w_row = vec![0f32; k];
+            for t in range {
+                let idx: &[i64] = match args.topk_idx {
+                    Some(all) if plan.with_topk => &all[t * k..(t + 1) * k],
+                    _ => &[],
+                };
+                let w = args.topk_weights.map(|w| &w[t * k..(t + 1) * k]);
+                for (d, dest) in plan.dests.iter().enumerate() {
+                    if !plan.hit[t * nd + d] {
+                        continue;
+                    }
+                    let sink = &plan.sinks[d];
+                    let (j, j_direct) = pos[d];
+                    // The row's place: among the direct rows, among the rest of a
+                    // packet, or its own row in a same-node rank's output.
+                    let (x_at, scales_at) = if plan.direct[t * nd + d] {
+                        pos[d].1 += 1;
+                        (
+                            sink.direct_x.row(j_direct, rb)?,
+                            sink.direct_scales.row(j_direct, groups)?,
+                        )
+                    } else if matches!(dest, Dest::Node(_)) {
+                        (
+                            sink.x.row(j - j_direct, rb)?,
+                            sink.scales.row(j - j_direct, groups)?,
+                        )
+                    } else {
+                        (sink.x.row(j, rb)?, sink.scales.row(j, groups)?)
+                    };
+                    pos[d].0 += 1;
+                    sink.region.put(x_at, x.row(t, h))?;
+                    if plan.fp8 {
+                        sink.region.put(scales_at, x.row_scales(t, h))?;
+                    }
+                    match *dest {
+                        Dest::Rank(r) if plan.with_topk => {
+                            localize(idx, w, r, epr, &mut idx_row, &mut w_row);
+                            sink.region.put(sink.topk.row(j, k)?, &idx_row)?;
+                            if plan.with_weights {
+                                sink.region.put(sink.weights.row(j, k)?, &w_row)?;
+                            }
+                        }
+                        Dest::Rank(_) => {}
+                        Dest::Node(m) => {
+                            // Global ids and all weights: the relaying rank localises them.
+                            if plan.with_topk {
+                                sink.region.put(sink.topk.row(j, k)?, idx)?;
+                            }
+                            if let (true, Some(w)) = (plan.with_weights, w) {
+                                sink.region.put(sink.weights.row(j, k)?, w)?;
+                            }
+                            let mask = topo
+                                .node_ranks(m)
+                                .enumerate()
+                                .filter(|&(_, r)| in_rank[t * r_n + r])
+                                .fold(0u64, |acc, (l, _)| acc | 1 << l);
+                            sink.region.put(sink.mask.row(j, 1)?, &[mask])?;
+                        }
+                    }
+                    sink.region.put(sink.src.row(j, 1)?, &[t as i32])?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Phase 4, publish: a release store of the epoch into each same-node rank; the
+    /// packet, after the direct writes of the relay's own rows, to each other node.
+    fn publish(&self, seq: u32, areas: &NormalAreas, plan: &mut Plan<'_>) -> Result<()> {
+        let (me, topo) = (self.topo.rank, self.topo);
+        let groups = areas.shape.hidden / 128;
+        let rb = plan.fmt.row_bytes;
+        let total = self.symm.local().len();
+        let bank = areas.bank(seq);
+        for (d, dest) in plan.dests.iter().enumerate() {
+            match *dest {
+                Dest::Rank(_) => plan.sinks[d]
+                    .region
+                    .word(self.map.control.dispatch_done, me)?
+                    .store(seq as u64, Ordering::Release),
+                Dest::Node(m) => {
+                    let relay = topo.relay(me, m);
+                    let (n, n_direct) = plan.totals[d];
+                    let staged = plan.staged[d]
+                        .take()
+                        .ok_or_else(|| EpError::internal("a node packet was not staged".into()))?;
+                    let p = plan.packet(d).at_base(staged.area.offset());
+                    let aligned = rows_aligned(plan.out_base[relay], plan.fmt);
+                    let header = DispatchHeader {
+                        tokens: n as u32,
+                        direct: n_direct as u32,
+                        flags: (plan.fp8 as u32 * DispatchHeader::FP8)
+                            | (plan.with_topk as u32 * DispatchHeader::TOPK)
+                            | (plan.with_weights as u32 * DispatchHeader::WEIGHTS)
+                            | (aligned as u32 * DispatchHeader::DIRECT),
+                        reserved: 0,
+                    };
+                    self.symm.local().put(p.header, &[header])?;
+                    // The relay's own rows, straight into its output rows (only where
+                    // they start aligned: otherwise none went direct).
+                    let at = plan.out_base[relay];
+                    let mut direct = Vec::with_capacity(2);
+                    if n_direct > 0 {
+                        direct.push(Write::new(
+                            p.direct_x,
+                            bank.recv_x.slice(at * rb..(at + n_direct) * rb)?,
+                            total,
+                        )?);
+                    }
+                    if n_direct > 0 && plan.fp8 {
+                        direct.push(Write::new(
+                            p.direct_scales.cast(),
+                            bank.recv_scales.rows(at..at + n_direct, groups)?.cast(),
+                            total,
+                        )?);
+                    }
+                    self.net()?.send(staged, p.len, &direct)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Phase 6, finish: wait for every source (a same-node source publishes itself, one
+    /// on another node is published by the rank of this node that relays it), pad the
+    /// outputs, and build the handle.
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        counts: Counts,
+        routing: Routing<'_>,
+        relay: Vec<Relayed>,
+        plan: &Plan<'_>,
+        args: &DispatchArgs<'_>,
+        t_n: usize,
+        wait: &Wait<'_>,
+    ) -> Result<NormalHandle> {
+        let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
+        let k = areas.shape.topk;
+        let local = self.symm.local();
+        let bank = areas.bank(seq);
+        for src in 0..r_n {
+            let n = counts.matrix[src * r_n + me] as usize;
+            let publisher = if topo.is_local(src) {
+                src
+            } else {
+                topo.relay(src, topo.node)
+            };
+            let what = || {
+                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s {n} rows (dispatch_done[{src}], published by rank {publisher})")
+            };
+            wait.at_least(
+                local.word(self.map.control.dispatch_done, src)?,
+                seq as u64,
+                Some(self.peer(publisher)),
+                &what,
+            )?;
+        }
+        let num_recv = counts.column_sum(r_n, me);
+        let rows = if args.num_worst_tokens > 0 {
+            args.num_worst_tokens
+        } else {
+            num_recv
+        };
+        if rows > num_recv && plan.with_topk {
+            let pad = (rows - num_recv) * k;
+            local.put(
+                bank.recv_topk_idx.rows(num_recv..rows, k)?,
+                &vec![-1i64; pad],
+            )?;
+            if plan.with_weights {
+                local.put(
+                    bank.recv_topk_weights.rows(num_recv..rows, k)?,
+                    &vec![0f32; pad],
+                )?;
+            }
+        }
+        let align = args.expert_alignment.max(1);
+        let mut prefix = vec![0i32; r_n * r_n];
+        for s in 0..r_n {
+            for r in 0..r_n {
+                let above = if s > 0 { prefix[(s - 1) * r_n + r] } else { 0 };
+                prefix[s * r_n + r] = counts.matrix[s * r_n + r] as i32 + above;
+            }
+        }
+        Ok(NormalHandle {
+            buffer_id: self.id,
+            rank_prefix_matrix: prefix,
+            is_token_in_rank: routing.in_rank.into_owned(),
+            num_tokens_per_rank: routing.per_rank.into_owned(),
+            num_tokens_per_expert: routing.per_expert.into_owned(),
+            recv_src_idx: local.get_vec(areas.recv_src_idx.prefix(num_recv)?)?,
+            num_recv_tokens_per_expert: counts
+                .recv_per_expert
+                .iter()
+                .map(|n| n.div_ceil(align) * align)
+                .collect(),
+            num_tokens: t_n,
+            num_recv_tokens: num_recv,
+            num_rows: rows,
+            topk: k,
+            bank: (seq % 2) as usize,
+            fp8: plan.fp8,
+            with_topk: plan.with_topk,
+            with_weights: plan.with_weights,
+            relay,
+        })
+    }
+
+    /// The output areas of the dispatch `handle` describes: x, scales, top-k ids and
+    /// weights (empty where the dispatch carried none).
+    pub(crate) fn dispatch_areas(&self, handle: &NormalHandle) -> Result<[Area<u8>; 4]> {
+        let a = self.normal_areas()?;
+        let bank = &a.banks[handle.bank];
+        let (h, k, rows) = (a.shape.hidden, a.shape.topk, handle.num_rows);
+        let rb = if handle.fp8 { h } else { 2 * h };
+        let groups = if handle.fp8 { h / 128 } else { 0 };
+        Ok([
+            bank.recv_x.prefix(rows * rb)?,
+            bank.recv_scales.prefix(rows * groups)?.cast(),
+            bank.recv_topk_idx
+                .prefix(if handle.with_topk { rows * k } else { 0 })?
+                .cast(),
+            bank.recv_topk_weights
+                .prefix(if handle.with_weights { rows * k } else { 0 })?
+                .cast(),
+        ])
+    }
+
+    fn dispatch_output(&self, handle: NormalHandle) -> Result<DispatchOutput<'_>> {
+        let [x, scales, idx, w] = self.dispatch_areas(&handle)?;
+        // SAFETY: every source published (dispatch_done = this call's epoch) that its
+        // rows are written; peers write these areas again only after this rank's next
+        // notify, which needs `&mut self`, while the output borrows `&self`.
+        let (x, scales, idx, w) = unsafe {
+            (
+                self.symm.view(x)?,
+                self.symm.view::<f32>(scales.cast())?,
+                self.symm.view::<i64>(idx.cast())?,
+                self.symm.view::<f32>(w.cast())?,
+            )
+        };
+        let recv_x = if handle.fp8 {
+            RecvTokens::Fp8 { data: x, scales }
+        } else {
+            RecvTokens::Bf16(bytemuck::cast_slice(x))
+        };
+        Ok(DispatchOutput {
+            recv_x,
+            recv_topk_idx: handle.with_topk.then_some(idx),
+            recv_topk_weights: handle.with_weights.then_some(w),
+            num_recv_tokens_per_expert: handle.num_recv_tokens_per_expert.clone(),
+            handle,
+        })
+    }
+}

@@ -1,0 +1,279 @@
+//! The relay: how normal mode crosses nodes, as DeepEP's internode kernels do.
+//!
+//! A token crosses the network once per destination node, to the rank there with its
+//! source's local index (the *relay*). Dispatch: the relay stores the packet's tokens
+//! into the output rows of its node's ranks named in each token's mask, in the order the
+//! one-node path gives them, and publishes the source to them. Combine: the node's ranks
+//! write their rows for the source's tokens into the relay's slots; the relay reduces
+//! them and sends one partial row per token back.
+
+#![allow(unsafe_code)]
+
+use std::sync::atomic::Ordering;
+
+use half::bf16;
+
+use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed};
+use crate::area::Mem;
+use crate::buffer::Buffer;
+use crate::error::Result;
+use crate::invalid;
+use crate::map::NormalAreas;
+use crate::net::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
+use crate::quant::reduce_rows;
+use crate::wait::Wait;
+
+impl Buffer {
+    /// Dispatch phase 5: take the packet of each rank on another node that has this
+    /// rank's local index, and store each token into the output rows of the ranks of this
+    /// node its mask names (source rank ascending, token order kept); then publish the
+    /// source to them. Everything in a packet is checked before it is used.
+    pub(super) fn relay_dispatch(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        matrix: &[u32],
+        wait: &Wait<'_>,
+    ) -> Result<Vec<Relayed>> {
+        let topo = self.topo;
+        let (r_n, me) = (topo.num_ranks, topo.rank);
+        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
+        let epr = areas.shape.experts_per_rank(r_n);
+        let local = self.symm.local();
+        let bank = areas.bank(seq);
+        let mut relayed = Vec::new();
+        for m in topo.remote_nodes() {
+            let src = topo.relay(me, m);
+            let landing = self.net()?.recv(Channel::Dispatch, src, wait, &|| {
+                format!("rank {me}: dispatch {seq}: waiting for rank {src}'s tokens to relay")
+            })?;
+            let mut head = [DispatchHeader::default()];
+            local.get(landing.prefix(16)?.cast(), &mut head)?;
+            let head = head[0];
+            let n = head.tokens as usize;
+            if n > t_max {
+                return Err(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet announces {n} tokens, more than num_max_dispatch_tokens_per_rank = {t_max}"
+                ));
+            }
+            let n_direct = head.direct_tokens();
+            let mine = matrix[src * r_n + me] as usize;
+            if head.has(DispatchHeader::DIRECT) && n_direct != mine || n_direct > n {
+                return Err(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet says {n_direct} of its {n} tokens came straight here; its counts announced {mine}"
+                ));
+            }
+            let fp8 = head.has(DispatchHeader::FP8);
+            let (topk, weights) = (
+                head.has(DispatchHeader::TOPK),
+                head.has(DispatchHeader::WEIGHTS),
+            );
+            let (row_bytes, groups) = (if fp8 { h } else { 2 * h }, h / 128);
+            let fmt = RowFormat {
+                row_bytes,
+                groups: if fp8 { groups } else { 0 },
+                topk: if topk { k } else { 0 },
+                weights: if weights { k } else { 0 },
+            };
+            let p = DispatchPacket::layout(n, n_direct, fmt).at_base(landing.offset());
+            if p.len > landing.len() {
+                return Err(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet of {} bytes overflows its {}-byte landing area",
+                    p.len,
+                    landing.len()
+                ));
+            }
+            let idx = local.get_vec(p.topk_idx)?;
+            let w = local.get_vec(p.weights)?;
+            let tokens = local.get_vec(p.src)?;
+            let masks = local.get_vec(p.mask)?;
+            // Rows from `src` start, on each rank of this node, after those of ranks 0..src.
+            let start = |r: usize| column_sum(matrix, r_n, src, r);
+            let mut pos: Vec<usize> = topo.node_ranks(topo.node).map(start).collect();
+            let (mut idx_row, mut w_row) = (vec![0i64; k], vec![0f32; k]);
+            // Rows of the packet that went to none but this rank are not in it.
+            let mut rest = 0;
+            for j in 0..n {
+                if masks[j]
+                    .checked_shr(topo.ranks_per_node as u32)
+                    .unwrap_or(0)
+                    != 0
+                {
+                    return Err(invalid!(
+                        "rank {me}: rank {src}'s dispatch packet names local ranks {:#x} of a node of {}",
+                        masks[j],
+                        topo.ranks_per_node
+                    ));
+                }
+                if masks[j] == 0 {
+                    return Err(invalid!(
+                        "rank {me}: rank {src}'s dispatch packet carries token {} for no rank",
+                        tokens[j]
+                    ));
+                }
+                let direct_here =
+                    head.has(DispatchHeader::DIRECT) && masks[j] >> topo.local & 1 != 0;
+                // Where the token's x row (and scales) is: in this rank's own output rows
+                // when it went straight there, else the next row of the packet.
+                let (x_at, scales_at) = if direct_here {
+                    let at = pos[topo.local];
+                    (
+                        bank.recv_x.row(at, row_bytes)?,
+                        bank.recv_scales.row(at, fmt.groups)?,
+                    )
+                } else {
+                    rest += 1;
+                    (
+                        p.x.row(rest - 1, row_bytes)?,
+                        p.scales.row(rest - 1, fmt.groups)?,
+                    )
+                };
+                for (l, r) in topo.node_ranks(topo.node).enumerate() {
+                    if masks[j] >> l & 1 == 0 {
+                        continue;
+                    }
+                    let region = self.peer_region(r)?;
+                    let at = pos[l];
+                    pos[l] += 1;
+                    if at >= start(r) + matrix[src * r_n + r] as usize {
+                        return Err(invalid!(
+                            "rank {me}: rank {src}'s dispatch packet sends rank {r} more tokens than its counts announced ({})",
+                            matrix[src * r_n + r]
+                        ));
+                    }
+                    // (This rank's own rows went straight into place, unless unaligned.)
+                    if !(l == topo.local && direct_here) {
+                        region.copy(bank.recv_x.row(at, row_bytes)?, local, x_at)?;
+                        if fp8 {
+                            region.copy(bank.recv_scales.row(at, fmt.groups)?, local, scales_at)?;
+                        }
+                    }
+                    if topk {
+                        let w = weights.then(|| &w[j * k..(j + 1) * k]);
+                        localize(
+                            &idx[j * k..(j + 1) * k],
+                            w,
+                            r,
+                            epr,
+                            &mut idx_row,
+                            &mut w_row,
+                        );
+                        region.put(bank.recv_topk_idx.row(at, k)?, &idx_row)?;
+                        if weights {
+                            region.put(bank.recv_topk_weights.row(at, k)?, &w_row)?;
+                        }
+                    }
+                    region.put(areas.recv_src_idx.row(at, 1)?, &tokens[j..j + 1])?;
+                }
+            }
+            if rest != n - n_direct {
+                return Err(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet carries {} rows for other ranks, but its masks name {rest}",
+                    n - n_direct
+                ));
+            }
+            for (l, r) in topo.node_ranks(topo.node).enumerate() {
+                let announced = matrix[src * r_n + r] as usize;
+                if pos[l] != start(r) + announced {
+                    return Err(invalid!(
+                        "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {announced}",
+                        pos[l] - start(r)
+                    ));
+                }
+                self.peer_region(r)?
+                    .word(self.map.control.dispatch_done, src)?
+                    .store(seq as u64, Ordering::Release);
+            }
+            relayed.push(Relayed { src, tokens, masks });
+        }
+        Ok(relayed)
+    }
+
+    /// Combine phase 3, on the relaying rank: once every rank of this node has written
+    /// its rows for the sources this rank relays, reduce each token's rows (in f32, rank
+    /// order, rounded once to bf16, as [`reduce_rows`]) and send the node's partial sums
+    /// to the source in one packet.
+    pub(super) fn relay_combine(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        handle: &NormalHandle,
+        x: &[bf16],
+        args: &CombineArgs<'_>,
+        wait: &Wait<'_>,
+    ) -> Result<()> {
+        let topo = self.topo;
+        if topo.num_nodes == 1 {
+            return Ok(());
+        }
+        let me = topo.rank;
+        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
+        let local = self.symm.local();
+        for r in topo.node_ranks(topo.node) {
+            let what = || {
+                format!("rank {me}: combine {seq}: waiting for rank {r}'s rows to relay (relay_done[{r}])")
+            };
+            let word = local.word(self.map.control.relay_done, r)?;
+            wait.at_least(word, seq as u64, Some(self.peer(r)), &what)?;
+        }
+        // SAFETY: every rank of the node published (relay_done = this call's epoch) that
+        // its relay rows are written; they write them again only in their next combine,
+        // which needs this rank's next combine packet, sent only after this call.
+        let (rows, wrows) = unsafe {
+            (
+                self.symm.view(areas.relay_x)?,
+                self.symm.view(areas.relay_weights)?,
+            )
+        };
+        let x_bits: &[u16] = bytemuck::cast_slice(x);
+        let mut out = vec![bf16::ZERO; h];
+        let mut w_out = vec![0f32; k];
+        let mut parts = Vec::with_capacity(topo.ranks_per_node);
+        let mut mine = vec![usize::MAX; t_max];
+        for relayed in &handle.relay {
+            let src = relayed.src;
+            // This rank's own row for each of `src`'s tokens, in `x`.
+            for i in handle.rows_from(me, src) {
+                mine[handle.recv_src_idx[i] as usize] = i;
+            }
+            let net = self.net()?;
+            let staged = net.stage(Channel::Combine, src, wait)?;
+            let n = relayed.tokens.len();
+            let p = CombinePacket::layout(n, h, k).at_base(staged.area.offset());
+            // Slot of (source node, local rank l) for token t.
+            let slot =
+                |l: usize, t: usize| (topo.node_of(src) * topo.ranks_per_node + l) * t_max + t;
+            for (j, (&t, &mask)) in relayed.tokens.iter().zip(&relayed.masks).enumerate() {
+                let t = t as usize;
+                let ls = (0..topo.ranks_per_node).filter(|&l| mask >> l & 1 != 0);
+                parts.clear();
+                parts.extend(ls.clone().map(|l| {
+                    let row = if l == topo.local {
+                        &x_bits[mine[t] * h..(mine[t] + 1) * h]
+                    } else {
+                        &rows[slot(l, t) * h..(slot(l, t) + 1) * h]
+                    };
+                    (row, 1.0)
+                }));
+                reduce_rows(&parts, false, &mut out);
+                local.put(p.x.row(j, h)?.cast::<bf16>(), &out)?;
+                if let Some(own_w) = args.topk_weights {
+                    w_out.fill(0.0);
+                    for l in ls {
+                        let w = if l == topo.local {
+                            &own_w[mine[t] * k..(mine[t] + 1) * k]
+                        } else {
+                            &wrows[slot(l, t) * k..(slot(l, t) + 1) * k]
+                        };
+                        for (a, &b) in w_out.iter_mut().zip(w) {
+                            *a += b;
+                        }
+                    }
+                    local.put(p.weights.row(j, k)?, &w_out)?;
+                }
+            }
+            net.send(staged, p.len, &[])?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,372 @@
+//! Waiting: the one primitive every wait of the EP layer goes through.
+//!
+//! A GPU kernel spins on a flag in registered memory; on a host shared by several ranks
+//! a pure spin would steal the cores the other ranks need, so a wait spins briefly,
+//! then yields, then sleeps ([`Backoff`]). Whatever it waits for, [`Wait::until`]
+//! also watches, in one place:
+//!
+//! * the abort word: a rank that failed says so, and nobody waits for it;
+//! * the peer waited on: a process on this host that is gone will never store;
+//! * the proxy: a network path that stopped will never deliver;
+//! * the deadline: a wait that cannot finish fails with a message naming the rank,
+//!   the call, the peer, the counter, what it expected and what it saw.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use uep_shm::Region;
+
+use crate::area::Mem;
+use crate::error::{EpError, Result};
+use crate::map::ControlAreas;
+use crate::net::NetPath;
+
+/// Spin iterations before the first yield; short, because a peer on the same core
+/// cannot make progress while we spin.
+const SPIN_LIMIT: u32 = 64;
+/// Yields before falling back to short sleeps.
+const YIELD_LIMIT: u32 = 256;
+/// Sleep once a wait has gone on for a while: cheap on the cores, and still far
+/// below the deadlines a user sets.
+const SLEEP: Duration = Duration::from_micros(20);
+/// How often (in backoff steps) a wait looks at the slower signals: `/proc` for a
+/// peer's process, the proxy's health.
+const SLOW_CHECK_EVERY: u32 = 256;
+
+/// Busy-wait without ever yielding or sleeping: how a GPU kernel waits. For comparing
+/// the backoff against in benchmarks (`uep bench --spin-waits`); on a shared host it
+/// steals the cores the other ranks need.
+static SPIN_ONLY: AtomicBool = AtomicBool::new(false);
+
+/// Make every wait of this process a pure spin (`true`) or the default backoff.
+pub fn set_spin_only(spin: bool) {
+    SPIN_ONLY.store(spin, Ordering::Relaxed);
+}
+
+/// Spin, then yield, then sleep: one step of a bounded wait.
+#[derive(Debug, Default)]
+pub struct Backoff {
+    step: u32,
+}
+
+impl Backoff {
+    /// A fresh backoff, starting with spins.
+    pub fn new() -> Self {
+        Self { step: 0 }
+    }
+
+    /// Steps taken so far.
+    pub fn step(&self) -> u32 {
+        self.step
+    }
+
+    /// Wait a little, longer each time.
+    pub fn snooze(&mut self) {
+        if SPIN_ONLY.load(Ordering::Relaxed) {
+            std::hint::spin_loop();
+        } else if self.step < SPIN_LIMIT {
+            for _ in 0..(1 << (self.step / 16).min(4)) {
+                std::hint::spin_loop();
+            }
+        } else if self.step < SPIN_LIMIT + YIELD_LIMIT {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(SLEEP);
+        }
+        // Keeps counting under SPIN_ONLY too, so the slow checks still run.
+        self.step = self.step.wrapping_add(1);
+    }
+}
+
+/// Whether process `pid` is gone (exited, or a zombie waiting to be reaped).
+pub fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name, which may contain spaces.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => true,
+    }
+}
+
+/// Pack an epoch and a 32-bit value into one counter word.
+pub fn epoch_word(epoch: u32, value: u32) -> u64 {
+    ((epoch as u64) << 32) | value as u64
+}
+
+/// Who a wait waits on: the peer's rank and, when it shares this host, its region
+/// (where its process id is).
+#[derive(Clone, Copy, Debug)]
+pub struct Peer<'a> {
+    /// The peer's rank.
+    pub rank: usize,
+    /// Its region, when mapped (same host).
+    pub region: Option<&'a Region>,
+}
+
+/// Everything the waits of one call check besides their own condition; see the module
+/// docs. Cheap to copy.
+#[derive(Clone, Copy)]
+pub struct Wait<'a> {
+    /// When to give up.
+    pub deadline: Instant,
+    /// The deadline as a duration, for messages.
+    timeout: Duration,
+    /// This rank's region and where its control words are.
+    region: &'a Region,
+    control: &'a ControlAreas,
+    /// Whether the abort word ends the wait (not while this rank tells others that
+    /// it failed, or waits for its own proxy).
+    watch_abort: bool,
+    /// The proxy, when there is a network path.
+    net: Option<&'a NetPath>,
+}
+
+impl<'a> Wait<'a> {
+    /// The waits of a call starting now, with `timeout` to go.
+    pub fn new(
+        timeout: Duration,
+        region: &'a Region,
+        control: &'a ControlAreas,
+        net: Option<&'a NetPath>,
+    ) -> Self {
+        Wait {
+            deadline: Instant::now() + timeout,
+            timeout,
+            region,
+            control,
+            watch_abort: true,
+            net,
+        }
+    }
+
+    /// The same, without ending at the abort word.
+    pub fn ignoring_abort(self) -> Self {
+        Wait {
+            watch_abort: false,
+            ..self
+        }
+    }
+
+    /// The same, giving up at `deadline` if that is sooner.
+    pub fn sooner(self, deadline: Instant) -> Self {
+        Wait {
+            deadline: self.deadline.min(deadline),
+            ..self
+        }
+    }
+
+    /// Wait until `ready()` returns a value, watching `peer`; `what()` names who waits
+    /// for what, `seen()` says what was seen if the deadline passes.
+    pub fn until<T>(
+        &self,
+        peer: Option<Peer<'_>>,
+        what: &dyn Fn() -> String,
+        seen: &dyn Fn() -> String,
+        mut ready: impl FnMut() -> Option<T>,
+    ) -> Result<T> {
+        let mut backoff = Backoff::new();
+        loop {
+            if let Some(v) = ready() {
+                return Ok(v);
+            }
+            self.check(peer, what, backoff.step())?;
+            if Instant::now() >= self.deadline {
+                return Err(EpError::Timeout {
+                    what: what(),
+                    detail: seen(),
+                    waited: self.timeout,
+                });
+            }
+            backoff.snooze();
+        }
+    }
+
+    /// Wait until `word >= target` (acquire loads); returns the value seen.
+    pub fn at_least(
+        &self,
+        word: &AtomicU64,
+        target: u64,
+        peer: Option<Peer<'_>>,
+        what: &dyn Fn() -> String,
+    ) -> Result<u64> {
+        let seen = || format!("expected >= {target}, saw {}", word.load(Ordering::Acquire));
+        self.until(peer, what, &seen, || {
+            let v = word.load(Ordering::Acquire);
+            (v >= target).then_some(v)
+        })
+    }
+
+    /// Wait until the high 32 bits of `word` (an epoch) equal `epoch`; returns the low
+    /// 32 bits (the value published with it).
+    pub fn epoch(
+        &self,
+        word: &AtomicU64,
+        epoch: u32,
+        peer: Option<Peer<'_>>,
+        what: &dyn Fn() -> String,
+    ) -> Result<u32> {
+        let seen = || {
+            let v = word.load(Ordering::Acquire);
+            format!(
+                "expected epoch {epoch}, saw epoch {} (value {})",
+                v >> 32,
+                v as u32
+            )
+        };
+        self.until(peer, what, &seen, || {
+            let v = word.load(Ordering::Acquire);
+            ((v >> 32) as u32 == epoch).then_some(v as u32)
+        })
+    }
+
+    /// The abort word, the watched peer's process and the proxy: `Err` if the wait is
+    /// hopeless.
+    fn check(&self, peer: Option<Peer<'_>>, what: &dyn Fn() -> String, step: u32) -> Result<()> {
+        if step % SLOW_CHECK_EVERY == SLOW_CHECK_EVERY - 1 {
+            if let Some(Peer {
+                rank,
+                region: Some(region),
+            }) = peer
+            {
+                let pid = region.word(self.control.pid, 0)?.load(Ordering::Acquire) as u32;
+                if pid != 0 && process_gone(pid) {
+                    return Err(EpError::PeerDied {
+                        what: what(),
+                        peer: rank,
+                        pid,
+                    });
+                }
+            }
+            if let Some(net) = self.net {
+                net.check()?;
+            }
+        }
+        if self.watch_abort {
+            if let Some((peer, reason)) = abort_reason(self.region, self.control) {
+                return Err(EpError::PeerAborted {
+                    what: what(),
+                    peer,
+                    reason,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The first rank that failed and why, if any rank did (from this rank's abort word
+/// and that rank's message slot).
+pub fn abort_reason(region: &Region, control: &ControlAreas) -> Option<(usize, String)> {
+    let who = region.word(control.abort, 0).ok()?.load(Ordering::Acquire);
+    let who = (who as usize).checked_sub(1)?;
+    let slot = control.abort_msg_of(who).ok()?;
+    let mut reason = vec![0u8; slot.len()];
+    let _ = region.get(slot, &mut reason);
+    let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
+    Some((who, String::from_utf8_lossy(&reason[..end]).into_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::BufferConfig;
+    use crate::map::RegionMap;
+
+    fn region() -> (Region, RegionMap) {
+        let map = RegionMap::new(&BufferConfig::new(4, 8, 1, 4, 0), 2, false);
+        (Region::anonymous(map.total).unwrap(), map)
+    }
+
+    #[test]
+    fn waits_time_out_with_a_message() {
+        let (r, map) = region();
+        let w = Wait::new(Duration::from_millis(5), &r, &map.control, None);
+        let c = AtomicU64::new(3);
+        let err = w
+            .at_least(&c, 4, None, &|| {
+                "rank 1 waiting for rank 2's counter".into()
+            })
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("rank 2")
+                && msg.contains(">= 4")
+                && msg.contains("saw 3")
+                && msg.contains("5ms"),
+            "{msg}"
+        );
+        let err = w.epoch(&c, 9, None, &|| "x".into()).unwrap_err();
+        assert!(err.to_string().contains("expected epoch 9"), "{err}");
+    }
+
+    #[test]
+    fn the_abort_word_ends_a_wait_with_the_reason() {
+        let (r, map) = region();
+        r.put(map.control.abort_msg_of(1).unwrap(), b"rank 1: bad input")
+            .unwrap();
+        r.word(map.control.abort, 0)
+            .unwrap()
+            .store(2, Ordering::Release);
+        let w = Wait::new(Duration::from_secs(60), &r, &map.control, None);
+        let c = AtomicU64::new(0);
+        let err = w
+            .at_least(&c, 1, None, &|| "rank 0 waiting".into())
+            .unwrap_err();
+        assert!(
+            matches!(&err, EpError::PeerAborted { peer: 1, reason, .. } if reason == "rank 1: bad input"),
+            "{err}"
+        );
+        // Not while telling others of a failure.
+        let quiet = Wait::new(Duration::from_millis(5), &r, &map.control, None).ignoring_abort();
+        assert!(matches!(
+            quiet.at_least(&c, 1, None, &|| "x".into()),
+            Err(EpError::Timeout { .. })
+        ));
+    }
+
+    #[test]
+    fn a_dead_peer_ends_the_wait_long_before_the_deadline() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert!(process_gone(pid));
+        assert!(!process_gone(std::process::id()));
+        let (r, map) = region();
+        let peer_region = Region::anonymous(map.total).unwrap();
+        peer_region
+            .word(map.control.pid, 0)
+            .unwrap()
+            .store(pid as u64, Ordering::Release);
+        let start = Instant::now();
+        let w = Wait::new(Duration::from_secs(60), &r, &map.control, None);
+        let c = AtomicU64::new(0);
+        let peer = Peer {
+            rank: 3,
+            region: Some(&peer_region),
+        };
+        let err = w
+            .at_least(&c, 1, Some(peer), &|| "rank 0 waiting for rank 3".into())
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .ends_with(&format!("rank 3 (pid {pid}) has died")),
+            "{err}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn waits_see_a_later_store() {
+        let (r, map) = region();
+        let c = std::sync::Arc::new(AtomicU64::new(0));
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2));
+            c2.store(epoch_word(5, 42), Ordering::Release);
+        });
+        let w = Wait::new(Duration::from_secs(5), &r, &map.control, None);
+        assert_eq!(w.epoch(&c, 5, None, &|| "x".into()).unwrap(), 42);
+        t.join().unwrap();
+    }
+}
