@@ -128,6 +128,16 @@ pub enum BootstrapError {
         reason: String,
     },
 
+    /// A collective of a control plane outside uep (a framework's process group) failed:
+    /// some rank may have died or left.
+    #[error("the control plane's {collective} failed (did a rank die or leave?): {reason}")]
+    External {
+        /// Which collective.
+        collective: &'static str,
+        /// What the control plane said.
+        reason: String,
+    },
+
     /// A [`crate::LaunchSpec`] cannot be launched as given.
     #[error("invalid launch spec: {0}")]
     InvalidLaunch(String),

@@ -3,7 +3,7 @@
 //! scripts ([`render_json`]), with latency statistics from [`Samples`] and an
 //! optional progress bar ([`Progress`]) that never pollutes stdout or logs.
 //!
-//! Bandwidth follows the DeepEP convention (SPEC §1): bytes a rank sends over
+//! Bandwidth follows the DeepEP convention (docs/architecture.md): bytes a rank sends over
 //! the average time of one iteration, in GB/s (1e9 bytes per second), split
 //! the way the field prints it into intra-node (NVLink / shared memory) and
 //! network (RDMA) parts.
@@ -28,7 +28,7 @@ pub struct OpReport {
     pub hidden: usize,
     /// Payload type: `"bf16"` or `"fp8"`.
     pub dtype: String,
-    /// Bytes a rank sends per iteration (SPEC §1 conventions), mean over ranks.
+    /// Bytes a rank sends per iteration (DeepEP's conventions), mean over ranks.
     pub bytes_per_rank: u64,
     /// The part of `bytes_per_rank` that crosses nodes (RDMA); 0 on one node.
     pub net_bytes_per_rank: u64,

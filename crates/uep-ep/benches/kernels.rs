@@ -1,5 +1,5 @@
 //! Micro-benchmarks of the host device's inner kernels at the DeepSeek-V3
-//! shape (SPEC §1: H = 7168, K = 8, E = 256), one thread each:
+//! shape (docs/architecture.md: H = 7168, K = 8, E = 256), one thread each:
 //!
 //! * FP8 quantise / dequantise (the crate's own `quant` functions), reported
 //!   as bytes/s of the bf16 rows they stand for (target: >= 2 GB/s a core);

@@ -1,4 +1,4 @@
-//! `get_dispatch_layout` (SPEC.md §1 step 2): which ranks, nodes and experts each token goes to.
+//! `get_dispatch_layout` (docs/architecture.md, "What a call does"): which ranks, nodes and experts each token goes to.
 //!
 //! Expert `e` lives on rank `e / (num_experts / num_ranks)`; rank `r` is on node
 //! `r / ranks_per_node`. A slot holding `-1` names no expert.

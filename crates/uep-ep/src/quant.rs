@@ -1,4 +1,4 @@
-//! FP8 e4m3fn per-128-channel quantisation (SPEC.md §5).
+//! FP8 e4m3fn per-128-channel quantisation (docs/architecture.md, "Numerics").
 //!
 //! This module is the single definition of the FP8 numerics: the device kernels call
 //! [`quantize_token`] themselves, so the reference and the data path are bit-exact by

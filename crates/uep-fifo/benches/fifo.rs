@@ -78,7 +78,7 @@ impl Samples {
     }
 }
 
-/// Targets of the issue for the FIFO (SPEC §2 asks for ~7-8 M commands/s a device).
+/// Targets of the issue for the FIFO (the paper asks for ~7-8 M commands/s a device).
 pub const TARGET_MOPS: f64 = 20.0;
 /// uep's throughput must be at least this fraction of the anchor's.
 pub const TARGET_RATIO: f64 = 0.8;
@@ -114,7 +114,7 @@ pub struct FifoBenchArgs {
     /// Throughput runs per queue and producer count; the best one counts.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
-    /// Slots of every queue (uep's default is the SPEC's 2048).
+    /// Slots of every queue (uep's default is the paper's 2048).
     #[arg(long, default_value_t = uep_fifo::DEFAULT_CAPACITY)]
     pub capacity: usize,
     /// Do not pin threads to cores.

@@ -1,4 +1,4 @@
-//! uep command FIFO (SPEC §2): a bounded ring of 16-byte
+//! uep command FIFO (docs/architecture.md, "uep-fifo"): a bounded ring of 16-byte
 //! [`TransferCmd`]s through which device code (producers) hands commands to a
 //! CPU proxy thread (the single consumer).
 //!
@@ -33,7 +33,7 @@
 //!   `head - tail == capacity`.
 //! * **Publish**: store `word1` (Relaxed), then `word0` (Release). A valid
 //!   command's `word0` is never zero, so for a consumer that gates on `word0`
-//!   this pair *is* the SPEC's "one 16-byte release store": `word0` becomes
+//!   this pair *is* the design's "one 16-byte release store": `word0` becomes
 //!   non-zero only after `word1` is in place, and the Acquire load of `word0`
 //!   makes `word1` visible.
 //! * **Poll** (consumer): Acquire-load `word0` of slot `tail`; non-zero means
@@ -70,7 +70,7 @@ mod sync;
 use ring::Ring;
 use sync::Ordering::{AcqRel, Acquire, Relaxed, Release};
 
-/// Slots a FIFO has by default (the SPEC's figure).
+/// Slots a FIFO has by default (the paper's figure).
 pub const DEFAULT_CAPACITY: usize = 2048;
 /// Largest capacity accepted (2^30 slots, 16 GiB of slots).
 pub const MAX_CAPACITY: usize = 1 << 30;
@@ -279,7 +279,7 @@ impl Fifo {
     }
 
     /// A FIFO in its own 128-byte-aligned heap allocation, freed on drop.
-    /// `capacity` must be a power of two ([`DEFAULT_CAPACITY`] is the SPEC's).
+    /// `capacity` must be a power of two ([`DEFAULT_CAPACITY`] is the paper's).
     pub fn new_heap(capacity: usize) -> Result<Fifo, FifoError> {
         check_capacity(capacity)?;
         Ok(Fifo::with_ring(Ring::new_heap(capacity)?))

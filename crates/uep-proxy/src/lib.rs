@@ -1,4 +1,4 @@
-//! uep CPU proxy (SPEC §2): device kernels push 16-byte commands into FIFOs;
+//! uep CPU proxy (docs/architecture.md, "uep-proxy"): device kernels push 16-byte commands into FIFOs;
 //! proxy threads pop them and post one-sided writes carrying 32-bit
 //! immediates on a [`Transport`]; the receiving proxies apply the ordering
 //! and atomics emulation into the rank's registered region, which the
@@ -116,7 +116,7 @@ use worker::{Shared, WorkerInit};
 /// operation's completion context).
 pub(crate) const MAX_FIFOS_PER_THREAD: usize = 4096;
 
-/// How a [`Proxy`] runs. `Default` gives the SPEC's figures.
+/// How a [`Proxy`] runs. `Default` gives the paper's figures.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProxyConfig {
     /// Proxy threads, one transport each (default 4).

@@ -1,5 +1,5 @@
 //! Receiver-side emulation: turns arrived immediates into counter updates in
-//! the local region (SPEC §2, "Ordering and atomics emulation").
+//! the local region (docs/architecture.md, "uep-proxy").
 //!
 //! * [`WriteImm`]: per-stream (= per (source, channel)) reorder window; tail
 //!   increments are applied strictly in sequence order. The window accepts

@@ -151,7 +151,7 @@ fn proves_order(v: &UepInfoView) -> bool {
 
 /// Native atomics are trusted only with proven write order and
 /// `FI_ORDER_WAW`, the libfabric bit that orders RMA writes and atomic writes
-/// relative to each other (write-then-atomic on one endpoint, SPEC §2).
+/// relative to each other (write-then-atomic on one endpoint).
 fn proves_atomic_order(v: &UepInfoView) -> bool {
     proves_order(v) && v.tx_msg_order & v.rx_msg_order & ffi::FI_ORDER_WAW != 0
 }

@@ -5,7 +5,7 @@
 //! only to proxy thread *i* of each peer. Each rank registers ONE symmetric
 //! memory region ([`RegionRef`]); every post names byte OFFSETS into the local
 //! and the peer's region, never pointers, and is bounds-checked before
-//! anything is sent (SPEC §2: no remote write lands outside a registered
+//! anything is sent (docs/architecture.md: no remote write lands outside a registered
 //! region).
 //!
 //! Implementations:

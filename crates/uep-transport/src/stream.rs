@@ -22,7 +22,7 @@ use crate::{
 /// Timed runs of each measurement; the best one counts (the others absorb
 /// warm-up and noise from other processes).
 pub const RUNS: usize = 3;
-/// Writes kept in flight by [`transport_stream_gbps`] (the SPEC's LL figure
+/// Writes kept in flight by [`transport_stream_gbps`] (the paper's LL figure
 /// per FIFO).
 pub const STREAM_WINDOW: usize = 32;
 /// Largest message [`transport_stream_gbps`] accepts (bounds its buffers).

@@ -1,5 +1,5 @@
-//! The 32-bit immediates that carry ordering and emulated atomics (SPEC §2,
-//! "Ordering and atomics emulation").
+//! The 32-bit immediates that carry ordering and emulated atomics (docs/architecture.md,
+//! "uep-wire" and "uep-proxy").
 //!
 //! Every write a proxy posts carries one immediate; the receiving proxy learns
 //! of arrivals only from its completion queue and applies the atomics itself.
@@ -38,7 +38,7 @@
 //!   pending at the receiver all lie in a span shorter than half the
 //!   modulus and their wrapped numbers cannot alias. `uep-proxy` enforces
 //!   this with a per-stream send window (see its crate docs); 2048 is 8x
-//!   the per-thread in-flight bound of the SPEC's LL figures (8 FIFOs x 32
+//!   the per-thread in-flight bound of the paper's LL figures (8 FIFOs x 32
 //!   writes), so the window rarely throttles.
 //! * **count, 8 bits**: the tail increment per write. The EP layer only
 //!   uses 0 and 1; a larger increment (more than 255 tokens) can be split

@@ -1,0 +1,1069 @@
+//! `Runtime`: the Rust side of `uep.Buffer`.
+//!
+//! It owns one [`uep_ep::Buffer`] at a time, sized for the shapes the calls actually use
+//! (never for the byte counts the caller passed, which are a capacity: DeepEP's tests
+//! pass 2 GB). A Buffer is (re)built, collectively, when a call needs a shape it does
+//! not have:
+//!
+//! * the first call of a mode, or one whose experts, hidden size or top-k (or, in
+//!   low-latency mode, `num_max_dispatch_tokens_per_rank`) differ from the Buffer's:
+//!   every rank sees the same arguments, so every rank decides the same; the ranks
+//!   then exchange what each needs over the control plane (a rank whose input was bad
+//!   says so there, and every rank raises);
+//! * a normal dispatch with more tokens than the Buffer holds on some rank: every rank
+//!   learns it in the dispatch's notify step and gets [`EpError::Capacity`] at the same
+//!   point, before any row moved; all of them rebuild with room for the most tokens
+//!   (rounded up to a power of two) and run the dispatch again.
+//!
+//! A rebuild that would exceed the capacity raises an error naming the bytes needed
+//! and the argument to raise. Handles of an earlier Buffer are refused with a clear
+//! message.
+
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::Duration;
+
+use half::bf16;
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyTuple};
+use uep_bootstrap::ControlPlane;
+use uep_ep::{
+    Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchLayout, EpError, LlCombinePending,
+    LlHandle, LlPending, NormalHandle, Shape, Tokens, Topology,
+};
+
+use crate::control::PyControlPlane;
+use crate::dlpack::{export_block, export_lease, export_vec, peek_shape, DType, In, Pool};
+use crate::UepError;
+
+/// Fewest tokens a normal-mode Buffer is sized for (growth doubles from here).
+const MIN_TOKENS: usize = 64;
+/// What uep may use beyond the caller's capacity for its fixed areas (DeepEP, too,
+/// allocates a fixed workspace beside the buffers it is given).
+const SLACK_BYTES: usize = 32 << 20;
+
+fn ep_err(e: EpError) -> PyErr {
+    UepError::new_err(e.to_string())
+}
+
+fn uep_err(msg: impl Into<String>) -> PyErr {
+    UepError::new_err(msg.into())
+}
+
+/// What one call needs of the Buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    Normal(Shape),
+    Ll(Shape),
+}
+
+impl Want {
+    fn encode(self) -> String {
+        let (mode, s) = match self {
+            Want::Normal(s) => ("normal", s),
+            Want::Ll(s) => ("ll", s),
+        };
+        format!(
+            "ok {mode} {} {} {} {}",
+            s.num_experts, s.hidden, s.topk, s.max_tokens
+        )
+    }
+
+    fn decode(text: &str) -> Option<Want> {
+        let f: Vec<&str> = text.split(' ').collect();
+        let num = |i: usize| f.get(i)?.parse::<usize>().ok();
+        let s = Shape {
+            num_experts: num(2)?,
+            hidden: num(3)?,
+            topk: num(4)?,
+            max_tokens: num(5)?,
+        };
+        match (f.first(), f.get(1)) {
+            (Some(&"ok"), Some(&"normal")) => Some(Want::Normal(s)),
+            (Some(&"ok"), Some(&"ll")) => Some(Want::Ll(s)),
+            _ => None,
+        }
+    }
+
+    /// Whether the Buffer's config serves this call (normal-mode token counts are
+    /// checked by the dispatch itself, on every rank at once).
+    fn served_by(self, cfg: &BufferConfig) -> bool {
+        let same = |have: Option<Shape>, s: Shape, tokens: bool| {
+            have.is_some_and(|h| {
+                h.num_experts == s.num_experts
+                    && h.hidden == s.hidden
+                    && h.topk == s.topk
+                    && (!tokens || h.max_tokens == s.max_tokens)
+            })
+        };
+        match self {
+            Want::Normal(s) => same(cfg.normal, s, false),
+            Want::Ll(s) => same(cfg.ll, s, true),
+        }
+    }
+}
+
+struct State {
+    buffer: Option<Buffer>,
+    /// Memory of combine outputs, reused once Python lets go of them.
+    outputs: Pool,
+    /// Counts Buffers built; handles remember theirs.
+    generation: u64,
+    destroyed: bool,
+}
+
+/// The Rust side of one `uep.Buffer`.
+#[pyclass(module = "uep._uep", frozen)]
+pub struct Runtime {
+    cp: Arc<PyControlPlane>,
+    topo: Topology,
+    /// Bytes the caller allows (`num_nvl_bytes + num_rdma_bytes`).
+    capacity: usize,
+    timeout: Mutex<Duration>,
+    threads: usize,
+    emulate: Option<usize>,
+    state: Mutex<State>,
+}
+
+/// A normal dispatch's handle, as the Python layer keeps it.
+#[pyclass(module = "uep._uep", frozen)]
+pub struct NormalHandlePy {
+    inner: NormalHandle,
+    generation: u64,
+    num_experts: usize,
+}
+
+/// A low-latency dispatch's handle.
+#[pyclass(module = "uep._uep", frozen)]
+pub struct LlHandlePy {
+    inner: LlHandle,
+    generation: u64,
+}
+
+/// A low-latency dispatch whose receive has not run (the hook's state).
+#[pyclass(module = "uep._uep", frozen)]
+pub struct LlPendingPy {
+    inner: Mutex<Option<LlPending>>,
+    buffer: usize,
+    fp8: bool,
+    generation: u64,
+}
+
+/// A low-latency combine whose receive has not run.
+#[pyclass(module = "uep._uep", frozen)]
+pub struct LlCombinePendingPy {
+    inner: Mutex<Option<LlCombinePending>>,
+    generation: u64,
+}
+
+impl Runtime {
+    /// The state, locked without holding the GIL while waiting for another thread.
+    fn lock(&self, py: Python<'_>) -> MutexGuard<'_, State> {
+        loop {
+            match self.state.try_lock() {
+                Ok(g) => return g,
+                Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    py.detach(|| std::thread::sleep(Duration::from_micros(20)))
+                }
+            }
+        }
+    }
+
+    fn config_for(&self, base: Option<&BufferConfig>, want: Want) -> BufferConfig {
+        let mut cfg = base.cloned().unwrap_or_else(|| {
+            let mut c = BufferConfig::new(1, 8, 1, 0, 0);
+            c.normal = None;
+            c.ll = None;
+            c
+        });
+        match want {
+            Want::Normal(s) => cfg.normal = Some(s),
+            Want::Ll(s) => cfg.ll = Some(s),
+        }
+        cfg.timeout = *self.timeout.lock().unwrap_or_else(|e| e.into_inner());
+        cfg.device_threads = self.threads;
+        cfg.ranks_per_node = self.emulate;
+        cfg
+    }
+
+    /// (Re)build the Buffer for `want` (or fail every rank with this rank's `bad`
+    /// input). Collective: every rank calls it at the same point.
+    fn rebuild(&self, _py: Python<'_>, st: &mut State, want: Result<Want, String>) -> PyResult<()> {
+        let me = self.topo.rank;
+        let record = match &want {
+            Ok(w) => w.encode(),
+            Err(msg) => format!("err {msg}"),
+        };
+        let all = self
+            .cp
+            .all_gather(record.as_bytes())
+            .map_err(|e| uep_err(e.to_string()))?;
+        let all: Vec<String> = all
+            .iter()
+            .map(|r| String::from_utf8_lossy(r).into_owned())
+            .collect();
+        if let Some((r, msg)) = all
+            .iter()
+            .enumerate()
+            .find_map(|(r, t)| t.strip_prefix("err ").map(|m| (r, m)))
+        {
+            return Err(uep_err(if r == me {
+                format!("invalid argument: {msg}")
+            } else {
+                format!("peer failure: rank {me}: rank {r} rejected its input: {msg}")
+            }));
+        }
+        let wants: Vec<Want> = all
+            .iter()
+            .map(|t| Want::decode(t).ok_or_else(|| uep_err(format!("bad rebuild record {t:?}"))))
+            .collect::<PyResult<_>>()?;
+        let mut merged = wants[0];
+        for (r, w) in wants.iter().enumerate() {
+            let agree = match (merged, *w) {
+                (Want::Normal(a), Want::Normal(b)) => {
+                    a.num_experts == b.num_experts && a.hidden == b.hidden && a.topk == b.topk
+                }
+                (Want::Ll(a), Want::Ll(b)) => a == b,
+                _ => false,
+            };
+            if !agree {
+                return Err(uep_err(format!(
+                    "invalid argument: ranks make different calls: rank 0 asks for {:?}, rank {r} for {w:?}",
+                    wants[0]
+                )));
+            }
+            if let (Want::Normal(a), Want::Normal(b)) = (&mut merged, w) {
+                a.max_tokens = a.max_tokens.max(b.max_tokens);
+            }
+        }
+        let base = st.buffer.as_ref().map(|b| b.config().clone());
+        let nodes = self.topo.num_nodes;
+        let r_n = self.topo.num_ranks;
+        let mut cfg = self.config_for(base.as_ref(), merged);
+        if let Want::Normal(s) = merged {
+            // Room to grow into, unless only the exact count fits the capacity.
+            let exact = s.max_tokens.max(1);
+            let mut grown = cfg.clone();
+            if let Some(n) = grown.normal.as_mut() {
+                n.max_tokens = exact.max(MIN_TOKENS).next_power_of_two();
+            }
+            if let Some(n) = cfg.normal.as_mut() {
+                n.max_tokens = exact;
+            }
+            if grown.bytes_needed(r_n, nodes) <= self.capacity + SLACK_BYTES {
+                cfg = grown;
+            }
+        }
+        let needed = cfg.bytes_needed(r_n, nodes);
+        if needed > self.capacity + SLACK_BYTES {
+            let what = match merged {
+                Want::Normal(s) => format!(
+                    "normal dispatch of up to {} tokens a rank (hidden {}, top-k {}, {} experts)",
+                    s.max_tokens, s.hidden, s.topk, s.num_experts
+                ),
+                Want::Ll(s) => format!(
+                    "low-latency dispatch (num_max_dispatch_tokens_per_rank {}, hidden {}, top-k {}, {} experts)",
+                    s.max_tokens, s.hidden, s.topk, s.num_experts
+                ),
+            };
+            return Err(uep_err(format!(
+                "capacity: a {what} needs {needed} bytes of registered memory per rank \
+                 (both modes' buffers), more than num_nvl_bytes + num_rdma_bytes = {} allows \
+                 ({} with uep's fixed areas); raise {} to at least {}",
+                self.capacity,
+                self.capacity + SLACK_BYTES,
+                if matches!(merged, Want::Ll(_)) {
+                    "num_rdma_bytes"
+                } else {
+                    "num_nvl_bytes"
+                },
+                needed.saturating_sub(SLACK_BYTES)
+            )));
+        }
+        // The old Buffer goes first: outputs still held keep their own mappings.
+        st.buffer = None;
+        let buffer = Buffer::with_control_plane(self.cp.clone(), cfg).map_err(ep_err)?;
+        st.buffer = Some(buffer);
+        st.generation += 1;
+        Ok(())
+    }
+
+    /// Make sure the Buffer serves a call of `mode` with shape `want` (as far as known),
+    /// or, when this rank's input is `bad`, fail the call on every rank the way it meets
+    /// them: through the Buffer when it serves the call, else in the exchange that sets
+    /// one up (the other ranks, with the same shape, make the same decision).
+    fn ensure(
+        &self,
+        py: Python<'_>,
+        st: &mut State,
+        normal: bool,
+        want: Option<Want>,
+        bad: Option<String>,
+    ) -> PyResult<()> {
+        if st.destroyed {
+            return Err(uep_err("invalid argument: this Buffer was destroyed"));
+        }
+        let served = match (&st.buffer, want) {
+            (Some(b), Some(w)) => w.served_by(b.config()),
+            (Some(b), None) => {
+                (normal && b.config().normal.is_some()) || (!normal && b.config().ll.is_some())
+            }
+            (None, _) => false,
+        };
+        match (served, bad, want) {
+            (true, None, _) => Ok(()),
+            (true, Some(msg), _) => Err(self.reject(py, st, &msg)),
+            (false, Some(msg), _) => self.rebuild(py, st, Err(msg)),
+            (false, None, Some(w)) => self.rebuild(py, st, Ok(w)),
+            (false, None, None) => Err(uep_err("internal error: a call without a shape")),
+        }
+    }
+
+    /// Fail this call: tell the other ranks (their waits end at once) and raise.
+    fn reject(&self, _py: Python<'_>, st: &mut State, msg: &str) -> PyErr {
+        match st.buffer.as_mut() {
+            Some(b) => ep_err(b.abort(&format!("rank {}: {msg}", self.topo.rank))),
+            None => uep_err(format!("invalid argument: {msg}")),
+        }
+    }
+
+    fn buffer<'s>(st: &'s mut MutexGuard<'_, State>) -> PyResult<&'s mut Buffer> {
+        st.buffer
+            .as_mut()
+            .ok_or_else(|| uep_err("invalid argument: this Buffer has not been set up"))
+    }
+
+    fn check_generation(st: &State, generation: u64, what: &str) -> PyResult<()> {
+        if generation != st.generation {
+            return Err(uep_err(format!(
+                "invalid argument: the {what} comes from before the Buffer was rebuilt for larger or other shapes; dispatch again"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The parts of a normal dispatch the Python layer passed.
+struct NormalIn<'py> {
+    x: In<'py>,
+    scales: Option<In<'py>>,
+    topk_idx: Option<In<'py>>,
+    topk_weights: Option<In<'py>>,
+    layout: Option<DispatchLayout>,
+    hidden: usize,
+}
+
+#[pymethods]
+impl Runtime {
+    /// A runtime for rank `rank` of `world_size`, exchanging through `all_gather`
+    /// (collective: it finds which ranks share a host).
+    #[new]
+    #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None))]
+    fn new(
+        rank: usize,
+        world_size: usize,
+        all_gather: Py<PyAny>,
+        capacity: usize,
+        timeout_s: f64,
+        device_threads: usize,
+        ranks_per_node: Option<usize>,
+    ) -> PyResult<Runtime> {
+        if rank >= world_size {
+            return Err(uep_err(format!(
+                "invalid argument: rank {rank} of a group of {world_size}"
+            )));
+        }
+        if !(timeout_s > 0.0 && timeout_s.is_finite()) {
+            return Err(uep_err(format!(
+                "invalid argument: timeout {timeout_s} s must be positive"
+            )));
+        }
+        let cp = Arc::new(PyControlPlane::new(rank, world_size, all_gather));
+        let topo = Topology::discover(cp.as_ref(), ranks_per_node).map_err(ep_err)?;
+        // By default the node's ranks share the host's cores.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let device_threads = match device_threads {
+            0 => cores / topo.ranks_per_node,
+            n => n,
+        };
+        Ok(Runtime {
+            cp,
+            topo,
+            capacity,
+            timeout: Mutex::new(Duration::from_secs_f64(timeout_s)),
+            threads: device_threads.max(1),
+            emulate: ranks_per_node,
+            state: Mutex::new(State {
+                buffer: None,
+                outputs: Pool::default(),
+                generation: 0,
+                destroyed: false,
+            }),
+        })
+    }
+
+    /// `(rank, num_ranks, ranks_per_node, num_nodes)`.
+    fn topology(&self) -> (usize, usize, usize, usize) {
+        let t = self.topo;
+        (t.rank, t.num_ranks, t.ranks_per_node, t.num_nodes)
+    }
+
+    /// Bytes of registered memory the current Buffer holds (0 before the first call).
+    fn bytes(&self, py: Python<'_>) -> usize {
+        self.lock(py).buffer.as_ref().map_or(0, Buffer::bytes)
+    }
+
+    /// Set the deadline of every wait, in seconds.
+    fn set_timeout(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
+        if !(seconds > 0.0 && seconds.is_finite()) {
+            return Err(uep_err(format!(
+                "invalid argument: timeout {seconds} s must be positive"
+            )));
+        }
+        let d = Duration::from_secs_f64(seconds);
+        *self.timeout.lock().unwrap_or_else(|e| e.into_inner()) = d;
+        if let Some(b) = self.lock(py).buffer.as_mut() {
+            b.set_timeout(d);
+        }
+        Ok(())
+    }
+
+    /// `get_dispatch_layout`: `(per_rank [R] i32, per_node [nodes] i32 or None on one
+    /// node, per_expert [E] i32, is_token_in_rank [N, R] bool)`.
+    fn layout<'py>(
+        &self,
+        py: Python<'py>,
+        topk_idx: &Bound<'py, PyAny>,
+        num_experts: usize,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let idx = In::new(topk_idx, "topk_idx", DType::I64)?;
+        idx.expect_ndim(2)?;
+        let (n, k) = (idx.dim(0)?, idx.dim(1)?);
+        let t = self.topo;
+        let values = idx.slice::<i64>();
+        let l = py
+            .detach(|| {
+                uep_ep::get_dispatch_layout(values, k, num_experts, t.num_ranks, t.ranks_per_node)
+            })
+            .map_err(ep_err)?;
+        let per_node = (t.num_nodes > 1)
+            .then(|| export_vec(py, l.num_tokens_per_rdma_rank, &[t.num_nodes], DType::I32))
+            .transpose()?;
+        let in_rank: Vec<u8> = l.is_token_in_rank.iter().map(|&b| b as u8).collect();
+        (
+            export_vec(py, l.num_tokens_per_rank, &[t.num_ranks], DType::I32)?,
+            per_node,
+            export_vec(py, l.num_tokens_per_expert, &[num_experts], DType::I32)?,
+            export_vec(py, in_rank, &[n, t.num_ranks], DType::BOOL)?,
+        )
+            .into_pyobject(py)
+    }
+
+    /// Normal dispatch; see `uep.Buffer.dispatch`. Returns `(recv_x, recv_x_scales,
+    /// recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)`, the
+    /// tensors as DLPack capsules (absent ones `None`).
+    #[pyo3(signature = (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, handle, expert_alignment, num_worst_tokens))]
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        x_scales: Option<&Bound<'py, PyAny>>,
+        topk_idx: Option<&Bound<'py, PyAny>>,
+        topk_weights: Option<&Bound<'py, PyAny>>,
+        num_tokens_per_rank: Option<&Bound<'py, PyAny>>,
+        num_tokens_per_expert: Option<&Bound<'py, PyAny>>,
+        is_token_in_rank: Option<&Bound<'py, PyAny>>,
+        handle: Option<PyRef<'py, NormalHandlePy>>,
+        expert_alignment: usize,
+        num_worst_tokens: usize,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let t = self.topo;
+        let parsed = (|| -> PyResult<NormalIn<'py>> {
+            let fp8 = x_scales.is_some();
+            let x = In::new(x, "x", if fp8 { DType::U8 } else { DType::BF16 })?;
+            x.expect_ndim(2)?;
+            let (tokens, hidden) = (x.dim(0)?, x.dim(1)?);
+            let scales = In::opt(x_scales, "x scales", DType::F32)?;
+            let topk_idx = In::opt(topk_idx, "topk_idx", DType::I64)?;
+            let topk_weights = In::opt(topk_weights, "topk_weights", DType::F32)?;
+            let layout = match (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank) {
+                (Some(pr), Some(pe), Some(ir)) => {
+                    let pr = In::new(pr, "num_tokens_per_rank", DType::I32)?;
+                    let pe = In::new(pe, "num_tokens_per_expert", DType::I32)?;
+                    let ir = In::new(ir, "is_token_in_rank", DType::BOOL)?;
+                    ir.expect_ndim(2)?;
+                    if ir.shape() != [tokens, t.num_ranks] || pr.shape() != [t.num_ranks] {
+                        return Err(uep_err(format!(
+                            "is_token_in_rank has shape {:?} and num_tokens_per_rank {:?}; expected [{tokens}, {r}] and [{r}]",
+                            ir.shape(),
+                            pr.shape(),
+                            r = t.num_ranks
+                        )));
+                    }
+                    let in_rank: Vec<bool> = ir.slice::<u8>().iter().map(|&b| b != 0).collect();
+                    let per_node = (0..t.num_nodes)
+                        .map(|m| {
+                            in_rank
+                                .chunks(t.num_ranks)
+                                .filter(|row| row[t.node_ranks(m)].contains(&true))
+                                .count() as i32
+                        })
+                        .collect();
+                    Some(DispatchLayout {
+                        num_tokens: tokens,
+                        num_ranks: t.num_ranks,
+                        num_experts: pe.shape().first().copied().unwrap_or(0),
+                        num_tokens_per_rank: pr.slice::<i32>().to_vec(),
+                        num_tokens_per_rdma_rank: per_node,
+                        num_tokens_per_expert: pe.slice::<i32>().to_vec(),
+                        is_token_in_rank: in_rank,
+                    })
+                }
+                (None, None, None) => None,
+                _ => return Err(uep_err(
+                    "num_tokens_per_rank, num_tokens_per_expert and is_token_in_rank go together",
+                )),
+            };
+            Ok(NormalIn {
+                x,
+                scales,
+                topk_idx,
+                topk_weights,
+                layout,
+                hidden,
+            })
+        })();
+        let mut st = self.lock(py);
+        // The shape this call needs, read from the arguments' shapes even when they are
+        // unusable (so that this rank decides as its peers do): experts from the layout
+        // or the handle (or the Buffer's), top-k from the ids (or the handle, the
+        // Buffer's, 1).
+        let have = st.buffer.as_ref().and_then(|b| b.config().normal);
+        let dim = |o: Option<&Bound<'py, PyAny>>, i: usize| {
+            o.and_then(peek_shape).and_then(|s| s.get(i).copied())
+        };
+        let topk = dim(topk_idx, 1)
+            .or(handle.as_ref().map(|h| h.inner.topk))
+            .or(have.map(|s| s.topk))
+            .unwrap_or(1);
+        let experts = dim(num_tokens_per_expert, 0)
+            .or(handle.as_ref().map(|h| h.num_experts))
+            .or(have.map(|s| s.num_experts));
+        let want = match (experts, dim(Some(x), 0), dim(Some(x), 1)) {
+            (Some(num_experts), Some(tokens), Some(hidden)) => Some(Want::Normal(Shape {
+                num_experts,
+                hidden,
+                topk,
+                max_tokens: tokens,
+            })),
+            _ => None,
+        };
+        let bad = match &parsed {
+            Err(e) => Some(e.to_string()),
+            Ok(_) if experts.is_none() => Some(
+                "dispatch needs num_tokens_per_expert (from get_dispatch_layout) or a handle"
+                    .into(),
+            ),
+            Ok(_) => None,
+        };
+        self.ensure(py, &mut st, true, want, bad)?;
+        let p = parsed?;
+        if let Some(h) = &handle {
+            Self::check_generation(&st, h.generation, "handle")?;
+        }
+        let generation = st.generation;
+        let num_experts = st
+            .buffer
+            .as_ref()
+            .and_then(|b| b.config().normal)
+            .map_or(0, |s| s.num_experts);
+        let x = match &p.scales {
+            Some(s) => Tokens::Fp8 {
+                data: p.x.slice::<u8>(),
+                scales: s.slice::<f32>(),
+            },
+            None => Tokens::Bf16(p.x.slice::<bf16>()),
+        };
+        let mut args = DispatchArgs::new(x)
+            .expert_alignment(expert_alignment)
+            .num_worst_tokens(num_worst_tokens);
+        if let Some(h) = &handle {
+            args = args.cached(&h.inner);
+        }
+        if let Some(i) = &p.topk_idx {
+            args = args.topk(
+                i.slice::<i64>(),
+                p.topk_weights.as_ref().map(|w| w.slice::<f32>()),
+            );
+        }
+        if let Some(l) = &p.layout {
+            args = args.layout(l);
+        }
+        let mut retried = false;
+        let (out, counts) = loop {
+            let buffer = Self::buffer(&mut st)?;
+            let r = py.detach(|| {
+                buffer
+                    .dispatch(args)
+                    .map(|o| (o.handle, o.num_recv_tokens_per_expert))
+            });
+            match r {
+                Ok(v) => break v,
+                Err(EpError::Capacity { tokens, .. }) if !retried => {
+                    retried = true;
+                    let shape = buffer.config().normal.expect("a normal shape");
+                    let want = Want::Normal(Shape {
+                        max_tokens: tokens,
+                        ..shape
+                    });
+                    self.rebuild(py, &mut st, Ok(want))?;
+                }
+                Err(e) => return Err(ep_err(e)),
+            }
+        };
+        let generation = if retried { st.generation } else { generation };
+        let buffer = Self::buffer(&mut st)?;
+        let lease = buffer.lease_dispatch(&out).map_err(ep_err)?;
+        let (rows, h, k) = (out.num_rows, p.hidden, out.topk);
+        let fp8 = out.fp8;
+        let part = |i: usize, shape: &[usize], dtype: DType| {
+            export_lease(py, &lease, i, shape, None, dtype)
+        };
+        let recv_x = part(0, &[rows, h], if fp8 { DType::U8 } else { DType::BF16 })?;
+        let scales = fp8
+            .then(|| part(1, &[rows, h / 128], DType::F32))
+            .transpose()?;
+        let idx = (!lease.parts[2].is_empty() || (out.carries_topk() && rows == 0))
+            .then(|| part(2, &[rows, k], DType::I64))
+            .transpose()?;
+        let w = (!lease.parts[3].is_empty() || (out.carries_weights() && rows == 0))
+            .then(|| part(3, &[rows, k], DType::F32))
+            .transpose()?;
+        let handle = Py::new(
+            py,
+            NormalHandlePy {
+                inner: out,
+                generation,
+                num_experts,
+            },
+        )?;
+        (recv_x, scales, idx, w, counts, handle).into_pyobject(py)
+    }
+
+    /// Normal combine: `(combined_x [T, H] bf16, combined_topk_weights [T, K] f32 or
+    /// None)`, as DLPack capsules.
+    #[pyo3(signature = (x, handle, topk_weights, bias0, bias1))]
+    fn combine<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        handle: PyRef<'py, NormalHandlePy>,
+        topk_weights: Option<&Bound<'py, PyAny>>,
+        bias0: Option<&Bound<'py, PyAny>>,
+        bias1: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let mut st = self.lock(py);
+        let parsed = (|| -> PyResult<_> {
+            Ok((
+                In::new(x, "x", DType::BF16)?,
+                In::opt(topk_weights, "topk_weights", DType::F32)?,
+                In::opt(bias0, "bias[0]", DType::BF16)?,
+                In::opt(bias1, "bias[1]", DType::BF16)?,
+            ))
+        })();
+        if st.destroyed {
+            return Err(uep_err("invalid argument: this Buffer was destroyed"));
+        }
+        Self::check_generation(&st, handle.generation, "handle")?;
+        let (x, w, b0, b1) = parsed.map_err(|e| self.reject(py, &mut st, &e.to_string()))?;
+        let hidden = x.shape().get(1).copied().unwrap_or(0);
+        let (t, k) = (handle.inner.num_tokens, handle.inner.topk);
+        let args = CombineArgs {
+            topk_weights: w.as_ref().map(|w| w.slice::<f32>()),
+            bias: [
+                b0.as_ref().map(|b| b.slice::<bf16>()),
+                b1.as_ref().map(|b| b.slice::<bf16>()),
+            ],
+        };
+        let (x, handle) = (x.slice::<bf16>(), &handle.inner);
+        let state = &mut *st;
+        let buffer = state
+            .buffer
+            .as_mut()
+            .ok_or_else(|| uep_err("invalid argument: this Buffer has not been set up"))?;
+        let mut out_w = w.as_ref().map(|_| vec![0f32; t * k]);
+        let (block, done) = state.outputs.fill(t * hidden * 2, |block| {
+            let out_x = block.as_mut_slice::<bf16>(t * hidden);
+            py.detach(|| buffer.combine_into(x, args, handle, out_x, out_w.as_deref_mut()))
+        });
+        done.map_err(ep_err)?;
+        let combined = export_block(py, block, &[t, hidden], DType::BF16)?;
+        let weights = out_w
+            .map(|v| export_vec(py, v, &[t, k], DType::F32))
+            .transpose()?;
+        (combined, weights).into_pyobject(py)
+    }
+
+    /// The send half of a low-latency dispatch; returns its pending receive.
+    #[pyo3(signature = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale))]
+    #[allow(clippy::too_many_arguments)]
+    fn ll_dispatch_send<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        topk_idx: &Bound<'py, PyAny>,
+        num_max_dispatch_tokens_per_rank: usize,
+        num_experts: usize,
+        use_fp8: bool,
+        round_scale: bool,
+    ) -> PyResult<LlPendingPy> {
+        let parsed = (|| -> PyResult<_> {
+            let x = In::new(x, "x", DType::BF16)?;
+            x.expect_ndim(2)?;
+            let idx = In::new(topk_idx, "topk_idx", DType::I64)?;
+            idx.expect_ndim(2)?;
+            let shape = Shape {
+                num_experts,
+                hidden: x.dim(1)?,
+                topk: idx.dim(1)?,
+                max_tokens: num_max_dispatch_tokens_per_rank,
+            };
+            Ok((x, idx, shape))
+        })();
+        let mut st = self.lock(py);
+        let dim = |o: &Bound<'py, PyAny>, i: usize| peek_shape(o).and_then(|s| s.get(i).copied());
+        let want = match (dim(x, 1), dim(topk_idx, 1)) {
+            (Some(hidden), Some(topk)) => Some(Want::Ll(Shape {
+                num_experts,
+                hidden,
+                topk,
+                max_tokens: num_max_dispatch_tokens_per_rank,
+            })),
+            _ => None,
+        };
+        let bad = parsed.as_ref().err().map(|e| e.to_string());
+        self.ensure(py, &mut st, false, want, bad)?;
+        let (x, idx, _) = parsed?;
+        let generation = st.generation;
+        let buffer = Self::buffer(&mut st)?;
+        let (x, idx) = (x.slice::<bf16>(), idx.slice::<i64>());
+        let pending = py
+            .detach(|| buffer.low_latency_dispatch_send(x, idx, use_fp8, round_scale))
+            .map_err(ep_err)?;
+        Ok(LlPendingPy {
+            buffer: pending.buffer_index(),
+            fp8: use_fp8,
+            inner: Mutex::new(Some(pending)),
+            generation,
+        })
+    }
+
+    /// The rows and scales of a low-latency dispatch as tensors `[E/R, R*M, H]` and
+    /// `[E/R, R*M, H/128]` (column-major in the last two dimensions), valid once its
+    /// receive ran: before the receive for a hook, after it otherwise (`handle` then
+    /// narrows what a later reuse of the buffer keeps).
+    #[pyo3(signature = (pending, handle=None))]
+    fn ll_outputs<'py>(
+        &self,
+        py: Python<'py>,
+        pending: PyRef<'py, LlPendingPy>,
+        handle: Option<PyRef<'py, LlHandlePy>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let mut st = self.lock(py);
+        Self::check_generation(&st, pending.generation, "low-latency dispatch")?;
+        let buffer = Self::buffer(&mut st)?;
+        let s = buffer
+            .config()
+            .ll
+            .ok_or_else(|| uep_err("no low-latency shape"))?;
+        let (r_n, fp8) = (self.topo.num_ranks, pending.fp8);
+        let (epr, rows, h) = (s.experts_per_rank(r_n), r_n * s.max_tokens, s.hidden);
+        let lease = buffer
+            .lease_ll(pending.buffer, fp8, handle.as_ref().map(|h| &h.inner))
+            .map_err(ep_err)?;
+        let part = |i: usize, shape: &[usize], strides: Option<&[usize]>, dtype: DType| {
+            export_lease(py, &lease, i, shape, strides, dtype)
+        };
+        let x = part(
+            0,
+            &[epr, rows, h],
+            None,
+            if fp8 { DType::U8 } else { DType::BF16 },
+        )?;
+        let g = h / 128;
+        let scales = fp8
+            .then(|| part(1, &[epr, rows, g], Some(&[g * rows, 1, rows]), DType::F32))
+            .transpose()?;
+        (x, scales).into_pyobject(py)
+    }
+
+    /// The receive half of a low-latency dispatch: `(recv_count [E/R] list, handle,
+    /// src_info [E/R, R*M] i32, layout_range [E/R, R] i64, wait_ns [R] list)`.
+    fn ll_dispatch_recv<'py>(
+        &self,
+        py: Python<'py>,
+        pending: PyRef<'py, LlPendingPy>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let mut st = self.lock(py);
+        Self::check_generation(&st, pending.generation, "low-latency dispatch")?;
+        let p = pending
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| uep_err("invalid argument: this low-latency dispatch was received already (its hook ran)"))?;
+        let generation = st.generation;
+        let buffer = Self::buffer(&mut st)?;
+        let (handle, wait_ns) = py
+            .detach(|| {
+                buffer
+                    .low_latency_dispatch_recv(p)
+                    .map(|o| (o.handle, o.wait_ns))
+            })
+            .map_err(ep_err)?;
+        let r_n = self.topo.num_ranks;
+        let epr = handle.recv_count.len();
+        let rows = handle.src_info.len() / epr.max(1);
+        let src_info = export_vec(py, handle.src_info.clone(), &[epr, rows], DType::I32)?;
+        let ranges: Vec<i64> = handle
+            .layout_range
+            .iter()
+            .map(|&(b, c)| ((b as i64) << 32) | c as i64)
+            .collect();
+        let layout_range = export_vec(py, ranges, &[epr, r_n], DType::I64)?;
+        let counts = handle.recv_count.clone();
+        let handle = Py::new(
+            py,
+            LlHandlePy {
+                inner: handle,
+                generation,
+            },
+        )?;
+        (counts, handle, src_info, layout_range, wait_ns).into_pyobject(py)
+    }
+
+    /// The send half of a low-latency combine of `x` (`[E/R, R*M, H]` bf16).
+    fn ll_combine_send<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        topk_idx: &Bound<'py, PyAny>,
+        topk_weights: &Bound<'py, PyAny>,
+        handle: PyRef<'py, LlHandlePy>,
+    ) -> PyResult<LlCombinePendingPy> {
+        let mut st = self.lock(py);
+        let parsed = (|| -> PyResult<_> {
+            Ok((
+                In::new(x, "x", DType::BF16)?,
+                In::new(topk_idx, "topk_idx", DType::I64)?,
+                In::new(topk_weights, "topk_weights", DType::F32)?,
+            ))
+        })();
+        Self::check_generation(&st, handle.generation, "handle")?;
+        let (x, idx, w) = parsed.map_err(|e| self.reject(py, &mut st, &e.to_string()))?;
+        let generation = st.generation;
+        let buffer = Self::buffer(&mut st)?;
+        let (x, idx, w) = (x.slice::<bf16>(), idx.slice::<i64>(), w.slice::<f32>());
+        let handle = &handle.inner;
+        let pending = py
+            .detach(|| buffer.low_latency_combine_send(x, idx, w, handle))
+            .map_err(ep_err)?;
+        Ok(LlCombinePendingPy {
+            inner: Mutex::new(Some(pending)),
+            generation,
+        })
+    }
+
+    /// The receive half of a low-latency combine, into `out` (`[T, H]` bf16); `x` is
+    /// the send half's.
+    fn ll_combine_recv<'py>(
+        &self,
+        py: Python<'py>,
+        pending: PyRef<'py, LlCombinePendingPy>,
+        x: &Bound<'py, PyAny>,
+        out: &Bound<'py, PyAny>,
+    ) -> PyResult<()> {
+        let mut st = self.lock(py);
+        Self::check_generation(&st, pending.generation, "low-latency combine")?;
+        let p = pending
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| uep_err("invalid argument: this low-latency combine was received already (its hook ran)"))?;
+        let x = In::new(x, "x", DType::BF16)?;
+        let out = In::new(out, "out", DType::BF16)?;
+        let dst = out.slice_mut::<bf16>(&[&x])?;
+        let buffer = Self::buffer(&mut st)?;
+        let x = x.slice::<bf16>();
+        py.detach(|| buffer.low_latency_combine_recv(p, x, dst))
+            .map_err(ep_err)
+    }
+
+    /// A barrier over every rank (through the Buffer's memory, or the control plane
+    /// before the first call).
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let mut st = self.lock(py);
+        match st.buffer.as_mut() {
+            Some(b) => py.detach(|| b.barrier()).map_err(ep_err),
+            None => self.cp.barrier().map_err(|e| uep_err(e.to_string())),
+        }
+    }
+
+    /// Low-latency mode for `num_max_dispatch_tokens_per_rank` tokens of `hidden`
+    /// channels to `num_experts` experts, top-k `topk`, ready on every rank (collective:
+    /// DeepEP's `clean_low_latency_buffer`).
+    fn prepare_ll(
+        &self,
+        py: Python<'_>,
+        num_max_dispatch_tokens_per_rank: usize,
+        hidden: usize,
+        num_experts: usize,
+        topk: usize,
+    ) -> PyResult<()> {
+        let mut st = self.lock(py);
+        let want = Want::Ll(Shape {
+            num_experts,
+            hidden,
+            topk,
+            max_tokens: num_max_dispatch_tokens_per_rank,
+        });
+        self.ensure(py, &mut st, false, Some(want), None)?;
+        let b = Self::buffer(&mut st)?;
+        py.detach(|| b.barrier()).map_err(ep_err)
+    }
+
+    /// The current low-latency top-k, if any (for `clean_low_latency_buffer`).
+    fn ll_topk(&self, py: Python<'_>) -> Option<usize> {
+        self.lock(py)
+            .buffer
+            .as_ref()
+            .and_then(|b| b.config().ll.or(b.config().normal))
+            .map(|s| s.topk)
+    }
+
+    /// Reject this rank's input for a call of `mode` ("normal" or "ll", with the shape
+    /// as far as known: `num_experts`, `hidden`, `topk`, `max_tokens`; 0 where
+    /// unknown): tell every rank, the way that call would have met them (through the
+    /// Buffer, or in the exchange that sets one up), and raise `reason`.
+    #[pyo3(signature = (reason, mode=None, num_experts=0, hidden=0, topk=0, max_tokens=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn reject_call(
+        &self,
+        py: Python<'_>,
+        reason: &str,
+        mode: Option<&str>,
+        num_experts: usize,
+        hidden: usize,
+        topk: usize,
+        max_tokens: usize,
+    ) -> PyResult<()> {
+        let mut st = self.lock(py);
+        let shape = Shape {
+            num_experts,
+            hidden,
+            topk,
+            max_tokens,
+        };
+        let known = num_experts > 0 && hidden > 0 && topk > 0;
+        let want = match mode {
+            Some("normal") if known => Some(Want::Normal(shape)),
+            Some("ll") if known && max_tokens > 0 => Some(Want::Ll(shape)),
+            _ => None,
+        };
+        self.ensure(
+            py,
+            &mut st,
+            mode != Some("ll"),
+            want,
+            Some(reason.to_string()),
+        )
+    }
+
+    /// Free everything (collective: a barrier first, as DeepEP's `destroy`).
+    fn destroy(&self, py: Python<'_>) -> PyResult<()> {
+        let mut st = self.lock(py);
+        if st.destroyed {
+            return Err(uep_err("invalid argument: destroy() was called already"));
+        }
+        let r = match st.buffer.as_mut() {
+            Some(b) => py.detach(|| b.barrier()).map_err(ep_err),
+            None => self.cp.barrier().map_err(|e| uep_err(e.to_string())),
+        };
+        st.buffer = None;
+        st.destroyed = true;
+        r
+    }
+}
+
+#[pymethods]
+impl NormalHandlePy {
+    /// `[R, R]` i32: entry `[s][r]` = tokens ranks `0..=s` send to rank `r`.
+    fn rank_prefix_matrix<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let r = self.inner.num_tokens_per_rank.len();
+        export_vec(
+            py,
+            self.inner.rank_prefix_matrix.clone(),
+            &[r, r],
+            DType::I32,
+        )
+    }
+
+    /// `[N]` i32: source token of every received row.
+    fn recv_src_idx<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let n = self.inner.recv_src_idx.len();
+        export_vec(py, self.inner.recv_src_idx.clone(), &[n], DType::I32)
+    }
+
+    /// `[T, R]` bool: which ranks each token went to.
+    fn is_token_in_rank<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let r = self.inner.num_tokens_per_rank.len();
+        let v: Vec<u8> = self
+            .inner
+            .is_token_in_rank
+            .iter()
+            .map(|&b| b as u8)
+            .collect();
+        export_vec(py, v, &[self.inner.num_tokens, r], DType::BOOL)
+    }
+
+    /// `[R]` i32: tokens this rank sent to each rank.
+    fn num_tokens_per_rank<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let r = self.inner.num_tokens_per_rank.len();
+        export_vec(py, self.inner.num_tokens_per_rank.clone(), &[r], DType::I32)
+    }
+
+    /// Rows received.
+    #[getter]
+    fn num_recv_tokens(&self) -> usize {
+        self.inner.num_recv_tokens
+    }
+
+    /// Rows of the outputs (with `num_worst_tokens` padding).
+    #[getter]
+    fn num_rows(&self) -> usize {
+        self.inner.num_rows
+    }
+
+    /// Tokens dispatched.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens
+    }
+
+    /// Top-k slots.
+    #[getter]
+    fn topk(&self) -> usize {
+        self.inner.topk
+    }
+}
+
+#[pymethods]
+impl LlHandlePy {
+    /// Tokens dispatched.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens
+    }
+}

@@ -1,0 +1,93 @@
+"""The package's surface, as DeepEP code sees it after ``import uep as deep_ep``."""
+
+import inspect
+
+import pytest
+import torch
+
+import uep as deep_ep
+
+
+def test_exports_match_deepep():
+    for name in ("Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t"):
+        assert hasattr(deep_ep, name), name
+    assert deep_ep.topk_idx_t is torch.int64
+    assert issubclass(deep_ep.UepError, RuntimeError)
+    assert isinstance(deep_ep.__version__, str)
+
+
+def test_buffer_takes_every_v1_keyword_with_deepeps_defaults():
+    params = inspect.signature(deep_ep.Buffer.__init__).parameters
+    expect = {"group": inspect.Parameter.empty, "num_nvl_bytes": 0, "num_rdma_bytes": 0,
+              "low_latency_mode": False, "num_qps_per_rank": 24,
+              "allow_nvlink_for_low_latency_mode": True, "allow_mnnvl": False, "use_fabric": False,
+              "explicitly_destroy": False, "enable_shrink": False, "comm": None}
+    assert list(params)[1:] == list(expect)
+    for k, v in expect.items():
+        assert params[k].default == v, k
+    dispatch = inspect.signature(deep_ep.Buffer.dispatch).parameters
+    assert list(dispatch)[1:] == ["x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank",
+                                  "is_token_in_rank", "num_tokens_per_expert", "topk_idx", "topk_weights",
+                                  "expert_alignment", "num_worst_tokens", "config", "previous_event",
+                                  "async_finish", "allocate_on_comm_stream"]
+    ll = inspect.signature(deep_ep.Buffer.low_latency_dispatch).parameters
+    assert list(ll)[1:] == ["x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
+                            "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats",
+                            "use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"]
+    llc = inspect.signature(deep_ep.Buffer.low_latency_combine).parameters
+    assert list(llc)[1:] == ["x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
+                             "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"]
+    with pytest.raises(ValueError):
+        deep_ep.Buffer(None)
+
+
+def test_config_checks_as_deepep():
+    c = deep_ep.Config(24, 6, 256, 6, 128)
+    assert c.num_sms == 24 and c.num_max_rdma_chunked_recv_tokens == 132  # aligned to the send chunk
+    deep_ep.Config(num_sms=20, num_max_nvl_chunked_send_tokens=8, num_max_nvl_chunked_recv_tokens=256,
+                   num_max_rdma_chunked_send_tokens=16, num_max_rdma_chunked_recv_tokens=128)
+    for bad in [dict(num_sms=-1), dict(num_max_nvl_chunked_send_tokens=256),
+                dict(num_max_nvl_chunked_send_tokens=0),
+                dict(num_max_rdma_chunked_send_tokens=8, num_max_rdma_chunked_recv_tokens=8)]:
+        with pytest.raises(AssertionError):
+            deep_ep.Config(**bad)
+    assert c.get_nvl_buffer_size_hint(7168 * 2, 8) % 128 == 0 and c.get_nvl_buffer_size_hint(7168 * 2, 8) > 0
+    assert c.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    assert c.get_rdma_buffer_size_hint(7168 * 2, 16) > 0
+    with pytest.raises(AssertionError):
+        c.get_nvl_buffer_size_hint(1024, 12)
+
+
+def test_static_helpers():
+    B = deep_ep.Buffer
+    assert B.is_sm90_compiled() is True
+    for r in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160):
+        assert isinstance(B.get_dispatch_config(r), deep_ep.Config)
+        assert isinstance(B.get_combine_config(r), deep_ep.Config)
+    with pytest.raises(AssertionError):
+        B.get_dispatch_config(3)
+    old = B.num_sms
+    B.set_num_sms(24)
+    assert B.get_dispatch_config(8).num_sms == 24
+    B.set_num_sms(old)
+    with pytest.raises(AssertionError):
+        B.set_num_sms(3)
+    # DeepEP's LL size hint: about 2.147 GB at (128, 7168, 8 ranks, 288 experts).
+    hint = B.get_low_latency_rdma_size_hint(128, 7168, 8, 288)
+    assert 2.14e9 < hint < 2.15e9 and hint % 128 == 0
+    assert 160e6 < B.get_low_latency_rdma_size_hint(16, 5120, 8, 256) < 180e6
+
+
+def test_events_are_completed_and_waitable():
+    e = deep_ep.Buffer.capture()
+    assert isinstance(e, deep_ep.EventOverlap) and e.event is not None
+    e.current_stream_wait()
+    with e:
+        pass
+    none = deep_ep.EventOverlap()
+    with none:
+        pass
+    with pytest.raises(AssertionError):
+        none.current_stream_wait()
+    kept = deep_ep.EventOverlap(deep_ep.EventHandle(), (torch.zeros(1),))
+    assert kept.extra_tensors[0].numel() == 1

@@ -1,0 +1,60 @@
+"""What users hit: empty ranks and empty outputs, memory that grows with the shapes,
+capacity errors, bad input on one rank, a dead or absent peer, the GIL, event flags."""
+
+import pytest
+
+from conftest import launch
+
+
+def test_zero_token_and_zero_receive_ranks_keep_shapes():
+    assert all(r["ok"] for r in launch("empty_ranks", 3))
+    assert all(r["ok"] for r in launch("empty_ranks", 4, env={"UEP_RANKS_PER_NODE": "2"}))
+
+
+def test_memory_grows_with_the_shapes_used():
+    results = launch("growth", 2)
+    for r in results:
+        assert r["small"] < 64 << 20 and r["grown"] > r["small"]
+
+
+def test_a_call_past_the_capacity_names_bytes_and_argument():
+    for r in launch("capacity_error", 2):
+        assert "raise num_nvl_bytes" in r["msg"], r["msg"]
+
+
+@pytest.mark.parametrize("what", ["dtype", "ids", "noncontiguous", "ll_hidden"])
+@pytest.mark.parametrize("first_call", [True, False])
+def test_bad_input_on_one_rank_raises_everywhere(what, first_call):
+    results = launch("bad_input", 4, what=what, first_call=first_call)
+    for rank, r in enumerate(results):
+        assert r["seconds"] < 10, r
+        if rank == 1:
+            assert "invalid argument" in r["error"], r
+        else:
+            assert "rank 1" in r["error"], r
+
+
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+def test_a_killed_peer_is_noticed_at_once(mode):
+    results = launch("dead_peer", 4, env={"UEP_TIMEOUT_S": "60"}, killed=(3,), mode=mode)
+    for r in results[:3]:
+        assert "rank 3" in r["error"] and "died" in r["error"], r
+        assert r["seconds"] < 5, r
+
+
+def test_an_absent_peer_times_out_with_a_message():
+    results = launch("timeout", 4, env={"UEP_TIMEOUT_S": "2"})
+    for r in results[:3]:
+        assert "timeout" in r["error"] and "rank 3" in r["error"], r
+        assert 1.5 < r["seconds"] < 10, r
+    assert results[3] == {"skipped": True}
+
+
+def test_the_gil_is_released_while_a_call_waits():
+    results = launch("gil_released", 2)
+    # Rank 0 waited about a second for rank 1, and its other thread kept running.
+    assert results[0]["waited"] > 0.5 and results[0]["ticks"] > 100, results
+
+
+def test_every_event_flag_combination():
+    assert all(r["combos"] == 8 for r in launch("events_and_flags", 2))

@@ -1,0 +1,646 @@
+"""What every rank of a test job runs. DeepEP's own tests (intranode, internode,
+low-latency) written again for CPU at small shapes, plus uep's edge cases.
+
+Exactness: where uep's accumulation order is documented (combine sums rows in f32 in
+source-rank order, then the biases; low-latency combine sums ``w * y`` over the slots in
+order; one rounding to bf16), the checks compare bit for bit with torch doing the same
+sums; DeepEP's ``calc_diff`` thresholds are checked as well.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+import traceback
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+import uep as deep_ep
+
+
+# ---------------------------------------------------------------------- plumbing
+
+class Ctx:
+    """A rank's view of its job."""
+
+    def __init__(self, rank: int, world: int, group: dist.ProcessGroup) -> None:
+        self.rank, self.world, self.group = rank, world, group
+
+    def buffer(self, num_nvl_bytes: int = int(2e9), num_rdma_bytes: int = 0, **kw: Any) -> deep_ep.Buffer:
+        return deep_ep.Buffer(self.group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True, **kw)
+
+
+def entry(rank: int, world: int, port: int, case: str, kwargs: Dict[str, Any], out: str,
+          expect_failure: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    torch.set_num_threads(1)
+    result: Any = None
+    try:
+        group = dist.new_group(list(range(world)))
+        result = globals()[case](Ctx(rank, world, group), **kwargs)
+    except BaseException as e:  # noqa: B902 - reported to the parent
+        if not expect_failure:
+            raise
+        result = e if isinstance(e, deep_ep.UepError) else RuntimeError(traceback.format_exc())
+    finally:
+        with open(os.path.join(out, f"result{rank}"), "wb") as f:
+            pickle.dump(result if not isinstance(result, BaseException) else
+                        {"error": type(result).__name__, "msg": str(result)}, f)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- helpers
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepEP's similarity distance: 0 for equal tensors."""
+    x, y = x.double() + 1, y.double() + 1
+    denom = (x * x + y * y).sum()
+    return (1 - 2 * (x * y).sum() / denom).item()
+
+
+def per_token_cast_to_fp8(x: torch.Tensor):
+    """FP8 e4m3 per 128-channel block of each token, with f32 scales ``amax / 448``."""
+    m, n = x.shape
+    v = x.float().view(m, n // 128, 128)
+    amax = v.abs().amax(dim=2).clamp(1e-4)
+    q = (v * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn)
+    return q.view(m, n), (amax / 448.0).view(m, n // 128)
+
+
+def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Dequantise (f32 or int32 UE8M0 scales) to bf16."""
+    if scales.dtype == torch.int32:
+        # Four exponent bytes a word; flatten first (a size-1 dimension may have any stride).
+        lead = scales.shape[:-1]
+        exps = scales.contiguous().reshape(-1).view(torch.uint8).reshape(*lead, -1)
+        scales = (exps.to(torch.int32) << 23).view(torch.float32)
+    shape = q.shape
+    v = q.float().view(*shape[:-1], shape[-1] // 128, 128)
+    return (v * scales.reshape(*shape[:-1], shape[-1] // 128, 1)).view(shape).to(torch.bfloat16)
+
+
+def inplace_unique(x: torch.Tensor, num_slots: int) -> None:
+    """Each row's distinct values, descending, padded with -1 (DeepEP's helper)."""
+    assert x.dim() == 2
+    mask = x < 0
+    x_padded = x.masked_fill(mask, num_slots)
+    bin_count = torch.zeros((x.size(0), num_slots + 1), dtype=x.dtype)
+    bin_count.scatter_add_(1, x_padded, torch.ones_like(x_padded))
+    bin_count = bin_count[:, :num_slots]
+    sorted_bin_count, sorted_bin_idx = torch.sort(bin_count, dim=-1, descending=True)
+    sorted_bin_idx.masked_fill_(sorted_bin_count == 0, -1)
+    sorted_bin_idx = torch.sort(sorted_bin_idx, descending=True, dim=-1).values
+    x[:, :].fill_(-1)
+    valid_len = min(num_slots, x.size(1))
+    x[:, :valid_len] = sorted_bin_idx[:, :valid_len]
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def all_gather(t: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+    out = torch.empty((ctx.world * t.shape[0], *t.shape[1:]), dtype=t.dtype)
+    dist.all_gather_into_tensor(out, t.contiguous(), group=ctx.group)
+    return out.view(ctx.world, *t.shape)
+
+
+def check_rows_per_source(recv: torch.Tensor, prefix: torch.Tensor, rank: int) -> None:
+    """Rows from source ``i`` (``[prefix[i-1][rank], prefix[i][rank])``) all equal ``i``,
+    and every row is constant (DeepEP's ``check_data``)."""
+    assert torch.equal(recv.float().amin(dim=1), recv.float().amax(dim=1))
+    start = 0
+    for i in range(prefix.size(0)):
+        end = prefix[i][rank].item()
+        assert (recv[start:end, :].float() == i).all(), f"rows from rank {i}"
+        start = end
+
+
+# ---------------------------------------------------------------------- normal mode
+
+def normal_mode(ctx: Ctx, num_tokens: int = 96, hidden: int = 256, num_topk: int = 4,
+                num_experts: int = 16, seed: int = 0, internode: bool = False,
+                with_bias: bool = False) -> Dict[str, Any]:
+    """DeepEP's test_intranode (and test_internode's checks), at a CPU-sized shape."""
+    rank, R, group = ctx.rank, ctx.world, ctx.group
+    buffer = ctx.buffer(int(2e9), int(1e9) if internode else 0)
+    torch.manual_seed(rank + seed)
+    N, H, K, E = num_tokens, hidden, num_topk, num_experts
+    x = torch.ones((N, H), dtype=torch.bfloat16) * rank
+    x_pure_rand = torch.randn((N, H), dtype=torch.bfloat16)
+    x_e4m3 = per_token_cast_to_fp8(x)
+    x_e4m3 = (x_e4m3[0], x_e4m3[1].T.contiguous().T)  # column-major scales, as DeepEP tests
+    scores = torch.randn((N, E), dtype=torch.float32).abs() + 1
+    topk_idx = torch.topk(scores, K, dim=-1, largest=True, sorted=False)[1].to(deep_ep.topk_idx_t)
+    topk_weights = torch.ones((N, K), dtype=torch.float32) * rank
+    topk_weights_pure_rand = torch.randn((N, K), dtype=torch.float32)
+    rank_idx = topk_idx // (E // R)
+    rank_idx.masked_fill_(topk_idx == -1, -1)
+    inplace_unique(rank_idx, R)
+
+    # References of the layout.
+    num_tokens_per_expert = torch.zeros((E,), dtype=torch.int32)
+    for i in range(E):
+        num_tokens_per_expert[i] = (topk_idx == i).sum()
+    gbl_num_tokens_per_expert = all_reduce(num_tokens_per_expert, group)
+    num_tokens_per_rank = torch.empty((R,), dtype=torch.int32)
+    token_idx_in_rank = torch.full((R, N), -1, dtype=torch.long)
+    for i in range(R):
+        num_tokens_per_rank[i] = (rank_idx == i).sum()
+        token_sel = (rank_idx == i).max(dim=-1)[0]
+        count = token_sel.sum().item()
+        tokens = torch.sort(token_sel.to(torch.int), descending=True)[1]
+        tokens[:count] = torch.sort(tokens[:count])[0]
+        token_idx_in_rank[i][tokens[:count]] = torch.arange(count, dtype=torch.long)
+    token_idx_in_rank = token_idx_in_rank.T.contiguous().to(torch.int)
+    is_token_in_rank = token_idx_in_rank >= 0
+    gbl_num_tokens_per_rank = all_reduce(num_tokens_per_rank, group)
+
+    ref_per_rank, ref_per_node, ref_per_expert, ref_in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    assert torch.equal(ref_per_rank, num_tokens_per_rank)
+    assert torch.equal(ref_per_expert, num_tokens_per_expert)
+    assert torch.equal(ref_in_rank, is_token_in_rank)
+    if internode:
+        L = int(os.environ["UEP_RANKS_PER_NODE"])
+        node_idx = rank_idx.clone()
+        node_idx[node_idx >= 0] //= L
+        inplace_unique(node_idx, R // L)
+        ref_node = torch.tensor([(node_idx == n).sum().item() for n in range(R // L)], dtype=torch.int32)
+        assert ref_per_node is not None and torch.equal(ref_per_node, ref_node)
+    else:
+        assert ref_per_node is None
+    prefix_at = -4 if internode else 0
+
+    checked = 0
+    for previous_mode in (False, True):
+        for async_mode in (False, True):
+            for current_x in (x_pure_rand, x, x_e4m3):
+                for with_topk in (False, True):
+                    config = deep_ep.Config(24, 6, 256, 6, 128)
+                    args: Dict[str, Any] = {"x": current_x, "num_tokens_per_rank": num_tokens_per_rank,
+                                            "is_token_in_rank": is_token_in_rank,
+                                            "num_tokens_per_expert": num_tokens_per_expert,
+                                            "config": config, "async_finish": async_mode}
+                    if internode:
+                        args["num_tokens_per_rdma_rank"] = ref_per_node
+                    if with_topk:
+                        args["topk_idx"] = topk_idx
+                        args["topk_weights"] = topk_weights_pure_rand if current_x is x_pure_rand else topk_weights
+                    if previous_mode:
+                        args["previous_event"] = buffer.capture()
+                    recv_x, recv_topk_idx, recv_topk_weights, recv_list, handle, event = buffer.dispatch(**args)
+                    if async_mode:
+                        event.current_stream_wait()
+                    recv_x = per_token_cast_back(*recv_x) if isinstance(recv_x, tuple) else recv_x
+                    prefix = handle[prefix_at]
+                    if internode:
+                        # handle[-4]: inclusive prefix of rows received, by source rank.
+                        column = torch.zeros((R, R), dtype=torch.int32)
+                        column[:, rank] = prefix
+                        prefix = column
+                    assert gbl_num_tokens_per_rank[rank].item() == recv_x.size(0), (recv_x.shape, gbl_num_tokens_per_rank)
+                    assert gbl_num_tokens_per_expert.view(R, -1)[rank].tolist() == recv_list
+                    if current_x is not x_pure_rand:
+                        check_rows_per_source(recv_x, prefix, rank)
+                    if with_topk:
+                        assert recv_topk_idx.eq(-1).logical_or(recv_topk_idx.ge(0).logical_and(recv_topk_idx.lt(E // R))).all()
+                        for i, count in enumerate(recv_list):
+                            assert recv_topk_idx.eq(i).sum().item() == count
+                        # Weights travel unchanged where the expert is local, 0 elsewhere.
+                        assert (recv_topk_weights[recv_topk_idx.eq(-1)] == 0).all()
+                        recv_topk_weights_clone = recv_topk_weights.clone()
+                        if current_x is not x_pure_rand:
+                            # As DeepEP's test: fill the -1 slots with the row's value, in
+                            # place (combine then returns it for every slot).
+                            recv_topk_weights[recv_topk_idx.eq(-1)] = recv_topk_weights.amax(dim=1, keepdim=True).expand_as(recv_topk_weights)[recv_topk_idx.eq(-1)]
+                            check_rows_per_source(recv_topk_weights, prefix, rank)
+
+                        # Padded to the worst case: the same rows first, -1 after.
+                        worst = N * R
+                        out_w = buffer.dispatch(**args, num_worst_tokens=worst)
+                        wx, widx, ww, wlist = out_w[0], out_w[1], out_w[2], out_w[3]
+                        wx = per_token_cast_back(*wx) if isinstance(wx, tuple) else wx
+                        n = recv_x.size(0)
+                        assert wlist == [] and wx.size(0) == worst and widx.size(0) == worst and ww.size(0) == worst
+                        assert torch.equal(wx[:n], recv_x)
+                        assert torch.equal(widx[:n], recv_topk_idx)
+                        assert torch.equal(ww[:n], recv_topk_weights_clone)
+                        assert (widx[n:] == -1).all()
+                    else:
+                        # Cached dispatch through the handle.
+                        cached_args = {"x": current_x, "handle": handle, "config": config, "async_finish": async_mode}
+                        if previous_mode:
+                            cached_args["previous_event"] = buffer.capture()
+                        cx, cidx, cw, clist, chandle, cevent = buffer.dispatch(**cached_args)
+                        assert cidx is None and cw is None and clist is None and chandle is None
+                        if async_mode:
+                            cevent.current_stream_wait()
+                        cx = per_token_cast_back(*cx) if isinstance(cx, tuple) else cx
+                        assert torch.equal(cx, recv_x)
+
+                    # Combine: the unweighted sum of the rows sent back, with the biases.
+                    combine_args: Dict[str, Any] = {"x": recv_x, "handle": handle, "config": config,
+                                                    "async_finish": async_mode}
+                    if with_topk:
+                        combine_args["topk_weights"] = recv_topk_weights
+                    if previous_mode:
+                        combine_args["previous_event"] = buffer.capture()
+                    bias = None
+                    if with_bias:
+                        bias = (torch.ones((N, H), dtype=torch.bfloat16), torch.randn((N, H), dtype=torch.bfloat16))
+                        combine_args["bias"] = bias
+                    combined_x, combined_w, event = buffer.combine(**combine_args)
+                    if async_mode:
+                        event.current_stream_wait()
+                    sent_to = is_token_in_rank.sum(dim=1).unsqueeze(1)
+                    ref_x = x_pure_rand if current_x is x_pure_rand else x
+                    # Exact: each rank returns the row it got, and c equal rows sum to c
+                    # times the row in f32 exactly (also as two nodes' bf16 partials of
+                    # two rows each); then the biases, in order, and one rounding.
+                    expect = ref_x.float() * sent_to
+                    if bias is not None:
+                        expect = expect + bias[0].float()
+                        expect = expect + bias[1].float()
+                    assert torch.equal(combined_x, expect.to(torch.bfloat16)), "combine is not bit-exact"
+                    check_x = combined_x.float()
+                    if bias is not None:
+                        check_x = check_x - bias[0].float() - bias[1].float()
+                    assert calc_diff(check_x / sent_to, ref_x) < (5e-4 if internode else 5e-6)
+                    if with_topk:
+                        ref_w = topk_weights_pure_rand if current_x is x_pure_rand else topk_weights
+                        check_w = combined_w if current_x is x_pure_rand else combined_w / sent_to
+                        assert calc_diff(check_w, ref_w) < 1e-9
+                    checked += 1
+    buffer.destroy()
+    dist.barrier(group=group)
+    return {"checked": checked}
+
+
+# ---------------------------------------------------------------------- low latency
+
+def low_latency(ctx: Ctx, num_tokens: int = 16, hidden: int = 512, num_topk: int = 4,
+                num_experts: int = 16, seed: int = 1, buffer: Optional[deep_ep.Buffer] = None,
+                destroy: bool = True) -> Dict[str, Any]:
+    """DeepEP's test_low_latency, on CPU (without shrink and without the GPU benches)."""
+    rank, R, group = ctx.rank, ctx.world, ctx.group
+    N, H, K, E = num_tokens, hidden, num_topk, num_experts
+    local = E // R
+    if buffer is None:
+        buffer = ctx.buffer(0, deep_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                            low_latency_mode=True, num_qps_per_rank=E // R)
+    torch.manual_seed(seed + rank)
+    x = torch.ones((N, H), dtype=torch.bfloat16) * (rank - 128)
+    x[:, -128:] = torch.arange(N, dtype=torch.bfloat16).view(-1, 1)
+    x_list = [x, torch.randn((N, H), dtype=torch.bfloat16) * 0.1]
+    scores = torch.randn((N, E), dtype=torch.float32).abs() + 1
+    topk_idx = torch.topk(scores, K, dim=-1, largest=True, sorted=True)[1]
+    topk_weights = torch.randn((N, K), dtype=torch.float32).abs()
+    for _ in range(10):
+        topk_idx[torch.randint(0, N, (1,)).item(), torch.randint(0, K, (1,)).item()] = -1
+    all_topk_idx = all_gather(topk_idx, ctx)
+    int_mask = (1 << 32) - 1
+    checked = 0
+    num_times = 0
+    for current_x in x_list:
+        do_check = current_x is x
+        for return_recv_hook in (False, True):
+            for use_fp8 in (False, True):
+                for round_scale in ((False, True) if use_fp8 else (False,)):
+                    for use_ue8m0 in ((False, True) if round_scale else (False,)):
+                        # Dispatching twice before one combine is legal.
+                        num_times += 1
+                        for _ in range((num_times % 2) + 1):
+                            stats = torch.zeros((local,), dtype=torch.int32)
+                            wait_cost = torch.zeros((R,), dtype=torch.int64)
+                            packed_recv_x, packed_recv_count, handle, event, hook = buffer.low_latency_dispatch(
+                                current_x, topk_idx, N, E, cumulative_local_expert_recv_stats=stats,
+                                dispatch_wait_recv_cost_stats=wait_cost, use_fp8=use_fp8,
+                                round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                async_finish=not return_recv_hook, return_recv_hook=return_recv_hook)
+                            hook() if return_recv_hook else event.current_stream_wait()
+                        if use_fp8:
+                            assert packed_recv_x[0].dtype == torch.float8_e4m3fn
+                            scales = packed_recv_x[1]
+                            g = H // 512 if use_ue8m0 else H // 128
+                            assert scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)
+                            assert tuple(scales.shape) == (local, R * N, g)
+                            # Column-major in the last two dimensions, as DeepEP returns them.
+                            assert scales.stride() == (g * R * N, 1, R * N), scales.stride()
+                            packed_recv_x = (packed_recv_x[0], scales.contiguous())
+                            simulated = per_token_cast_back(packed_recv_x[0].view(-1, H),
+                                                            packed_recv_x[1].view(-1, g)).view(local, R * N, H)
+                        else:
+                            simulated = packed_recv_x.clone()
+                        assert tuple(handle[0].shape) == (local, R * N) and handle[2:] == (N, H, E)
+                        for i in range(local):
+                            expert_id = rank * local + i
+                            if use_fp8:
+                                recv_x = per_token_cast_back(packed_recv_x[0][i], packed_recv_x[1][i])
+                            else:
+                                recv_x = packed_recv_x[i]
+                            recv_count, recv_src_info, recv_layout_range = packed_recv_count[i], handle[0][i], handle[1][i]
+                            assert stats[i].item() == recv_count.item()
+                            num_valid = (recv_layout_range & int_mask).sum().item()
+                            assert recv_count.item() == num_valid
+                            assert recv_count.item() == (all_topk_idx == expert_id).sum().item()
+                            if not do_check:
+                                continue
+                            recv_x = recv_x[:num_valid]
+                            recv_x_amin = recv_x[:, :-128].amin(dim=-1)
+                            recv_src_info = recv_src_info[:num_valid]
+                            assert torch.equal(recv_x_amin, recv_x[:, :-128].amax(dim=-1))
+                            if round_scale:
+                                assert calc_diff(recv_x[:, -1], recv_src_info.view(-1)) < 0.007, (return_recv_hook, use_ue8m0, i, recv_x[:, -1].tolist(), recv_src_info.tolist())
+                            else:
+                                # src_info is the token's index on its source.
+                                assert (recv_x[:, -128:] - recv_src_info.view(-1, 1) % N).sum().item() == 0
+                            for j in range(R):
+                                begin, count = (recv_layout_range[j] >> 32).item(), (recv_layout_range[j] & int_mask).item()
+                                assert count == (all_topk_idx[j] == expert_id).sum().item()
+                                if not round_scale:
+                                    assert (recv_x_amin == j - 128).sum().item() == count
+                                    assert (recv_x[begin:begin + count, :-128] - (j - 128)).sum().item() == 0
+                            checked += 1
+                        for zero_copy in (False, True):
+                            if zero_copy:
+                                buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = simulated
+                            out = torch.empty((N, H), dtype=torch.bfloat16)
+                            combined_x, event, hook = buffer.low_latency_combine(
+                                simulated, topk_idx, topk_weights, handle, async_finish=not return_recv_hook,
+                                zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out)
+                            hook() if return_recv_hook else event.current_stream_wait()
+                            assert combined_x.data_ptr() == out.data_ptr()
+                            assert torch.isnan(combined_x).sum().item() == 0
+                            if do_check and not round_scale:
+                                diff = calc_diff(current_x * topk_weights.masked_fill(topk_idx == -1, 0).sum(dim=1).view(-1, 1), combined_x)
+                                assert diff < (9e-4 if use_fp8 else 1e-5), diff
+                            if not use_fp8:
+                                # Exact: sum of w * y over the slots in order, f32, one rounding.
+                                acc = torch.zeros((N, H), dtype=torch.float32)
+                                for k in range(K):
+                                    valid = (topk_idx[:, k] >= 0).view(-1, 1)
+                                    acc = torch.where(valid, acc + topk_weights[:, k:k + 1] * current_x.float(), acc)
+                                assert torch.equal(combined_x, acc.to(torch.bfloat16)), "LL combine is not bit-exact"
+    if destroy:
+        buffer.destroy()
+        dist.barrier(group=group)
+    return {"checked": checked}
+
+
+def mixed_modes(ctx: Ctx) -> Dict[str, Any]:
+    """One Buffer for normal and low-latency calls, interleaved, different hidden sizes
+    (DeepEP's --test-ll-compatibility; UCCL cannot)."""
+    R = ctx.world
+    buffer = ctx.buffer(int(2e9), deep_ep.Buffer.get_low_latency_rdma_size_hint(16, 512, R, 16),
+                        low_latency_mode=True)
+    first = normal_step(ctx, buffer, tokens=40, hidden=256, experts=16)
+    buffer.clean_low_latency_buffer(16, 512, 16)
+    ll = low_latency(ctx, num_tokens=16, hidden=512, num_experts=16, buffer=buffer, destroy=False)
+    second = normal_step(ctx, buffer, tokens=40, hidden=256, experts=16)
+    ll2 = low_latency(ctx, num_tokens=16, hidden=512, num_experts=16, seed=7, buffer=buffer, destroy=False)
+    assert first == second  # deterministic: same inputs, same bytes
+    buffer.destroy()
+    return {"checked": ll["checked"] + ll2["checked"]}
+
+
+def normal_step(ctx: Ctx, buffer: deep_ep.Buffer, tokens: int, hidden: int, experts: int,
+                seed: int = 5) -> float:
+    """One normal dispatch and combine of random tokens, checked exactly; returns a hash."""
+    torch.manual_seed(seed + ctx.rank)
+    x = torch.randn((tokens, hidden), dtype=torch.bfloat16)
+    topk_idx = torch.topk(torch.randn((tokens, experts)).abs() + 1, 4, dim=-1, sorted=False)[1]
+    weights = torch.rand((tokens, 4))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                                      topk_weights=weights)
+    combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+    assert torch.equal(combined, (x.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
+    assert torch.allclose(combined_w, weights)
+    return recv_x.float().sum().item()
+
+
+# ---------------------------------------------------------------------- edge cases
+
+def _layout(buffer: deep_ep.Buffer, topk_idx: torch.Tensor, experts: int):
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+
+def empty_ranks(ctx: Ctx, hidden: int = 256) -> Dict[str, Any]:
+    """Rank 0 dispatches no tokens; nobody routes to the last rank; every -1 slot.
+    Empty outputs keep their trailing shape."""
+    rank, R = ctx.rank, ctx.world
+    experts = 2 * R
+    buffer = ctx.buffer(int(2e9), int(1e9))
+    local = experts // R
+    last = range((R - 1) * local, R * local)
+    n = 0 if rank == 0 else 24
+    torch.manual_seed(rank)
+    x = torch.randn((n, hidden), dtype=torch.bfloat16)
+    # Experts of every rank but the last, two slots each.
+    choices = torch.tensor([e for e in range(experts) if e not in last])
+    topk_idx = choices[torch.randint(0, len(choices), (n, 2))]
+    weights = torch.rand((n, 2))
+    layout = _layout(buffer, topk_idx, experts)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
+    if rank == R - 1:
+        assert tuple(recv_x.shape) == (0, hidden) and tuple(recv_idx.shape) == (0, 2) and tuple(recv_w.shape) == (0, 2)
+        assert counts == [0] * local
+    combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+    assert tuple(combined.shape) == (n, hidden) and tuple(combined_w.shape) == (n, 2)
+    in_rank = layout["is_token_in_rank"]
+    assert torch.equal(combined, (x.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
+    # Every slot -1: nothing moves anywhere.
+    none_idx = torch.full((n, 2), -1, dtype=torch.int64)
+    recv_x, recv_idx, _, counts, handle, _ = buffer.dispatch(x, topk_idx=none_idx, topk_weights=weights,
+                                                             **_layout(buffer, none_idx, experts))
+    assert tuple(recv_x.shape) == (0, hidden) and counts == [0] * local
+    combined, _, _ = buffer.combine(recv_x, handle)
+    assert tuple(combined.shape) == (n, hidden) and (combined == 0).all()
+    # Low-latency: a rank with no tokens, FP8 too.
+    ll_n = 0 if rank == 0 else 8
+    ll_x = torch.randn((ll_n, 512), dtype=torch.bfloat16)
+    ll_idx = torch.randint(0, experts, (ll_n, 2))
+    for fp8 in (False, True):
+        rx, rc, h, _, _ = buffer.low_latency_dispatch(ll_x, ll_idx, 8, experts, use_fp8=fp8)
+        y = per_token_cast_back(*rx) if fp8 else rx
+        out, _, _ = buffer.low_latency_combine(y, ll_idx, torch.ones((ll_n, 2)), h)
+        assert tuple(out.shape) == (ll_n, 512)
+    buffer.destroy()
+    return {"ok": True}
+
+
+def growth(ctx: Ctx) -> Dict[str, Any]:
+    """Memory is sized by the calls, not by num_nvl_bytes: 2 GB of capacity maps a few
+    MB; more tokens on one rank than the Buffer holds grows it on every rank, and the
+    dispatch still returns the right rows."""
+    rank, R = ctx.rank, ctx.world
+    buffer = ctx.buffer(int(2e9), 0)
+    assert buffer.registered_bytes() == 0
+    first = normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
+    small = buffer.registered_bytes()
+    assert 0 < small < 64 << 20, small
+    # Only rank 1 grows past the Buffer's room: all ranks learn it in the notify step.
+    tokens = 200 if rank == 1 else 16
+    normal_step(ctx, buffer, tokens=tokens, hidden=256, experts=8)
+    grown = buffer.registered_bytes()
+    assert grown > small, (small, grown)
+    # And back: the Buffer keeps its room; the same call gives the same bytes.
+    again = normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
+    assert again == first and buffer.registered_bytes() == grown
+    buffer.destroy()
+    return {"small": small, "grown": grown}
+
+
+def capacity_error(ctx: Ctx) -> Dict[str, Any]:
+    """A call that needs more than num_nvl_bytes + num_rdma_bytes raises on every rank,
+    naming the bytes and the argument."""
+    buffer = ctx.buffer(1 << 20, 0)
+    x = torch.randn((4096, 1024), dtype=torch.bfloat16)
+    idx = torch.randint(0, 8, (4096, 2))
+    try:
+        buffer.dispatch(x, topk_idx=idx, topk_weights=torch.rand((4096, 2)), **_layout(buffer, idx, 8))
+    except deep_ep.UepError as e:
+        msg = str(e)
+        assert "num_nvl_bytes" in msg and "bytes" in msg and "capacity" in msg, msg
+        return {"msg": msg}
+    raise AssertionError("a dispatch past the capacity succeeded")
+
+
+def bad_input(ctx: Ctx, what: str, first_call: bool) -> Dict[str, Any]:
+    """Rank 1 passes `what` wrong; every rank must raise UepError, promptly."""
+    rank = ctx.rank
+    assert ctx.world in (2, 4, 8), "8 experts"
+    buffer = ctx.buffer(int(2e9), int(1e9))
+    if not first_call:
+        normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
+    n, h = 16, 256
+    x = torch.randn((n, h), dtype=torch.bfloat16)
+    idx = torch.randint(0, 8, (n, 2))
+    w = torch.rand((n, 2))
+    bad = rank == 1
+    start = time.monotonic()
+    try:
+        if what == "dtype":
+            buffer.dispatch(x.float() if bad else x, topk_idx=idx, topk_weights=w, **_layout(buffer, idx, 8))
+        elif what == "ids":
+            if bad:
+                idx = idx.clone()
+                idx[3, 1] = 8
+                buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=torch.zeros(ctx.world, dtype=torch.int32),
+                                is_token_in_rank=torch.zeros((n, ctx.world), dtype=torch.bool),
+                                num_tokens_per_expert=torch.zeros(8, dtype=torch.int32))
+            else:
+                buffer.dispatch(x, topk_idx=idx, topk_weights=w, **_layout(buffer, idx, 8))
+        elif what == "noncontiguous":
+            xx = torch.randn((h, n), dtype=torch.bfloat16).T if bad else x
+            buffer.dispatch(xx, topk_idx=idx, topk_weights=w, **_layout(buffer, idx, 8))
+        elif what == "ll_hidden":
+            hh = 200 if bad else 256
+            buffer.low_latency_dispatch(torch.randn((n, hh), dtype=torch.bfloat16), idx, n, 8, use_fp8=False)
+        else:
+            raise ValueError(what)
+    except deep_ep.UepError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start, "bad": bad}
+    raise AssertionError(f"rank {rank}: the call with bad input on rank 1 succeeded")
+
+
+def dead_peer(ctx: Ctx, mode: str) -> Dict[str, Any]:
+    """The last rank is killed with SIGKILL while the others wait in a call: they raise
+    UepError naming it, long before the deadline."""
+    import signal
+    rank, R = ctx.rank, ctx.world
+    buffer = ctx.buffer(int(2e9), int(1e9))
+    normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
+    buffer.clean_low_latency_buffer(16, 512, 8)
+    dist.barrier(group=ctx.group)
+    if rank == R - 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        if mode == "normal":
+            normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
+        else:
+            buffer.low_latency_dispatch(torch.randn((16, 512), dtype=torch.bfloat16), torch.randint(0, 8, (16, 4)),
+                                        16, 8, use_fp8=False)
+    except deep_ep.UepError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    raise AssertionError("a call with a dead peer succeeded")
+
+
+def timeout(ctx: Ctx) -> Dict[str, Any]:
+    """The last rank is alive but never enters the call: the others raise a timeout
+    naming whom they waited for, at the deadline (UEP_TIMEOUT_S)."""
+    rank, R = ctx.rank, ctx.world
+    buffer = ctx.buffer(int(2e9), 0)
+    normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
+    if rank == R - 1:
+        time.sleep(float(os.environ["UEP_TIMEOUT_S"]) + 2)
+        return {"skipped": True}
+    start = time.monotonic()
+    try:
+        normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
+    except deep_ep.UepError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    raise AssertionError("a call with an absent peer succeeded")
+
+
+def gil_released(ctx: Ctx) -> Dict[str, Any]:
+    """While a call waits for a peer, other Python threads of the rank run."""
+    rank, R = ctx.rank, ctx.world
+    buffer = ctx.buffer(int(2e9), 0)
+    normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
+    ticks = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+    t = threading.Thread(target=spin)
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 waits in the dispatch meanwhile
+    t.start()
+    before = ticks[0]
+    start = time.monotonic()
+    normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
+    waited = time.monotonic() - start
+    stop.set()
+    t.join()
+    buffer.destroy()
+    return {"ticks": ticks[0] - before, "waited": waited}
+
+
+def events_and_flags(ctx: Ctx) -> Dict[str, Any]:
+    """Every flag combination DeepEP accepts (Megatron passes async + comm stream)."""
+    buffer = ctx.buffer(int(2e9), 0)
+    x = torch.randn((16, 256), dtype=torch.bfloat16)
+    idx = torch.randint(0, 8, (16, 2))
+    w = torch.rand((16, 2))
+    n = 0
+    for previous in (None, deep_ep.Buffer.capture()):
+        for async_finish in (False, True):
+            for on_comm in (False, True):
+                flags = dict(previous_event=previous, async_finish=async_finish, allocate_on_comm_stream=on_comm)
+                *layout, event = buffer.get_dispatch_layout(idx, 8, **flags)
+                out = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=layout[0],
+                                      is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], **flags)
+                combined, _, event = buffer.combine(out[0], out[4], **flags)
+                if async_finish:
+                    assert event.event is not None
+                    event.current_stream_wait()
+                    with event:
+                        pass
+                else:
+                    assert event.event is None
+                n += 1
+    buffer.destroy()
+    return {"combos": n}

@@ -1,0 +1,190 @@
+"""``python -m uep.bench``: uep's Python path timed the way ``uep bench`` times the Rust path.
+
+Spawns ``--ranks`` processes on a gloo group, runs layout, normal dispatch and combine,
+and low-latency dispatch and combine through ``uep.Buffer`` at the DeepSeek-V3 shape
+(hidden 7168, top-8, 256 experts; 4096 tokens a rank in normal mode, 128 in low-latency
+mode), checks every combine exactly, and prints the same table as ``uep bench``.
+
+With ``--compare PATH`` (the ``uep`` binary) it runs ``uep bench`` at the same shape too,
+alternating Rust and Python runs, and prints what the Python path costs over the Rust
+path for each op::
+
+    python -m uep.bench --compare target/release/uep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import uep
+
+OPS = ["layout", "dispatch", "combine", "ll_dispatch", "ll_combine"]
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    torch.set_num_threads(1)
+    group = dist.new_group(list(range(world)))
+    H, K, E, T, M = args.hidden, args.topk, args.experts, args.tokens, args.ll_tokens
+    buffer = uep.Buffer(group, int(8e9), uep.Buffer.get_low_latency_rdma_size_hint(M, H, world, E),
+                        explicitly_destroy=True)
+    g = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    topk_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
+    weights = torch.rand((T, K), generator=g)
+    ll_x, ll_idx, ll_w = x[:M].contiguous(), topk_idx[:M].contiguous(), weights[:M].contiguous()
+    times: Dict[str, List[float]] = {op: [] for op in OPS}
+    copies = {"normal": 0, "ll": 0}
+    ok = True
+
+    def timed(op: str, step: int, fn):
+        buffer.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        if step >= args.warmup:
+            times[op].append((time.perf_counter() - t0) * 1e6)
+        return out
+
+    # As `uep bench`: every normal step, then every low-latency step.
+    last = args.warmup + args.iters - 1
+    for step in range(args.warmup + args.iters):
+        per_rank, per_node, per_expert, in_rank, _ = timed(
+            "layout", step, lambda: buffer.get_dispatch_layout(topk_idx, E))
+        recv_x, _, recv_w, _, handle, _ = timed("dispatch", step, lambda: buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights))
+        # The experts are identities, as in `uep bench`.
+        combined, _, _ = timed("combine", step, lambda: buffer.combine(recv_x, handle, topk_weights=recv_w))
+        if step == last:
+            ok &= torch.equal(combined, (x.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
+        if step >= args.warmup:
+            copies["normal"] += int(per_rank.sum())
+        # A layer's tensors die with its call; so do these, before the next step.
+        del recv_x, recv_w, handle, combined
+    for step in range(args.warmup + args.iters):
+        recv, _, ll_handle, _, _ = timed("ll_dispatch", step, lambda: buffer.low_latency_dispatch(
+            ll_x, ll_idx, M, E, use_fp8=False))
+        out, _, _ = timed("ll_combine", step, lambda: buffer.low_latency_combine(recv, ll_idx, ll_w, ll_handle))
+        if step == last:
+            acc = torch.zeros((M, H))
+            for k in range(K):
+                acc += ll_w[:, k:k + 1] * ll_x.float()
+            ok &= torch.equal(out, acc.to(torch.bfloat16))
+        if step >= args.warmup:
+            copies["ll"] += int((ll_idx >= 0).sum())
+        del recv, ll_handle, out
+    buffer.destroy()
+    results[rank] = {"times": times, "copies": copies, "ok": ok}
+    dist.destroy_process_group()
+
+
+def run_python(args: argparse.Namespace) -> List[dict]:
+    """One run of the Python path; one report per op, as `uep bench --json` gives them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_rank, args=(args.ranks, port, args, results), nprocs=args.ranks)
+    H, R = args.hidden, args.ranks
+    reports = []
+    for op in OPS:
+        samples = [t for r in range(R) for t in results[r]["times"][op]]
+        mode = "ll" if op.startswith("ll") else "normal"
+        copies = sum(results[r]["copies"][mode] for r in range(R)) / R / args.iters
+        row = 2 * H
+        nbytes = 0 if op == "layout" else int(copies * row)
+        avg = statistics.fmean(samples)
+        reports.append({"op": op, "dtype": "-" if op == "layout" else "bf16",
+                        "tokens": args.ll_tokens if mode == "ll" else args.tokens, "hidden": H,
+                        "ranks": R, "nodes": 1, "bytes_per_rank": nbytes,
+                        "gbps": nbytes / (avg * 1e3) if nbytes else 0.0,
+                        "avg_us": avg, "min_us": min(samples), "max_us": max(samples),
+                        "verified": all(results[r]["ok"] for r in range(R))})
+    return reports
+
+
+def run_rust(args: argparse.Namespace) -> List[dict]:
+    cmd = [args.compare, "bench", "--json", "--no-limits", "--ranks", str(args.ranks), "--tokens", str(args.tokens),
+           "--ll-tokens", str(args.ll_tokens), "--hidden", str(args.hidden), "--topk", str(args.topk),
+           "--experts", str(args.experts), "--iters", str(args.iters), "--warmup", str(args.warmup),
+           "--drop-prob", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"uep bench failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return json.loads(out.stdout)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def table(reports: List[dict], title: str) -> str:
+    head = ["op", "dtype", "tokens", "hidden", "ranks×nodes", "bytes/rank", "GB/s", "avg µs", "min µs", "max µs",
+            "verified"]
+    rows = [[r["op"], r["dtype"], str(r["tokens"]), str(r["hidden"]), f"{r['ranks']}×{r['nodes']}",
+             human(r["bytes_per_rank"]), f"{r['gbps']:.2f}" if r["bytes_per_rank"] else "-",
+             f"{r['avg_us']:.2f}", f"{r['min_us']:.2f}", f"{r['max_us']:.2f}", "✓" if r["verified"] else "✗"]
+            for r in reports]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([title, fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m uep.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--ll-tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (3 touch every buffer once)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2, help="with --compare: Rust/Python pairs, alternating")
+    p.add_argument("--compare", metavar="UEP", help="the uep binary: run `uep bench` beside it")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not args.compare:
+        reports = run_python(args)
+        print(json.dumps(reports) if args.json else table(reports, f"uep Python bench: {args.ranks} ranks"))
+        return 0 if all(r["verified"] for r in reports) else 1
+    rust: Dict[str, List[float]] = {op: [] for op in OPS}
+    py: Dict[str, List[float]] = {op: [] for op in OPS}
+    last = {}
+    for _ in range(args.rounds):
+        for r in run_rust(args):
+            rust[r["op"]].append(r["avg_us"])
+        last = {r["op"]: r for r in run_python(args)}
+        for op, r in last.items():
+            py[op].append(r["avg_us"])
+    verified = all(r["verified"] for r in last.values())
+    print(table(list(last.values()), f"uep Python bench: {args.ranks} ranks (last round)"))
+    print()
+    print(f"Python path vs Rust path, {args.rounds} alternating rounds (median of per-round averages):")
+    print(f"{'op':<12} {'rust µs':>12} {'python µs':>12} {'python/rust':>12}")
+    for op in OPS:
+        r, q = statistics.median(rust[op]), statistics.median(py[op])
+        print(f"{op:<12} {r:>12.1f} {q:>12.1f} {q / r:>11.3f}x")
+    return 0 if verified else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,531 @@
+"""``Buffer``: DeepEP v1's ``deep_ep.Buffer`` on uep, for PyTorch CPU tensors.
+
+Every method has DeepEP's name, arguments, defaults and return tuples; what differs is
+below the surface:
+
+* the Buffer bootstraps over the caller's ``torch.distributed`` group (only
+  ``group.rank()``, ``group.size()`` and ``dist.all_gather_object``), with no port or
+  secret of its own;
+* ``num_nvl_bytes`` and ``num_rdma_bytes`` are a capacity, not an allocation: memory
+  grows with the shapes the calls use, and a call that does not fit raises an error
+  naming the bytes it needs;
+* received rows are handed out without copying (tensors over uep's registered memory,
+  kept valid for as long as they are held);
+* calls run on the CPU and are complete when they return; events are completed ones.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _uep
+from .config import Config
+from .utils import EventHandle, EventOverlap
+
+#: DeepEP's type of top-k expert ids.
+topk_idx_t = torch.int64
+
+UepError = _uep.UepError
+
+_DEFAULT_TIMEOUT_S = 100.0
+# (ranks) -> (num_sms-independent) chunking of DeepEP's tuned configs; uep does not use
+# chunking, these keep DeepEP code that asks for them working.
+_DISPATCH_CONFIGS = {r: (6, 256, 6, 128) if r <= 8 else (36, 288, 20, 128)
+                     for r in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)}
+_COMBINE_CONFIGS = {r: (4, 256, 6, 128) if r <= 8 else (4, 288, 12, 128)
+                    for r in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)}
+
+
+class _NormalHandle(tuple):
+    """DeepEP's normal-mode handle tuple, carrying uep's own handle beside it."""
+    _uep: Any
+
+
+class _LlHandle(tuple):
+    """DeepEP's low-latency handle ``(src_info, layout_range, num_max, hidden,
+    num_experts)``, carrying uep's own handle (set once the receive ran)."""
+    _uep: Any
+
+
+def _capsule(t: torch.Tensor) -> Any:
+    """A DLPack capsule of ``t`` (detached: uep does not track gradients)."""
+    return t.detach().__dlpack__()
+
+
+def _noop() -> None:
+    return None
+
+
+def _event(async_finish: bool, *tensors: Any) -> EventOverlap:
+    if async_finish:
+        return EventOverlap(EventHandle(), tuple(t for t in tensors if t is not None))
+    return EventOverlap(None)
+
+
+def _ue8m0_to_f32(scales: torch.Tensor, groups: int) -> torch.Tensor:
+    """int32 scales holding four UE8M0 exponent bytes each -> f32 powers of two."""
+    # Flatten before viewing the bytes: a size-1 dimension may carry any stride.
+    exps = scales.contiguous().reshape(-1).view(torch.uint8).reshape(scales.shape[0], -1)[:, :groups]
+    return (exps.to(torch.int32) << 23).view(torch.float32)
+
+
+def _f32_to_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """f32 power-of-two scales -> int32 words of four UE8M0 exponent bytes (the last
+    dimension shrinks by four)."""
+    lead = scales.shape[:-1]
+    exps = (scales.contiguous().reshape(-1).view(torch.int32) >> 23).to(torch.uint8)
+    return exps.view(torch.int32).reshape(*lead, -1)
+
+
+class Buffer:
+    """A communication buffer for expert parallelism: DeepEP v1's ``Buffer`` on uep.
+
+    Args:
+        group: the ``torch.distributed`` process group of the expert-parallel ranks
+            (gloo on CPU). Its ``all_gather_object`` is the only collective uep uses to
+            set up; everything else moves through uep itself.
+        num_nvl_bytes, num_rdma_bytes: a capacity: uep uses at most their sum (plus
+            32 MiB of fixed areas) and raises an error naming the bytes it needs if a
+            call needs more. Memory is only taken as the shapes of the calls need it.
+        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
+        allow_mnnvl, use_fabric: accepted for compatibility (one uep Buffer serves
+            normal and low-latency calls alike; the rest concern NVSHMEM and NVLink).
+        explicitly_destroy: whether ``destroy()`` must be called (collectively).
+        enable_shrink: DeepEP's shrink mode (elastic low-latency); not yet available.
+        comm: an mpi4py communicator to bootstrap over instead of ``group``.
+
+    Environment: ``UEP_TIMEOUT_S`` (deadline of every wait, default 100 s),
+    ``UEP_RANKS_PER_NODE`` (emulate nodes of that many ranks on one host),
+    ``UEP_DEVICE_THREADS`` (kernel threads a rank; default: the host's cores over a node's
+    ranks).
+    """
+
+    #: DeepEP's SM count for normal-mode kernels (kept for its config helpers).
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0,
+                 num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Optional[Any] = None) -> None:
+        if group is None and comm is None:
+            raise ValueError("Buffer needs a torch.distributed group or an mpi4py comm")
+        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(v, int) or v < 0 or v % 128 != 0:
+                raise UepError(f"invalid argument: {name} = {v!r} must be a non-negative multiple of 128")
+        if enable_shrink:
+            raise UepError("invalid argument: enable_shrink (elastic low-latency mode) is not available yet in uep")
+        if group is not None:
+            self.rank, self.group_size = group.rank(), group.size()
+
+            def all_gather(data: bytes) -> List[bytes]:
+                out: List[Any] = [None] * self.group_size
+                dist.all_gather_object(out, data, group=group)
+                return out
+        else:
+            self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
+
+            def all_gather(data: bytes) -> List[bytes]:
+                return comm.allgather(data)
+        self.group = group
+        self.comm = comm
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        timeout = float(os.environ.get("UEP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+        per_node = os.environ.get("UEP_RANKS_PER_NODE")
+        threads = int(os.environ.get("UEP_DEVICE_THREADS", "0"))
+        self.runtime = _uep.Runtime(self.rank, self.group_size, all_gather,
+                                    num_nvl_bytes + num_rdma_bytes, timeout, threads,
+                                    int(per_node) if per_node else None)
+        _, _, self._ranks_per_node, self._num_nodes = self.runtime.topology()
+        self._combine_buffer: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ statics
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream (completed: uep's calls are)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: uep runs DeepEP's FP8 paths on any machine."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SM count DeepEP's config helpers use (even, as DeepEP asserts)."""
+        assert new_num_sms % 2 == 0, "the SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's tuned dispatch config for ``num_ranks`` ranks."""
+        assert num_ranks in _DISPATCH_CONFIGS, f"no dispatch config for {num_ranks} ranks"
+        return Config(Buffer.num_sms, *_DISPATCH_CONFIGS[num_ranks])
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's tuned combine config for ``num_ranks`` ranks."""
+        assert num_ranks in _COMBINE_CONFIGS, f"no combine config for {num_ranks} ranks"
+        return Config(Buffer.num_sms, *_COMBINE_CONFIGS[num_ranks])
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """DeepEP's RDMA bytes for low-latency mode at this shape; enough for uep's
+        low-latency buffers too."""
+        t, s = num_max_dispatch_tokens_per_rank, hidden // 128
+        dispatch_msg = 16 + max(2 * hidden, hidden + 4 * s)
+        combine_msg = 4 * s + 2 * hidden
+        send = max(t * dispatch_msg, num_experts * t * combine_msg)
+        recv = max(num_experts * t * dispatch_msg, num_experts * t * combine_msg)
+        signals = (4 * num_experts + 127) // 128 * 128
+        return (2 * send + 2 * recv + 2 * signals + 128) // 128 * 128
+
+    # ------------------------------------------------------------------ misc
+
+    def get_comm_stream(self) -> None:
+        """The communication stream: none on CPU (calls are synchronous)."""
+        return None
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
+                                offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
+        """Not available: uep has no single raw buffer (its memory is laid out per shape)."""
+        raise NotImplementedError("uep has no raw NVL/RDMA buffer to view: its registered memory is laid out per call shape")
+
+    def set_timeout(self, seconds: float) -> None:
+        """The deadline of every wait (uep extension; default ``UEP_TIMEOUT_S`` or 100 s)."""
+        self.runtime.set_timeout(seconds)
+
+    def registered_bytes(self) -> int:
+        """Bytes of registered memory this rank holds now (uep extension)."""
+        return self.runtime.bytes()
+
+    def barrier(self) -> None:
+        """A barrier over the Buffer's ranks (uep extension)."""
+        self.runtime.barrier()
+
+    def destroy(self) -> None:
+        """Free the Buffer; collective (a barrier first). Needs ``explicitly_destroy``."""
+        assert self.explicitly_destroy, "destroy() needs explicitly_destroy=True"
+        assert self.runtime is not None, "destroy() was called already"
+        self.runtime.destroy()
+        self.runtime = None
+
+    def _rt(self) -> Any:
+        if self.runtime is None:
+            raise UepError("invalid argument: this Buffer was destroyed")
+        return self.runtime
+
+    def _fail(self, msg: str, mode: Optional[str] = None, *shape: int) -> None:
+        """Reject this rank's input to a call of `mode` whose shape (experts, hidden,
+        top-k, tokens) is as far as known (0: unknown): tell the other ranks the way
+        that call would have met them (so none waits), and raise."""
+        self._rt().reject_call(msg, mode, *[int(v) for v in shape])
+        raise UepError(f"invalid argument: {msg}")
+
+    # ------------------------------------------------------------------ normal mode
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                                       torch.Tensor, EventOverlap]:
+        """Which ranks, nodes and experts each token goes to: ``(num_tokens_per_rank
+        [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None on one node,
+        num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``."""
+        if topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2:
+            raise UepError(f"invalid argument: topk_idx must be a 2-D {topk_idx_t} tensor, got {topk_idx.dtype} of shape {tuple(topk_idx.shape)}")
+        per_rank, per_node, per_expert, in_rank = self._rt().layout(_capsule(topk_idx.contiguous()), num_experts)
+        out = (torch.from_dlpack(per_rank),
+               None if per_node is None else torch.from_dlpack(per_node),
+               torch.from_dlpack(per_expert), torch.from_dlpack(in_rank))
+        return (*out, _event(async_finish, *out))
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Normal dispatch: every token once to every rank that hosts one of its experts.
+
+        ``x`` is bf16 ``[N, H]`` or ``(float8_e4m3fn [N, H], scales [N, H/128] f32 or
+        [N, H/512] int32 UE8M0)``. Returns ``(recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event)``; rows are ordered by source
+        rank, then source token; a cached dispatch (``handle``) returns ``(recv_x,
+        None, None, None, None, event)``."""
+        rt = self._rt()
+        fp8 = isinstance(x, tuple)
+        ue8m0 = False
+
+        def fail(msg: str) -> None:
+            data = x[0] if fp8 else x
+            hidden = data.shape[-1] if isinstance(data, torch.Tensor) and data.dim() > 0 else 0
+            experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0
+            topk = topk_idx.shape[-1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0
+            if handle is not None and getattr(handle, "_uep", None) is not None:
+                topk = handle._uep.topk
+            self._fail(msg, "normal", experts, hidden, topk, 0)
+
+        if fp8:
+            x_data, x_scales = x
+            if x_data.dtype != torch.float8_e4m3fn:
+                fail(f"FP8 x must be float8_e4m3fn, got {x_data.dtype}")
+            groups = x_data.shape[-1] // 128 if x_data.dim() == 2 else 0
+            if x_scales.dtype == torch.int32:
+                ue8m0 = True
+                x_scales = _ue8m0_to_f32(x_scales, groups)
+            elif x_scales.dtype != torch.float32:
+                fail(f"FP8 scales must be float32 (or int32 UE8M0), got {x_scales.dtype}")
+            x_cap, s_cap = _capsule(x_data.contiguous().view(torch.uint8)), _capsule(x_scales.contiguous())
+        else:
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+                fail(f"x must be bf16 (or an FP8 pair), got {getattr(x, 'dtype', type(x).__name__)}")
+            x_cap, s_cap = _capsule(x), None
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                fail("a cached dispatch (with handle) takes no topk_idx and no topk_weights")
+            h = handle._uep
+            layout = (None, None, None)
+        else:
+            h = None
+            if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+                fail("dispatch needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert (from get_dispatch_layout), or a handle")
+            if (topk_idx is None) != (topk_weights is None):
+                fail("topk_idx and topk_weights go together")
+            layout = (_capsule(num_tokens_per_rank), _capsule(num_tokens_per_expert), _capsule(is_token_in_rank))
+        recv_x, recv_s, recv_idx, recv_w, counts, uh = rt.dispatch(
+            x_cap, s_cap,
+            None if topk_idx is None else _capsule(topk_idx),
+            None if topk_weights is None else _capsule(topk_weights),
+            *layout, h, expert_alignment, num_worst_tokens)
+        recv_x = torch.from_dlpack(recv_x)
+        if fp8:
+            recv_x = recv_x.view(torch.float8_e4m3fn)
+            recv_s = torch.from_dlpack(recv_s)
+            if ue8m0:
+                recv_s = _f32_to_ue8m0(recv_s)
+            recv_x = (recv_x, recv_s)
+        if handle is not None:
+            return recv_x, None, None, None, None, _event(async_finish, recv_x)
+        recv_idx = None if recv_idx is None else torch.from_dlpack(recv_idx)
+        recv_w = None if recv_w is None else torch.from_dlpack(recv_w)
+        new_handle = self._normal_handle(uh)
+        counts = [] if num_worst_tokens > 0 else list(counts)
+        return recv_x, recv_idx, recv_w, counts, new_handle, _event(async_finish, recv_x, recv_idx, recv_w)
+
+    # DeepEP exposes its two-level kernels too; uep's dispatch picks its path itself.
+    internode_dispatch = dispatch
+
+    def _normal_handle(self, uh: Any) -> _NormalHandle:
+        """DeepEP's handle tuple, with uep's handle attached: 6 entries on one node
+        (``handle[0]``: the inclusive rank prefix matrix), 10 across nodes
+        (``handle[-4]``: the inclusive prefix of rows received by source rank). Where
+        DeepEP's entries describe its GPU channels, uep's have one channel."""
+        R, rank = self.group_size, self.rank
+        rpm = torch.from_dlpack(uh.rank_prefix_matrix())
+        src_idx = torch.from_dlpack(uh.recv_src_idx())
+        in_rank = torch.from_dlpack(uh.is_token_in_rank())
+        per_rank = torch.from_dlpack(uh.num_tokens_per_rank())
+        zero = torch.zeros(1, R, dtype=torch.int32)
+        # Where this rank's rows start at each destination, and each token's row there.
+        start = torch.cat([zero, rpm[:-1]])[rank]
+        pos = in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1
+        send_head = torch.where(in_rank, pos + start, torch.full_like(pos, -1))
+        recv_prefix = rpm[:, rank].contiguous()
+        recv_start = torch.cat([zero[0, :1], recv_prefix[:-1]])
+        if self._num_nodes == 1:
+            t = _NormalHandle((rpm, per_rank.view(R, 1).clone(), recv_start.view(R, 1).clone(),
+                               src_idx, in_rank, send_head))
+        else:
+            L, nodes = self._ranks_per_node, self._num_nodes
+            recv_counts = recv_prefix - recv_start
+            in_node = in_rank.view(-1, nodes, L).any(2)
+            node_pos = in_node.to(torch.int32).cumsum(0, dtype=torch.int32) - 1
+            send_node_head = torch.where(in_node, node_pos, torch.full_like(node_pos, -1))
+            recv_node = recv_counts.view(nodes, L).sum(1, dtype=torch.int32)
+            src_rank = torch.repeat_interleave(torch.arange(R, dtype=torch.int32), recv_counts.to(torch.int64))
+            src_meta = torch.zeros((src_idx.shape[0], 8), dtype=torch.uint8)
+            src_meta.view(torch.int32)[:, 0] = src_rank // L
+            t = _NormalHandle((in_rank, in_node.sum(0, dtype=torch.int32).view(nodes, 1),
+                               per_rank.view(R, 1).clone(), recv_node.view(nodes, 1).clone(),
+                               recv_node.cumsum(0, dtype=torch.int32), recv_counts.view(R, 1).clone(),
+                               recv_prefix, src_meta, send_node_head,
+                               torch.full((src_idx.shape[0], L), -1, dtype=torch.int32)))
+        t._uep = uh
+        return t
+
+    def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Normal combine: every received row back to its source, summed there in f32
+        (rank order) with the biases, rounded once: ``(combined_x [N, H],
+        combined_topk_weights [N, K] or None, event)``."""
+        rt = self._rt()
+        uh = getattr(handle, "_uep", None)
+        if uh is None:
+            self._fail("combine needs the handle a normal dispatch of this Buffer returned")
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+            self._fail(f"combine x must be a 2-D bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        bias0, bias1 = (bias if isinstance(bias, tuple) else (bias, None)) if bias is not None else (None, None)
+        cap = lambda t: None if t is None else _capsule(t)  # noqa: E731
+        combined_x, combined_w = rt.combine(_capsule(x), uh, cap(topk_weights), cap(bias0), cap(bias1))
+        combined_x = torch.from_dlpack(combined_x)
+        combined_w = None if combined_w is None else torch.from_dlpack(combined_w)
+        return combined_x, combined_w, _event(async_finish, combined_x, combined_w)
+
+    internode_combine = combine
+
+    # ------------------------------------------------------------------ low latency
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Make low-latency mode ready for this shape on every rank (collective).
+
+        uep's signals carry epochs, so nothing needs zeroing; this sets up the buffers
+        (top-k as last used, or 8) and synchronises, as DeepEP's does."""
+        topk = self._rt().ll_topk() or 8
+        self._rt().prepare_ll(num_max_dispatch_tokens_per_rank, hidden, num_experts, topk)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Low-latency dispatch: each token to each of its top-k experts, into the fixed
+        layout ``[E/R, R * num_max, H]``. Returns ``(recv_x, recv_count, handle, event,
+        hook)``; ``recv_x`` is bf16, or ``(float8_e4m3fn, scales)`` with scales
+        ``[E/R, R*num_max, H/128]`` f32 (``[.., H/512]`` int32 with ``use_ue8m0``),
+        column-major in their last two dimensions. With ``return_recv_hook`` only the
+        send half runs; ``hook()`` receives."""
+        rt = self._rt()
+
+        def fail(msg: str) -> None:
+            hidden = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() > 0 else 0
+            topk = topk_idx.shape[-1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0
+            self._fail(msg, "ll", num_experts, hidden, topk, num_max_dispatch_tokens_per_rank)
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+            fail(f"low-latency x must be a 2-D bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        hidden = x.shape[1]
+        if x.shape[0] > num_max_dispatch_tokens_per_rank:
+            fail(f"x has {x.shape[0]} tokens, more than num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank}")
+        if hidden % 128 != 0:
+            fail(f"low-latency mode needs hidden to be a multiple of 128, got {hidden}")
+        if use_ue8m0 and not round_scale:
+            fail("use_ue8m0 needs round_scale")
+        if use_ue8m0 and hidden % 512 != 0:
+            fail(f"use_ue8m0 packs four scales a word: hidden must be a multiple of 512, got {hidden}")
+        if async_finish and return_recv_hook:
+            fail("async_finish and return_recv_hook exclude each other")
+        if topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+            fail(f"topk_idx must be a [{x.shape[0]}, K] {topk_idx_t} tensor, got {topk_idx.dtype} of shape {tuple(topk_idx.shape)}")
+        if num_experts % self.group_size != 0:
+            fail(f"num_experts = {num_experts} must be a multiple of the number of ranks ({self.group_size})")
+        pending = rt.ll_dispatch_send(_capsule(x), _capsule(topk_idx), num_max_dispatch_tokens_per_rank,
+                                      num_experts, use_fp8, round_scale)
+        local = num_experts // self.group_size
+        rows = self.group_size * num_max_dispatch_tokens_per_rank
+
+        # UE8M0 scales are packed from the received f32 ones: once they are there.
+        packed = (torch.empty((local, hidden // 512, rows), dtype=torch.int32).transpose(1, 2)
+                  if use_fp8 and use_ue8m0 else None)
+
+        def outputs(uh: Any = None):
+            x_cap, s_cap = rt.ll_outputs(pending, uh)
+            recv = torch.from_dlpack(x_cap)
+            if not use_fp8:
+                return recv, None
+            scales = torch.from_dlpack(s_cap)
+            return (recv.view(torch.float8_e4m3fn), packed if use_ue8m0 else scales), scales
+
+        def finish(counts, uh, src_info, layout_range, wait_ns, recv_count, handle, f32_scales):
+            recv_count.copy_(torch.tensor(counts, dtype=torch.int32))
+            handle[0].copy_(torch.from_dlpack(src_info))
+            handle[1].copy_(torch.from_dlpack(layout_range))
+            handle._uep = uh
+            if packed is not None:
+                packed.copy_(_f32_to_ue8m0(f32_scales))
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(recv_count)
+            if dispatch_wait_recv_cost_stats is not None:
+                dispatch_wait_recv_cost_stats.add_(torch.tensor(wait_ns, dtype=dispatch_wait_recv_cost_stats.dtype))
+
+        recv_count = torch.empty(local, dtype=torch.int32)
+        handle = _LlHandle((torch.empty((local, rows), dtype=torch.int32),
+                            torch.empty((local, self.group_size), dtype=torch.int64),
+                            num_max_dispatch_tokens_per_rank, hidden, num_experts))
+        handle._uep = None
+        if return_recv_hook:
+            recv_x, f32_scales = outputs()
+
+            def hook() -> None:
+                finish(*rt.ll_dispatch_recv(pending), recv_count, handle, f32_scales)
+            return recv_x, recv_count, handle, EventOverlap(None), hook
+        received = rt.ll_dispatch_recv(pending)
+        recv_x, f32_scales = outputs(received[1])
+        finish(*received, recv_count, handle, f32_scales)
+        return recv_x, recv_count, handle, _event(async_finish, recv_x, recv_count), _noop
+
+    def get_next_low_latency_combine_buffer(self, handle: Tuple) -> torch.Tensor:
+        """A ``[E/R, R*num_max, H]`` bf16 tensor to write expert outputs into, for
+        ``low_latency_combine(..., zero_copy=True)``."""
+        src_info, _, num_max, hidden, num_experts = handle
+        shape = (num_experts // self.group_size, self.group_size * num_max, hidden)
+        if self._combine_buffer is None or tuple(self._combine_buffer.shape) != shape:
+            self._combine_buffer = torch.empty(shape, dtype=torch.bfloat16)
+        return self._combine_buffer
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: Tuple, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Low-latency combine: each expert output back to its token, weighted:
+        ``combined_x[t] = sum_k w[t,k] * y_{idx[t,k]}`` in f32, rounded once. Returns
+        ``(combined_x, event, hook)``. ``zero_copy`` reads the expert outputs from
+        ``get_next_low_latency_combine_buffer``; ``use_logfmt`` is accepted, and the
+        outputs travel as bf16, which is at least as exact."""
+        rt = self._rt()
+        uh = getattr(handle, "_uep", None)
+        if uh is None:
+            self._fail("low_latency_combine needs the handle of a received low-latency dispatch (call its hook first)")
+        if use_logfmt and zero_copy:
+            self._fail("use_logfmt and zero_copy exclude each other")
+        if async_finish and return_recv_hook:
+            self._fail("async_finish and return_recv_hook exclude each other")
+        src = self._combine_buffer if zero_copy else x
+        if src is None or src.dtype != torch.bfloat16 or src.dim() != 3:
+            self._fail("low-latency combine input must be a 3-D bf16 tensor [E/R, R*num_max, H]")
+        src = src.contiguous()
+        n, hidden = uh.num_tokens, src.shape[2]
+        if out is None:
+            out = torch.empty((n, hidden), dtype=torch.bfloat16)
+        elif out.dtype != torch.bfloat16 or tuple(out.shape) != (n, hidden) or not out.is_contiguous():
+            self._fail(f"out must be a contiguous bf16 tensor of shape ({n}, {hidden})")
+        pending = rt.ll_combine_send(_capsule(src), _capsule(topk_idx), _capsule(topk_weights), uh)
+
+        def hook() -> None:
+            rt.ll_combine_recv(pending, _capsule(src), _capsule(out))
+        if return_recv_hook:
+            return out, EventOverlap(None), hook
+        hook()
+        return out, _event(async_finish, out), _noop
