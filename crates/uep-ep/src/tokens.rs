@@ -106,3 +106,14 @@ pub enum RecvTokens<'a> {
         scales: &'a [f32],
     },
 }
+
+impl<'a> RecvTokens<'a> {
+    /// Received rows given as bytes: FP8 codes with their `scales`, or bf16.
+    pub(crate) fn from_bytes(fp8: bool, x: &'a [u8], scales: &'a [f32]) -> RecvTokens<'a> {
+        if fp8 {
+            RecvTokens::Fp8 { data: x, scales }
+        } else {
+            RecvTokens::Bf16(bytemuck::cast_slice(x))
+        }
+    }
+}

@@ -502,11 +502,7 @@ impl Buffer {
         // written; peers write this buffer again only for step seq + LL_BUFFERS, which
         // needs this rank to enter a later step first (`&mut self`).
         let (x, scales) = unsafe { (self.symm.view(x)?, self.symm.view(scales)?) };
-        let recv_x = if handle.fp8 {
-            RecvTokens::Fp8 { data: x, scales }
-        } else {
-            RecvTokens::Bf16(bytemuck::cast_slice(x))
-        };
+        let recv_x = RecvTokens::from_bytes(handle.fp8, x, scales);
         Ok(LlDispatchOutput {
             recv_x,
             recv_count: handle.recv_count.clone(),

@@ -778,11 +778,7 @@ impl Buffer {
                 self.symm.view::<f32>(w.cast())?,
             )
         };
-        let recv_x = if handle.fp8 {
-            RecvTokens::Fp8 { data: x, scales }
-        } else {
-            RecvTokens::Bf16(bytemuck::cast_slice(x))
-        };
+        let recv_x = RecvTokens::from_bytes(handle.fp8, x, scales);
         Ok(DispatchOutput {
             recv_x,
             recv_topk_idx: handle.with_topk.then_some(idx),
