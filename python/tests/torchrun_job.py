@@ -37,10 +37,11 @@ def main() -> None:
     for k in range(K):
         acc += weights[:, k:k + 1] * x.float()
     assert torch.equal(out, acc.to(torch.bfloat16))
+    nodes = buffer.runtime.topology()[3]
     buffer.destroy()
     dist.barrier()
-    print(f"rank {rank}/{world} (local {os.environ.get('LOCAL_RANK')}): OK, received {recv_x.shape[0]} rows",
-          flush=True)
+    print(f"rank {rank}/{world} (local {os.environ.get('LOCAL_RANK')}): OK, received {recv_x.shape[0]} rows, "
+          f"{nodes} node(s)", flush=True)
     dist.destroy_process_group()
 
 

@@ -10,6 +10,9 @@ pub const SECRET_VAR: &str = "UEP_SECRET";
 pub const LAUNCHER_VAR: &str = "UEP_LAUNCHER";
 /// Value of [`LAUNCHER_VAR`] set by [`crate::launch_local`].
 pub const LAUNCHER_LOCAL: &str = "local";
+/// Environment variable naming the port of uep's rendezvous, overriding the default
+/// `MASTER_PORT + 1` (see [`WorldInfo::from_vars`]).
+pub const PORT_VAR: &str = "UEP_MASTER_PORT";
 
 /// Which launcher's variables a [`WorldInfo`] was read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -49,10 +52,11 @@ pub struct WorldInfo {
     pub local_rank: usize,
     /// Ranks per node (the same on every node).
     pub local_world_size: usize,
-    /// Host name or address where rank 0 listens.
+    /// Host name or address where rank 0 listens (`MASTER_ADDR`).
     pub master_addr: String,
-    /// Port where rank 0 listens.
-    pub master_port: u16,
+    /// Port where rank 0's rendezvous listens: `UEP_MASTER_PORT`, else `MASTER_PORT + 1`
+    /// (the launcher's own store holds `MASTER_PORT`).
+    pub rendezvous_port: u16,
     /// Shared secret from `UEP_SECRET` (an empty value counts as unset); ranks prove knowledge of
     /// it when joining. `None` is allowed only if every rank has none.
     pub secret: Option<String>,
@@ -69,7 +73,7 @@ impl fmt::Debug for WorldInfo {
             .field("local_rank", &self.local_rank)
             .field("local_world_size", &self.local_world_size)
             .field("master_addr", &self.master_addr)
-            .field("master_port", &self.master_port)
+            .field("rendezvous_port", &self.rendezvous_port)
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("source", &self.source)
             .finish()
@@ -97,6 +101,11 @@ impl WorldInfo {
     /// by the user there. Slurm's ranks per node come from `SLURM_NTASKS_PER_NODE`, else
     /// `SLURM_STEP_TASKS_PER_NODE`, else `SLURM_TASKS_PER_NODE` (forms like `4`, `4(x2)`,
     /// `4(x2),4`; every node must have the same count). Empty values count as unset.
+    ///
+    /// The rendezvous listens on `MASTER_ADDR` at `UEP_MASTER_PORT` if set, else at
+    /// `MASTER_PORT + 1`: torchrun's agent keeps its TCP store on `MASTER_PORT` for the whole
+    /// job, and the program may start `torch.distributed` there too, so uep never takes the
+    /// launcher's port itself.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<WorldInfo, BootstrapError> {
         let get = |k: &str| get(k).filter(|v| !v.is_empty());
         if get("RANK").is_some() {
@@ -186,9 +195,9 @@ impl WorldInfo {
                 "master_addr is empty; it must name rank 0's host".into(),
             ));
         }
-        if self.master_port == 0 {
+        if self.rendezvous_port == 0 {
             return Err(BootstrapError::InconsistentWorld(
-                "master_port is 0; it must be the port rank 0 listens on (1..=65535)".into(),
+                "rendezvous_port is 0; it must be the port rank 0 listens on (1..=65535)".into(),
             ));
         }
         Ok(())
@@ -316,18 +325,7 @@ impl<F: Fn(&str) -> Option<String>> Vars<'_, F> {
             "MASTER_ADDR",
             &format!("the host name or IP address where rank 0 listens; {addr_hint}"),
         )?;
-        let port_expected = format!("a TCP port in 1..=65535 where rank 0 listens; {addr_hint}");
-        let port = self.required("MASTER_PORT", &port_expected)?;
-        let master_port = match port.trim().parse::<u16>() {
-            Ok(p) if p > 0 => p,
-            _ => {
-                return Err(BootstrapError::InvalidVar {
-                    var: "MASTER_PORT",
-                    value: port,
-                    expected: port_expected,
-                })
-            }
-        };
+        let rendezvous_port = self.rendezvous_port(addr_hint)?;
         let (rank, world_size, local_rank, local_world_size) = layout;
         Ok(WorldInfo {
             rank,
@@ -335,9 +333,41 @@ impl<F: Fn(&str) -> Option<String>> Vars<'_, F> {
             local_rank,
             local_world_size,
             master_addr: master_addr.trim().to_owned(),
-            master_port,
+            rendezvous_port,
             secret: (self.get)(SECRET_VAR),
             source: self.source,
+        })
+    }
+}
+
+impl<F: Fn(&str) -> Option<String>> Vars<'_, F> {
+    /// `UEP_MASTER_PORT`, else `MASTER_PORT + 1` (see [`WorldInfo::from_vars`]).
+    fn rendezvous_port(&self, addr_hint: &str) -> Result<u16, BootstrapError> {
+        let parse = |var: &'static str, value: String, expected: String| match value
+            .trim()
+            .parse::<u16>()
+        {
+            Ok(p) if p > 0 => Ok(p),
+            _ => Err(BootstrapError::InvalidVar {
+                var,
+                value,
+                expected,
+            }),
+        };
+        if let Some(value) = (self.get)(PORT_VAR) {
+            let expected = "the TCP port (1..=65535) of uep's rendezvous on MASTER_ADDR".into();
+            return parse(PORT_VAR, value, expected);
+        }
+        let expected = format!(
+            "a TCP port in 1..=65534 (uep's rendezvous listens on MASTER_PORT + 1; set \
+             {PORT_VAR} to choose another); {addr_hint}"
+        );
+        let value = self.required("MASTER_PORT", &expected)?;
+        let port = parse("MASTER_PORT", value.clone(), expected.clone())?;
+        port.checked_add(1).ok_or(BootstrapError::InvalidVar {
+            var: "MASTER_PORT",
+            value,
+            expected,
         })
     }
 }
@@ -419,7 +449,11 @@ mod tests {
             (w.rank, w.world_size, w.local_rank, w.local_world_size),
             (5, 8, 1, 4)
         );
-        assert_eq!((w.master_addr.as_str(), w.master_port), ("node0", 29500));
+        // torchrun's store holds MASTER_PORT; the rendezvous takes the next port.
+        assert_eq!(
+            (w.master_addr.as_str(), w.rendezvous_port),
+            ("node0", 29501)
+        );
         assert_eq!(w.source, EnvSource::Torchrun);
         assert_eq!(w.secret, None);
         assert_eq!((w.node(), w.num_nodes()), (1, 2));
@@ -468,7 +502,10 @@ mod tests {
         );
 
         let e = parse(&with(TORCHRUN, &[("MASTER_PORT", "70000")])).unwrap_err();
-        assert!(e.to_string().contains("1..=65535"), "{e}");
+        assert!(e.to_string().contains("1..=65534"), "{e}");
+        // The last port has no successor: the message names the override.
+        let e = parse(&with(TORCHRUN, &[("MASTER_PORT", "65535")])).unwrap_err();
+        assert!(e.to_string().contains(PORT_VAR), "{e}");
 
         let e = parse(&with(TORCHRUN, &[("LOCAL_WORLD_SIZE", "3")])).unwrap_err();
         assert!(e.to_string().contains("not a multiple"), "{e}");
@@ -597,13 +634,31 @@ mod tests {
     }
 
     #[test]
+    fn rendezvous_port_override() {
+        let w = parse(&with(TORCHRUN, &[(PORT_VAR, "40000")])).unwrap();
+        assert_eq!(w.rendezvous_port, 40000);
+        // With the override, MASTER_PORT is not needed at all.
+        let w = parse(&with(
+            TORCHRUN,
+            &[(PORT_VAR, "40000"), ("MASTER_PORT", "<unset>")],
+        ))
+        .unwrap();
+        assert_eq!(w.rendezvous_port, 40000);
+        let e = parse(&with(TORCHRUN, &[(PORT_VAR, "0")])).unwrap_err();
+        assert!(
+            matches!(e, BootstrapError::InvalidVar { var: PORT_VAR, .. }),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn validate_catches_hand_built_mistakes() {
         let good = parse(TORCHRUN).unwrap();
         let mut w = good.clone();
         w.world_size = 6;
         assert!(w.validate().is_err());
         let mut w = good.clone();
-        w.master_port = 0;
+        w.rendezvous_port = 0;
         assert!(w.validate().is_err());
         let mut w = good;
         w.master_addr.clear();

@@ -59,10 +59,10 @@ pub enum BootstrapError {
     /// A joining rank could not open a connection to rank 0 in time.
     #[error(
         "could not reach rank 0 at {addr} within {timeout:?} ({attempts} attempts; last error: {last}); \
-         check MASTER_ADDR/MASTER_PORT and that rank 0 is running"
+         check MASTER_ADDR, MASTER_PORT (uep listens on MASTER_PORT + 1, or on UEP_MASTER_PORT) and that rank 0 is running"
     )]
     ConnectTimeout {
-        /// `MASTER_ADDR:MASTER_PORT`.
+        /// The rendezvous address, `MASTER_ADDR:port`.
         addr: String,
         /// The connect timeout.
         timeout: Duration,
@@ -75,7 +75,7 @@ pub enum BootstrapError {
     /// Rank 0 refused this rank's hello; `reason` is rank 0's own explanation.
     #[error("rank 0 at {addr} rejected rank {rank}: {reason}")]
     Rejected {
-        /// `MASTER_ADDR:MASTER_PORT`.
+        /// The rendezvous address, `MASTER_ADDR:port`.
         addr: String,
         /// This rank.
         rank: usize,

@@ -2,7 +2,7 @@
 //!
 //! The launcher binds `127.0.0.1:0`, so the port is chosen and held without a race, and lets
 //! exactly one child, rank 0, inherit that socket. Rank 0 finds it via `UEP_LISTEN_FD` and adopts
-//! it only if that descriptor is a TCP socket listening on `MASTER_PORT`, so a process that
+//! it only if that descriptor is a TCP socket listening on the announced rendezvous port, so a process that
 //! inherited the environment but not the descriptor never takes over an unrelated file. (If
 //! rank 0 runs under a wrapper that does not `exec`, the wrapper keeps a copy of the socket, and
 //! late connections then wait in its backlog until they time out instead of being refused.)
@@ -98,11 +98,11 @@ pub(crate) fn take_inherited_listener(fd_text: &str, port: u16) -> io::Result<Tc
     if bound_port != port {
         TAKEN.store(false, Ordering::SeqCst);
         return Err(invalid(format!(
-            "{LISTEN_FD_VAR}={fd} listens on port {bound_port}, not on MASTER_PORT={port}"
+            "{LISTEN_FD_VAR}={fd} listens on port {bound_port}, not on the rendezvous port {port}"
         )));
     }
-    // SAFETY: `fd` is open and a listening socket bound to the port the launcher announced in
-    // MASTER_PORT (checked above), so it is the launcher's socket; nothing else in this process
+    // SAFETY: `fd` is open and a listening socket bound to the port the launcher announced as the
+    // rendezvous port (checked above), so it is the launcher's socket; nothing else in this process
     // wraps it, and TAKEN ensures it is adopted at most once, so the OwnedFd is its sole owner.
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
     // Re-duplicate with close-on-exec (std uses F_DUPFD_CLOEXEC) so that processes this rank
@@ -140,7 +140,7 @@ mod tests {
         let port = l.local_addr().unwrap().port();
         let fd = l.into_raw_fd().to_string();
         let e = take_inherited_listener(&fd, port.wrapping_add(1)).unwrap_err();
-        assert!(e.to_string().contains("not on MASTER_PORT"), "{e}");
+        assert!(e.to_string().contains("not on the rendezvous port"), "{e}");
 
         let adopted = take_inherited_listener(&fd, port).unwrap();
         assert_eq!(adopted.local_addr().unwrap().port(), port);

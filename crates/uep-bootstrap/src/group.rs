@@ -97,7 +97,8 @@ impl Group {
     /// Joins the job described by `info` (usually from [`WorldInfo::from_env`]).
     ///
     /// Rank 0 adopts the listening socket passed by [`crate::launch_local`] (`UEP_LISTEN_FD`)
-    /// if present, else binds `MASTER_ADDR:MASTER_PORT`; it then admits the other ranks. Other
+    /// if present, else binds `MASTER_ADDR` at the rendezvous port (`UEP_MASTER_PORT`, else
+    /// `MASTER_PORT + 1`); it then admits the other ranks. Other
     /// ranks connect, retrying until rank 0 is up. Returns once all ranks have joined, or fails
     /// after `timeout` (which also becomes the group's timeout for every collective).
     pub fn connect(info: &WorldInfo, timeout: Duration) -> Result<Group, BootstrapError> {
@@ -108,7 +109,7 @@ impl Group {
         // Adopted even for a world of one, so the launcher's socket does not linger.
         let inherited = match std::env::var(LISTEN_FD_VAR) {
             Ok(fd) if !fd.is_empty() => Some(
-                fdpass::take_inherited_listener(&fd, info.master_port).map_err(|e| {
+                fdpass::take_inherited_listener(&fd, info.rendezvous_port).map_err(|e| {
                     BootstrapError::io("adopting the listening socket passed by the launcher", e)
                 })?,
             ),
@@ -125,7 +126,7 @@ impl Group {
     }
 
     /// Like [`Group::connect`] for rank 0, but listening on an already bound `listener`
-    /// (tests; embedding in programs that pick the port themselves). `info.master_port` is not
+    /// (tests; embedding in programs that pick the port themselves). `info.rendezvous_port` is not
     /// used for binding. The listener is closed once every rank has joined.
     pub fn connect_with_listener(
         info: &WorldInfo,
@@ -277,15 +278,15 @@ fn alone(info: &WorldInfo, timeout: Duration) -> Group {
 
 fn host_port(info: &WorldInfo) -> String {
     if info.master_addr.contains(':') && !info.master_addr.starts_with('[') {
-        format!("[{}]:{}", info.master_addr, info.master_port)
+        format!("[{}]:{}", info.master_addr, info.rendezvous_port)
     } else {
-        format!("{}:{}", info.master_addr, info.master_port)
+        format!("{}:{}", info.master_addr, info.rendezvous_port)
     }
 }
 
 fn bind(info: &WorldInfo) -> Result<TcpListener, BootstrapError> {
     let hp = host_port(info);
-    let addrs: Vec<SocketAddr> = (info.master_addr.as_str(), info.master_port)
+    let addrs: Vec<SocketAddr> = (info.master_addr.as_str(), info.rendezvous_port)
         .to_socket_addrs()
         .map_err(|e| BootstrapError::io(format!("resolving MASTER_ADDR {hp}"), e))?
         .collect();
@@ -305,7 +306,7 @@ fn bind(info: &WorldInfo) -> Result<TcpListener, BootstrapError> {
             let hint = match e.kind() {
                 std::io::ErrorKind::AddrInUse => {
                     "; the port is taken (another job, or a previous one still running?): choose \
-                     another MASTER_PORT"
+                     another MASTER_PORT, or set UEP_MASTER_PORT"
                 }
                 std::io::ErrorKind::AddrNotAvailable => {
                     "; MASTER_ADDR must be an address of the host running rank 0"
@@ -313,7 +314,7 @@ fn bind(info: &WorldInfo) -> Result<TcpListener, BootstrapError> {
                 _ => "",
             };
             BootstrapError::io(
-                format!("rank 0 listening on {a} (MASTER_ADDR:MASTER_PORT = {hp}){hint}"),
+                format!("rank 0 listening on {a} (uep rendezvous {hp}: MASTER_ADDR, port UEP_MASTER_PORT or MASTER_PORT + 1){hint}"),
                 e,
             )
         }
@@ -992,7 +993,7 @@ impl Root {
 
 struct Member {
     rank: usize,
-    /// `MASTER_ADDR:MASTER_PORT`, for messages.
+    /// The rendezvous address, `MASTER_ADDR:port`, for messages.
     addr: String,
     read: Mutex<MemberRead>,
     write: Mutex<TcpStream>,
@@ -1015,7 +1016,7 @@ fn connect_retry(
     loop {
         attempts += 1;
         // Resolve every attempt: the name may only become resolvable once the job is up.
-        match (info.master_addr.as_str(), info.master_port).to_socket_addrs() {
+        match (info.master_addr.as_str(), info.rendezvous_port).to_socket_addrs() {
             Ok(addrs) => {
                 for a in addrs {
                     let Some(left) = remaining(deadline) else {

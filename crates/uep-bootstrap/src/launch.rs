@@ -8,7 +8,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::env::{LAUNCHER_LOCAL, LAUNCHER_VAR, SECRET_VAR};
+use crate::env::{LAUNCHER_LOCAL, LAUNCHER_VAR, PORT_VAR, SECRET_VAR};
 use crate::error::BootstrapError;
 use crate::fdpass::{self, LISTEN_FD_VAR};
 use crate::proto;
@@ -25,7 +25,7 @@ const RESERVED: [&str; 9] = [
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
-    "MASTER_PORT",
+    PORT_VAR,
     SECRET_VAR,
     LAUNCHER_VAR,
     LISTEN_FD_VAR,
@@ -44,7 +44,7 @@ pub struct LaunchSpec {
     /// Its arguments.
     pub args: Vec<OsString>,
     /// Extra environment for every rank; may not set the variables the launcher sets
-    /// (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
+    /// (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `UEP_MASTER_PORT`,
     /// `UEP_SECRET`, `UEP_LAUNCHER`, `UEP_LISTEN_FD`).
     pub env: Vec<(String, String)>,
     /// Kill everything and fail if the job runs longer than this (`None`: no limit).
@@ -121,7 +121,7 @@ pub fn launch_local(spec: &LaunchSpec) -> Result<LaunchOutcome, BootstrapError> 
 /// Runs `spec.ranks` processes of `spec.program` on this machine as one job and waits for all.
 ///
 /// Every rank gets torchrun-style variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-/// `LOCAL_WORLD_SIZE = ranks / nodes`, `MASTER_ADDR=127.0.0.1`, `MASTER_PORT`), a fresh random
+/// `LOCAL_WORLD_SIZE = ranks / nodes`, `MASTER_ADDR=127.0.0.1`, `UEP_MASTER_PORT`), a fresh random
 /// `UEP_SECRET`, `UEP_LAUNCHER=local`, and `spec.env`; stdout and stderr are inherited, stdin is
 /// closed. The port is chosen race-free: the launcher binds `127.0.0.1:0` and rank 0 inherits
 /// that listening socket (`UEP_LISTEN_FD`), which [`crate::Group::connect`] adopts.
@@ -163,7 +163,7 @@ pub fn launch_local_with_grace(
             .env("LOCAL_RANK", (rank % local_world_size).to_string())
             .env("LOCAL_WORLD_SIZE", local_world_size.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
+            .env(PORT_VAR, port.to_string())
             .env(SECRET_VAR, &secret)
             .env(LAUNCHER_VAR, LAUNCHER_LOCAL)
             .env_remove(LISTEN_FD_VAR)
@@ -318,10 +318,10 @@ mod tests {
             ),
             (
                 LaunchSpec {
-                    env: vec![("MASTER_PORT".into(), "1".into())],
+                    env: vec![(PORT_VAR.into(), "1".into())],
                     ..spec(2, 1)
                 },
-                "may not set MASTER_PORT",
+                "may not set UEP_MASTER_PORT",
             ),
         ] {
             let e = launch_local(&s).unwrap_err();

@@ -2,7 +2,8 @@
 //!
 //! * [`WorldInfo`] reads a rank's place in the job from torchrun, Open MPI or Slurm variables (or
 //!   those [`launch_local`] sets).
-//! * [`Group`] is the rendezvous: rank 0 listens on `MASTER_ADDR:MASTER_PORT`, admits exactly the
+//! * [`Group`] is the rendezvous: rank 0 listens on `MASTER_ADDR` at `UEP_MASTER_PORT`, else
+//!   `MASTER_PORT + 1` (the launcher's store holds `MASTER_PORT`), admits exactly the
 //!   invited ranks (same world size, unique in-range ranks, same protocol version, and proof of the
 //!   shared `UEP_SECRET` via HMAC-SHA256 over fresh nonces, checked in constant time), and then
 //!   relays small collectives ([`Group::all_gather`], [`Group::barrier`]) over a star of TCP

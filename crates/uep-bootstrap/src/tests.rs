@@ -18,7 +18,7 @@ fn info(rank: usize, world_size: usize, lws: usize, port: u16, secret: Option<&s
         local_rank: rank % lws,
         local_world_size: lws,
         master_addr: "127.0.0.1".into(),
-        master_port: port,
+        rendezvous_port: port,
         secret: secret.map(str::to_owned),
         source: EnvSource::Uep,
     }

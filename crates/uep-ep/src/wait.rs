@@ -172,9 +172,13 @@ impl<'a> Wait<'a> {
             }
             self.check(peer, what, backoff.step())?;
             if Instant::now() >= self.deadline {
+                let mut detail = seen();
+                if let Some(note) = peer.zip(self.net).and_then(|(p, n)| n.remote_note(p.rank)) {
+                    detail = format!("{detail}; {note}");
+                }
                 return Err(EpError::Timeout {
                     what: what(),
-                    detail: seen(),
+                    detail,
                     waited: self.timeout,
                 });
             }

@@ -437,7 +437,7 @@ fn solo_group() -> Result<Group, BootstrapError> {
         local_rank: 0,
         local_world_size: 1,
         master_addr: "127.0.0.1".into(),
-        master_port: 1,
+        rendezvous_port: 1,
         secret: None,
         source: EnvSource::Torchrun,
     };

@@ -6,7 +6,8 @@
 //! * [`check`]: the bit-for-bit comparator that names the first mismatch;
 //! * [`npy`]: `.npy` files, for checking uep with numpy;
 //! * [`ranks`]: several ranks in one process, over the real rendezvous;
-//! * [`limits`]: what the machine can do at best (memory copies), for the benchmarks.
+//! * [`limits`]: what the machine can do at best (memory copies), for the benchmarks;
+//! * [`netns`]: hosts on one machine (network namespaces), for multi-node tests.
 //!
 //! The CLI (`uep bench`), uep-ep's tests and the Python package's tests all use it.
 #![deny(unsafe_code)]
@@ -14,6 +15,7 @@
 pub mod case;
 pub mod check;
 pub mod limits;
+pub mod netns;
 pub mod npy;
 pub mod ranks;
 pub mod reference;

@@ -30,7 +30,7 @@ pub fn run_ranks<T: Send>(
         local_rank: rank,
         local_world_size: ranks,
         master_addr: "127.0.0.1".into(),
-        master_port: port,
+        rendezvous_port: port,
         secret: Some(secret.clone()),
         source: EnvSource::Uep,
     };

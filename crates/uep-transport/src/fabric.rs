@@ -43,12 +43,29 @@ impl Default for FabricOptions {
 impl FabricOptions {
     /// Options from the environment: `UEP_FI_PROVIDER` (default
     /// `tcp;ofi_rxm`), `UEP_FI_DOMAIN`, `UEP_FI_NODE`; atomics off.
+    ///
+    /// Without `UEP_FI_NODE`, a socket provider (`tcp`, `sockets`, `udp`) is bound to
+    /// the address this host uses to reach `MASTER_ADDR`, if the launcher set it: on a
+    /// host with several interfaces the provider's default may be one the other hosts
+    /// cannot reach (loopback, a management network), while the route to rank 0 is the
+    /// one the job's own control traffic already takes.
     pub fn from_env() -> Self {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let provider = var("UEP_FI_PROVIDER").unwrap_or_else(|| DEFAULT_PROVIDER.to_string());
+        let node = var("UEP_FI_NODE").or_else(|| {
+            let sockets = ["tcp", "sockets", "udp"]
+                .iter()
+                .any(|p| provider.starts_with(p));
+            sockets
+                .then(|| var("MASTER_ADDR"))
+                .flatten()
+                .and_then(|m| route_source(&m))
+                .map(|ip| ip.to_string())
+        });
         Self {
-            provider: var("UEP_FI_PROVIDER").unwrap_or_else(|| DEFAULT_PROVIDER.to_string()),
+            provider,
             domain: var("UEP_FI_DOMAIN"),
-            node: var("UEP_FI_NODE"),
+            node,
             atomics: false,
         }
     }
@@ -63,6 +80,23 @@ impl FabricOptions {
             atomics: false,
         }
     }
+}
+
+/// The local address the kernel would use as the source of packets to `host`, found by
+/// connecting a UDP socket (which sends nothing); `None` if `host` does not resolve or
+/// has no route.
+pub fn route_source(host: &str) -> Option<std::net::IpAddr> {
+    use std::net::{Ipv4Addr, Ipv6Addr, ToSocketAddrs, UdpSocket};
+    // The port is irrelevant: a UDP connect only picks the route.
+    let target = (host, 9).to_socket_addrs().ok()?.next()?;
+    let any: std::net::IpAddr = if target.is_ipv4() {
+        Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        Ipv6Addr::UNSPECIFIED.into()
+    };
+    let socket = UdpSocket::bind((any, 0)).ok()?;
+    socket.connect(target).ok()?;
+    Some(socket.local_addr().ok()?.ip())
 }
 
 /// One libfabric provider/domain as `fi_getinfo` describes it, for `uep info`.
@@ -1352,6 +1386,15 @@ impl Transport for LibfabricTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn route_source_of_loopback_is_loopback() {
+        assert_eq!(
+            route_source("127.0.0.1"),
+            Some(std::net::Ipv4Addr::LOCALHOST.into())
+        );
+        assert_eq!(route_source("no-such-host.invalid"), None);
+    }
 
     #[test]
     fn constants_match_headers() {

@@ -25,7 +25,7 @@ mod region;
 pub mod stream;
 
 pub use fabric::{
-    list_providers, FabricOptions, LibfabricTransport, ProviderInfo, DEFAULT_PROVIDER,
+    list_providers, route_source, FabricOptions, LibfabricTransport, ProviderInfo, DEFAULT_PROVIDER,
 };
 pub use faulty::{FaultConfig, FaultStats, FaultyTransport};
 pub use region::{HeapRegion, RegionRef};

@@ -142,6 +142,10 @@ pub struct NetPath {
     areas: NetAreas,
     me: usize,
     num_ranks: usize,
+    ranks_per_node: usize,
+    /// `[rank]`: where that rank's proxy listens (its address, else its host name),
+    /// to name a node that stopped answering.
+    hosts: Vec<String>,
     threads: usize,
     fifos_per_thread: usize,
     /// `[channel][dst]`: the Quiet that follows the last packet staged there.
@@ -187,6 +191,16 @@ impl NetPath {
                 source: Box::new(source),
             }
         };
+        let host = cfg.fabric.node.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_default()
+        });
+        let hosts = cp
+            .all_gather(host.as_bytes())?
+            .into_iter()
+            .map(|h| String::from_utf8_lossy(&h).into_owned())
+            .collect();
         let mut transports: Vec<Box<dyn Transport>> = Vec::with_capacity(threads);
         for t in 0..threads {
             let registered = RegionRef::from_shm(region)
@@ -248,6 +262,8 @@ impl NetPath {
             areas,
             me,
             num_ranks,
+            ranks_per_node: topo.ranks_per_node,
+            hosts,
             threads,
             fifos_per_thread: cfg.proxy.fifos_per_thread.max(1),
             quiets: RefCell::new(vec![None; CHANNELS * num_ranks]),
@@ -373,6 +389,21 @@ impl NetPath {
         self.sent_bytes.set(self.sent_bytes.get() + sent as u64);
         self.quiets.borrow_mut()[ch.index() * self.num_ranks + dst] = Some((fifo, t, slot));
         Ok(())
+    }
+
+    /// For a rank on another node: which node and host it is on, and that only the
+    /// network connects us, for the message of a wait on it that timed out. `None`
+    /// for a rank on this node.
+    pub fn remote_note(&self, rank: usize) -> Option<String> {
+        let node = rank / self.ranks_per_node;
+        if node == self.me / self.ranks_per_node {
+            return None;
+        }
+        let host = self.hosts.get(rank).map_or("", String::as_str);
+        Some(format!(
+            "rank {rank} is on node {node} (host {host}), reached only over the network: that \
+             node, the link to it, or its processes stopped answering"
+        ))
     }
 
     /// Wait for the next packet from `src` and return the landing area of `ch` it is

@@ -1,0 +1,530 @@
+//! Across hosts: `uep bench` on emulated hosts, each a network namespace with its own
+//! address (`uep_harness::netns`), started with the variables a cluster launcher sets,
+//! so every byte between nodes crosses a veth link and a bridge, never `lo`. Every
+//! output is checked bit for bit against the sequential reference.
+//!
+//! The launchers themselves run for real: torchrun (from the test environment's
+//! PyTorch), Open MPI's mpirun, and Slurm's variables as srun sets them.
+//!
+//! The namespace tests need root (CI runs as root) and the launcher tests need the
+//! launcher; elsewhere they skip and say why. In CI (`CI` set) a missing privilege or
+//! program fails them instead.
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use uep_harness::netns::Hosts;
+
+/// The launcher whose variables the ranks get.
+#[derive(Clone, Copy, Debug)]
+enum Launcher {
+    Torchrun,
+    Slurm,
+}
+
+/// Skips a test (returns `None`) with `why`, except in CI, where it fails.
+fn skip<T>(why: String) -> Option<T> {
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI must run this test: {why}"
+    );
+    eprintln!("skipped: {why}");
+    None
+}
+
+fn hosts(n: usize) -> Option<Hosts> {
+    match Hosts::unavailable() {
+        Some(why) => skip(why),
+        None => Some(Hosts::new(n).expect("build hosts")),
+    }
+}
+
+/// A program from `$var`, else the workspace's test environment (`.venv/bin`), else
+/// `PATH`.
+fn find(program: &str, var: &str) -> Option<PathBuf> {
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin");
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(std::iter::once(venv.join(program)))
+        .chain(
+            std::env::var_os("PATH")
+                .map(|p| {
+                    std::env::split_paths(&p)
+                        .map(|d| d.join(program))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default(),
+        )
+        .find(|p| p.is_file())
+        .inspect(|p| eprintln!("{program}: {}", p.display()))
+        .or_else(|| {
+            skip(format!(
+                "`{program}` not found (set {var}, or run ./dev venv)"
+            ))
+        })
+}
+
+/// A loopback port `p` with `p + 1` free too (the launcher's store and uep's
+/// rendezvous), for jobs on this host's own namespace.
+fn free_port_pair() -> u16 {
+    loop {
+        let a = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < u16::MAX && TcpListener::bind((Ipv4Addr::LOCALHOST, p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// The rank processes of one job, `per_host` on each host, started as `launcher`
+/// would start them, with rank 0's host as `MASTER_ADDR`.
+fn spawn_job(hosts: &Hosts, per_host: usize, launcher: Launcher, args: &[&str]) -> Vec<Child> {
+    let world = hosts.len() * per_host;
+    let master: Ipv4Addr = Hosts::addr(0);
+    (0..world)
+        .map(|rank| {
+            let (host, local) = (rank / per_host, rank % per_host);
+            let mut cmd = hosts.command(host, env!("CARGO_BIN_EXE_uep"));
+            cmd.arg("bench").args(args);
+            let vars: Vec<(&str, String)> = match launcher {
+                Launcher::Torchrun => vec![
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", world.to_string()),
+                    ("LOCAL_RANK", local.to_string()),
+                    ("LOCAL_WORLD_SIZE", per_host.to_string()),
+                ],
+                Launcher::Slurm => vec![
+                    ("SLURM_PROCID", rank.to_string()),
+                    ("SLURM_NTASKS", world.to_string()),
+                    ("SLURM_LOCALID", local.to_string()),
+                    (
+                        "SLURM_TASKS_PER_NODE",
+                        format!("{per_host}(x{})", hosts.len()),
+                    ),
+                ],
+            };
+            cmd.envs(vars)
+                .env("MASTER_ADDR", master.to_string())
+                .env("MASTER_PORT", "29500");
+            start(&mut cmd)
+        })
+        .collect()
+}
+
+/// Starts `cmd` in a process group of its own (so that everything a launcher starts
+/// can be killed with it), stdin closed, output captured.
+fn start(cmd: &mut Command) -> Child {
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn")
+}
+
+/// Runs one launcher to the end (at most three minutes).
+fn run_one(cmd: &mut Command) -> Output {
+    let mut out = wait_all(vec![start(cmd)], Duration::from_secs(180));
+    out.pop().unwrap()
+}
+
+/// Waits for every process; once all ended or `limit` passed, kills each one's
+/// process group (a launcher's workers too, and any straggler).
+fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
+    let deadline = Instant::now() + limit;
+    let mut children: Vec<Option<Child>> = children.into_iter().map(Some).collect();
+    while Instant::now() < deadline
+        && children
+            .iter_mut()
+            .flatten()
+            .any(|c| c.try_wait().ok().flatten().is_none())
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    children
+        .iter_mut()
+        .map(|c| {
+            let c = c.take().unwrap();
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", c.id())])
+                .stderr(Stdio::null())
+                .status();
+            c.wait_with_output().expect("collect a process")
+        })
+        .collect()
+}
+
+fn describe(outputs: &[Output]) -> String {
+    outputs
+        .iter()
+        .enumerate()
+        .map(|(r, o)| {
+            format!(
+                "--- rank {r}: {}\n{}{}",
+                o.status,
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            )
+        })
+        .collect()
+}
+
+const SMALL: &[&str] = &[
+    "--json",
+    "--tokens",
+    "128",
+    "--ll-tokens",
+    "32",
+    "--hidden",
+    "256",
+    "--iters",
+    "2",
+    "--warmup",
+    "1",
+    "--timeout",
+    "30",
+];
+
+/// Runs normal and LL, bf16 and FP8, on `n` hosts of `per_host` ranks; checks that
+/// every rank exits 0, that rank 0's report says every op verified and that the
+/// bytes between nodes went over the network.
+fn verified_across_hosts(n: usize, per_host: usize, launcher: Launcher) {
+    let Some(hosts) = hosts(n) else { return };
+    let experts = (n * per_host * 4).to_string();
+    for fp8 in [false, true] {
+        let mut args = SMALL.to_vec();
+        args.extend(["--experts", &experts, "--topk", "4"]);
+        if fp8 {
+            args.push("--fp8");
+        }
+        let tx_before: Vec<u64> = (0..n).map(|h| hosts.tx_bytes(h).unwrap()).collect();
+        let start = Instant::now();
+        let outputs = wait_all(
+            spawn_job(&hosts, per_host, launcher, &args),
+            Duration::from_secs(120),
+        );
+        let log = describe(&outputs);
+        assert!(
+            outputs.iter().all(|o| o.status.success()),
+            "{n}×{per_host} {launcher:?} fp8={fp8}:\n{log}"
+        );
+        let reports: Vec<serde_json::Value> =
+            serde_json::from_slice(&outputs[0].stdout).unwrap_or_else(|e| panic!("{e}\n{log}"));
+        let ops: Vec<&str> = reports.iter().filter_map(|r| r["op"].as_str()).collect();
+        for op in ["dispatch", "combine", "ll_dispatch", "ll_combine"] {
+            assert!(ops.contains(&op), "{op} missing from {ops:?}");
+        }
+        for r in &reports {
+            assert_eq!(r["verified"], true, "{r}");
+            assert_eq!(r["nodes"], n, "{r}");
+        }
+        let net: f64 = reports
+            .iter()
+            .filter_map(|r| r["net_wire_bytes_per_rank"].as_f64())
+            .sum();
+        assert!(net > 0.0, "no bytes crossed the network: {reports:?}");
+        // ... and over each host's own link: every host sent at least what its ranks
+        // handed to their proxies in the timed steps (the mean per rank, times ranks).
+        for (h, before) in tx_before.iter().enumerate() {
+            let sent = hosts.tx_bytes(h).unwrap() - before;
+            assert!(
+                sent as f64 >= net * per_host as f64,
+                "host {h} sent {sent} B on its link, less than its ranks' {net} B each"
+            );
+        }
+        eprintln!(
+            "{n} hosts × {per_host} ranks ({launcher:?}, fp8={fp8}): verified in {:.1?}",
+            start.elapsed()
+        );
+    }
+}
+
+#[test]
+fn two_hosts_of_two_ranks() {
+    verified_across_hosts(2, 2, Launcher::Torchrun);
+}
+
+#[test]
+fn three_hosts_of_one_rank() {
+    verified_across_hosts(3, 1, Launcher::Slurm);
+}
+
+/// The reports of a successful job: every process (launcher or rank) exited 0 and
+/// `stdout` (rank 0's) holds a report in which every op verified.
+fn verified_reports(outputs: &[Output], stdout: &[u8], what: &str) -> Vec<serde_json::Value> {
+    let log = describe(outputs);
+    assert!(outputs.iter().all(|o| o.status.success()), "{what}:\n{log}");
+    // Launchers print their own lines too; the report is the JSON array.
+    let text = String::from_utf8_lossy(stdout);
+    let json = &text[text
+        .find('[')
+        .unwrap_or_else(|| panic!("{what}: no report\n{log}"))..];
+    let reports: Vec<serde_json::Value> = serde_json::Deserializer::from_str(json)
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| panic!("{what}: no report\n{log}"))
+        .unwrap_or_else(|e| panic!("{what}: {e}\n{log}"));
+    assert!(reports.len() >= 4, "{what}: {reports:?}");
+    for r in &reports {
+        assert_eq!(r["verified"], true, "{what}: {r}");
+    }
+    reports
+}
+
+/// Four ranks of `uep bench` with small shapes and JSON output.
+fn bench_args() -> Vec<&'static str> {
+    let mut args = vec!["bench"];
+    args.extend(SMALL);
+    args.extend(["--experts", "16", "--topk", "4"]);
+    args
+}
+
+#[test]
+fn torchrun_one_host() {
+    let Some(torchrun) = find("torchrun", "UEP_TORCHRUN") else {
+        return;
+    };
+    let port = free_port_pair().to_string();
+    let out = run_one(
+        Command::new(torchrun)
+            .args(["--nnodes", "1", "--nproc-per-node", "4"])
+            .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+            .args(["--no-python", env!("CARGO_BIN_EXE_uep")])
+            .args(bench_args())
+            .env("OMP_NUM_THREADS", "1"),
+    );
+    let reports = verified_reports(std::slice::from_ref(&out), &out.stdout, "torchrun");
+    assert_eq!(reports[0]["ranks"], 4);
+}
+
+#[test]
+fn torchrun_two_hosts() {
+    let Some(torchrun) = find("torchrun", "UEP_TORCHRUN") else {
+        return;
+    };
+    let Some(hosts) = hosts(2) else { return };
+    let master = Hosts::addr(0).to_string();
+    let agents: Vec<Child> = (0..2)
+        .map(|node| {
+            start(
+                hosts
+                    .command(node, &torchrun)
+                    .args(["--nnodes", "2", "--node-rank", &node.to_string()])
+                    .args(["--nproc-per-node", "2", "--master-addr", &master])
+                    .args(["--master-port", "29500", "--no-python"])
+                    .arg(env!("CARGO_BIN_EXE_uep"))
+                    .args(bench_args())
+                    .env("OMP_NUM_THREADS", "1"),
+            )
+        })
+        .collect();
+    let outputs = wait_all(agents, Duration::from_secs(180));
+    let reports = verified_reports(&outputs, &outputs[0].stdout, "torchrun --nnodes 2");
+    assert!(reports.iter().all(|r| r["nodes"] == 2), "{reports:?}");
+}
+
+/// `mpirun` as root needs these (Open MPI refuses root otherwise).
+const MPI_AS_ROOT: [(&str, &str); 2] = [
+    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+];
+
+#[test]
+fn mpirun_one_host() {
+    let Some(mpirun) = find("mpirun", "UEP_MPIRUN") else {
+        return;
+    };
+    let port = free_port_pair().to_string();
+    let out = run_one(
+        Command::new(mpirun)
+            .args([
+                "-np",
+                "4",
+                "--oversubscribe",
+                "-x",
+                "MASTER_ADDR",
+                "-x",
+                "MASTER_PORT",
+            ])
+            .arg(env!("CARGO_BIN_EXE_uep"))
+            .args(bench_args())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .envs(MPI_AS_ROOT),
+    );
+    let reports = verified_reports(std::slice::from_ref(&out), &out.stdout, "mpirun");
+    assert_eq!(reports[0]["ranks"], 4);
+}
+
+#[test]
+fn slurm_variables_one_host() {
+    let port = free_port_pair().to_string();
+    let ranks: Vec<Child> = (0..4)
+        .map(|rank| {
+            start(
+                Command::new(env!("CARGO_BIN_EXE_uep"))
+                    .args(bench_args())
+                    .env("SLURM_PROCID", rank.to_string())
+                    .env("SLURM_NTASKS", "4")
+                    .env("SLURM_LOCALID", rank.to_string())
+                    .env("SLURM_NTASKS_PER_NODE", "4")
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", &port),
+            )
+        })
+        .collect();
+    let outputs = wait_all(ranks, Duration::from_secs(120));
+    let reports = verified_reports(&outputs, &outputs[0].stdout, "Slurm variables");
+    assert_eq!(reports[0]["ranks"], 4);
+}
+
+#[test]
+fn mpirun_two_hosts() {
+    let Some(mpirun) = find("mpirun", "UEP_MPIRUN") else {
+        return;
+    };
+    let Some(hosts) = hosts(2) else { return };
+    // mpirun starts its daemon on another host with a remote shell (ssh in a cluster);
+    // here the "remote shell" enters that host's namespace.
+    let dir = tempfile::tempdir().unwrap();
+    let agent = dir.path().join("nsrsh");
+    let cases: String = (0..hosts.len())
+        .map(|h| format!("{}) ns={} ;; ", Hosts::addr(h), hosts.ns_path(h).display()))
+        .collect();
+    std::fs::write(
+        &agent,
+        format!(
+            "#!/bin/sh\nhost=$1; shift\ncase \"$host\" in {cases}*) echo \"unknown host $host\" >&2; exit 1 ;; esac\nexec nsenter --net=$ns -- sh -c \"$*\"\n"
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let host_list = format!("{}:2,{}:2", Hosts::addr(0), Hosts::addr(1));
+    let out = run_one(
+        hosts
+            .command(0, mpirun)
+            .args(["-np", "4", "--host", &host_list])
+            .args(["--mca", "plm_rsh_agent", agent.to_str().unwrap()])
+            .args(["-x", "MASTER_ADDR", "-x", "MASTER_PORT"])
+            .arg(env!("CARGO_BIN_EXE_uep"))
+            .args(bench_args())
+            .env("MASTER_ADDR", Hosts::addr(0).to_string())
+            .env("MASTER_PORT", "29500")
+            .envs(MPI_AS_ROOT),
+    );
+    let reports = verified_reports(std::slice::from_ref(&out), &out.stdout, "mpirun 2 hosts");
+    assert!(reports.iter().all(|r| r["nodes"] == 2), "{reports:?}");
+}
+
+/// Pulling a host's cable mid-run: every rank on both sides fails within the
+/// deadline's bound with an error naming the node it lost, none hangs; with the cable
+/// back, a new job on the same hosts runs clean (nothing was left behind).
+#[test]
+#[ignore = "long tier (./dev test runs it): timing-sensitive"]
+fn link_cut_fails_every_rank_naming_the_node_then_a_new_job_runs() {
+    let Some(hosts) = hosts(2) else { return };
+    let timeout = 4.0;
+    let soak_args = |steps: &'static str| {
+        let mut a = SMALL.to_vec();
+        a.extend(["--experts", "16", "--topk", "4", "--soak", steps]);
+        // The deadline of every wait (the default is 100 s).
+        a.extend(["--timeout", "4"]);
+        a
+    };
+    let job = spawn_job(&hosts, 2, Launcher::Torchrun, &soak_args("1000000"));
+    // Let it run a while, so the cut lands mid-step, then cut host 1 off.
+    std::thread::sleep(Duration::from_secs(3));
+    hosts.cut(1).unwrap();
+    let cut = Instant::now();
+    let outputs = wait_all(job, Duration::from_secs(60));
+    let took = cut.elapsed();
+    let log = describe(&outputs);
+    eprintln!("link cut: every rank ended {took:.1?} after the cut\n{log}");
+    // Bound: one deadline for the wait that notices, one for telling the others (the
+    // abort and the rendezvous' own checks), plus start-up slack.
+    assert!(
+        took < Duration::from_secs_f64(3.0 * timeout + 5.0),
+        "ranks took {took:?} to fail"
+    );
+    for (rank, o) in outputs.iter().enumerate() {
+        assert!(
+            !o.status.success(),
+            "rank {rank} succeeded across a cut link\n{log}"
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        let lost = if rank < 2 { "node 1" } else { "node 0" };
+        assert!(
+            err.contains(lost),
+            "rank {rank}'s error does not name {lost}:\n{err}"
+        );
+    }
+    hosts.restore(1).unwrap();
+    let mut args = SMALL.to_vec();
+    args.extend(["--experts", "16", "--topk", "4"]);
+    let outputs = wait_all(
+        spawn_job(&hosts, 2, Launcher::Torchrun, &args),
+        Duration::from_secs(120),
+    );
+    verified_reports(&outputs, &outputs[0].stdout, "after the link came back");
+}
+
+/// The Python package across hosts: torchrun on each host runs a DeepEP-style job
+/// (`python/tests/torchrun_job.py`) that bootstraps through gloo and checks normal and
+/// low-latency results exactly; the ranks see two nodes and talk over the links.
+#[test]
+fn python_package_two_hosts() {
+    let Some(torchrun) = find("torchrun", "UEP_TORCHRUN") else {
+        return;
+    };
+    let python = torchrun.with_file_name("python");
+    let installed = Command::new(&python)
+        .args(["-c", "import uep"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !installed {
+        skip::<()>(format!(
+            "the uep package is not installed in {} (./dev venv)",
+            python.display()
+        ));
+        return;
+    }
+    let Some(hosts) = hosts(2) else { return };
+    let job = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../python/tests/torchrun_job.py");
+    let master = Hosts::addr(0).to_string();
+    let agents: Vec<Child> = (0..2)
+        .map(|node| {
+            start(
+                hosts
+                    .command(node, &torchrun)
+                    .args(["--nnodes", "2", "--node-rank", &node.to_string()])
+                    .args(["--nproc-per-node", "2", "--master-addr", &master])
+                    .args(["--master-port", "29500"])
+                    .arg(&job)
+                    .env("OMP_NUM_THREADS", "1")
+                    .env("UEP_TIMEOUT_S", "60")
+                    // gloo picks its interface from the host name, which names the
+                    // machine, not this namespace: name it, as on a cluster with several.
+                    .env("GLOO_SOCKET_IFNAME", uep_harness::netns::HOST_IF),
+            )
+        })
+        .collect();
+    let outputs = wait_all(agents, Duration::from_secs(240));
+    let log = describe(&outputs);
+    assert!(outputs.iter().all(|o| o.status.success()), "{log}");
+    let stdout: String = outputs
+        .iter()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .collect();
+    for r in 0..4 {
+        assert!(
+            stdout.contains(&format!("rank {r}/4 (local {}): OK", r % 2)),
+            "{log}"
+        );
+    }
+    assert_eq!(stdout.matches("2 node(s)").count(), 4, "{log}");
+}
