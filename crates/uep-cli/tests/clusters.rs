@@ -421,35 +421,29 @@ fn mpirun_two_hosts() {
     assert!(reports.iter().all(|r| r["nodes"] == 2), "{reports:?}");
 }
 
-/// Pulling a host's cable mid-run: every rank on both sides fails within the
-/// deadline's bound with an error naming the node it lost, none hangs; with the cable
-/// back, a new job on the same hosts runs clean (nothing was left behind).
+/// Pulling a host's cable mid-run: every rank on both sides fails within two seconds
+/// (the deadline is 60 s) with an error naming the node it lost, none hangs; with the
+/// cable back, a new job on the same hosts runs clean (nothing was left behind).
 #[test]
 #[ignore = "long tier (./dev test runs it): timing-sensitive"]
 fn link_cut_fails_every_rank_naming_the_node_then_a_new_job_runs() {
     let Some(hosts) = hosts(2) else { return };
-    let timeout = 4.0;
-    let soak_args = |steps: &'static str| {
-        let mut a = SMALL.to_vec();
-        a.extend(["--experts", "16", "--topk", "4", "--soak", steps]);
-        // The deadline of every wait (the default is 100 s).
-        a.extend(["--timeout", "4"]);
-        a
-    };
-    let job = spawn_job(&hosts, 2, Launcher::Torchrun, &soak_args("1000000"));
+    let mut soak = SMALL.to_vec();
+    soak.extend(["--experts", "16", "--topk", "4", "--soak", "1000000"]);
+    soak.extend(["--timeout", "60"]);
+    let job = spawn_job(&hosts, 2, Launcher::Torchrun, &soak);
     // Let it run a while, so the cut lands mid-step, then cut host 1 off.
     std::thread::sleep(Duration::from_secs(3));
     hosts.cut(1).unwrap();
     let cut = Instant::now();
-    let outputs = wait_all(job, Duration::from_secs(60));
+    eprintln!("cut at {:?}", std::time::SystemTime::now());
+    let outputs = wait_all(job, Duration::from_secs(90));
     let took = cut.elapsed();
     let log = describe(&outputs);
     eprintln!("link cut: every rank ended {took:.1?} after the cut\n{log}");
-    // Bound: one deadline for the wait that notices, one for telling the others (the
-    // abort and the rendezvous' own checks), plus start-up slack.
     assert!(
-        took < Duration::from_secs_f64(3.0 * timeout + 5.0),
-        "ranks took {took:?} to fail"
+        took < Duration::from_secs(2),
+        "ranks took {took:?} to fail\n{log}"
     );
     for (rank, o) in outputs.iter().enumerate() {
         assert!(
@@ -459,8 +453,8 @@ fn link_cut_fails_every_rank_naming_the_node_then_a_new_job_runs() {
         let err = String::from_utf8_lossy(&o.stderr);
         let lost = if rank < 2 { "node 1" } else { "node 0" };
         assert!(
-            err.contains(lost),
-            "rank {rank}'s error does not name {lost}:\n{err}"
+            err.contains(lost) && err.contains("unreachable"),
+            "rank {rank}'s error does not call {lost} unreachable:\n{err}"
         );
     }
     hosts.restore(1).unwrap();
@@ -471,6 +465,93 @@ fn link_cut_fails_every_rank_naming_the_node_then_a_new_job_runs() {
         Duration::from_secs(120),
     );
     verified_reports(&outputs, &outputs[0].stdout, "after the link came back");
+}
+
+/// SIGKILLs `victims` of a soak on `n` hosts of `per_host` ranks; every survivor must
+/// fail within two seconds (the deadline is 60 s), naming a victim as dead.
+fn killed_mid_soak(n: usize, per_host: usize, victims: &[usize]) {
+    let Some(hosts) = hosts(n) else { return };
+    let mut soak = SMALL.to_vec();
+    soak.extend(["--experts", "16", "--topk", "4", "--soak", "1000000"]);
+    soak.extend(["--timeout", "60"]);
+    let mut job = spawn_job(&hosts, per_host, Launcher::Slurm, &soak);
+    std::thread::sleep(Duration::from_secs(3));
+    for &v in victims {
+        job[v].kill().unwrap();
+    }
+    let killed = Instant::now();
+    let outputs = wait_all(job, Duration::from_secs(90));
+    let took = killed.elapsed();
+    let log = describe(&outputs);
+    eprintln!("{victims:?} killed: every rank ended {took:.1?} after\n{log}");
+    assert!(
+        took < Duration::from_secs(2),
+        "ranks took {took:?} to fail\n{log}"
+    );
+    for r in (0..n * per_host).filter(|r| !victims.contains(r)) {
+        let err = String::from_utf8_lossy(&outputs[r].stderr);
+        assert!(
+            err.contains("died") && victims.iter().any(|v| err.contains(&format!("rank {v}"))),
+            "rank {r} does not name a victim of {victims:?} as dead:\n{err}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it): timing-sensitive"]
+fn a_rank_killed_on_another_host_is_known_within_two_seconds() {
+    killed_mid_soak(2, 2, &[3]);
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it): timing-sensitive"]
+fn a_host_whose_ranks_are_all_killed_is_known_within_two_seconds() {
+    killed_mid_soak(2, 2, &[2, 3]);
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it): timing-sensitive"]
+fn a_rank_killed_among_four_hosts_is_known_within_two_seconds() {
+    killed_mid_soak(4, 1, &[2]);
+}
+
+/// Slow is not dead: with both cores busy with other work, a rank on the other host
+/// is stopped (SIGSTOP) for three seconds mid-soak, then resumed. Its host keeps
+/// answering, so no rank is declared dead, and every step still matches the reference.
+#[test]
+#[ignore = "long tier (./dev test runs it): timing-sensitive"]
+fn a_stopped_rank_under_load_is_slow_not_dead() {
+    let Some(hosts) = hosts(2) else { return };
+    let mut soak = SMALL.to_vec();
+    soak.extend(["--experts", "16", "--topk", "4", "--soak", "300"]);
+    soak.extend(["--timeout", "60"]);
+    // Two busy loops, one per core, for the whole run.
+    let hogs: Vec<Child> = (0..2)
+        .map(|_| start(Command::new("sh").args(["-c", "while :; do :; done"])))
+        .collect();
+    let job = spawn_job(&hosts, 2, Launcher::Torchrun, &soak);
+    std::thread::sleep(Duration::from_secs(2));
+    let victim = job[3].id().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill").args([sig, &victim]).status().unwrap();
+        assert!(ok.success(), "kill {sig} {victim}");
+    };
+    signal("-STOP");
+    std::thread::sleep(Duration::from_secs(3));
+    signal("-CONT");
+    let outputs = wait_all(job, Duration::from_secs(180));
+    drop(wait_all(hogs, Duration::ZERO));
+    let log = describe(&outputs);
+    assert!(outputs.iter().all(|o| o.status.success()), "{log}");
+    assert!(
+        !log.contains("died") && !log.contains("unreachable"),
+        "{log}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&outputs[0].stdout).unwrap_or_else(|e| panic!("{e}\n{log}"));
+    assert_eq!(summary["mismatches"], 0, "{summary}");
+    assert_eq!(summary["steps"], 300, "{summary}");
+    eprintln!("stopped 3 s under load: {summary}");
 }
 
 /// The Python package across hosts: torchrun on each host runs a DeepEP-style job

@@ -47,6 +47,24 @@ pub enum EpError {
         /// Its process id.
         pid: u32,
     },
+    /// A socket or file operation of this rank failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What this rank was doing.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A peer on another node was found gone by the liveness watch (its host closed
+    /// the connection, or stopped answering).
+    #[error("peer failure: {what}: {lost}")]
+    PeerLost {
+        /// Who waited for what.
+        what: String,
+        /// Who was lost, and how that was known.
+        lost: Box<crate::liveness::Lost>,
+    },
     /// A peer gave up (bad input, a timeout, a dead peer of its own) and said why.
     #[error("peer failure: {what}: rank {peer} aborted: {reason}")]
     PeerAborted {
@@ -121,11 +139,13 @@ impl EpError {
             EpError::InvalidArgument(_) => "invalid",
             EpError::Capacity { .. } => "capacity",
             EpError::Timeout { .. } => "timeout",
-            EpError::PeerDied { .. } | EpError::PeerAborted { .. } | EpError::Unusable { .. } => {
-                "peer"
-            }
+            EpError::PeerDied { .. }
+            | EpError::PeerLost { .. }
+            | EpError::PeerAborted { .. }
+            | EpError::Unusable { .. } => "peer",
             EpError::Proxy { .. } => "proxy",
             EpError::Transport { .. } => "transport",
+            EpError::Io { .. } => "io",
             EpError::Panicked(_) => "panicked",
             EpError::Shm(_) => "shm",
             EpError::Bootstrap(_) => "bootstrap",

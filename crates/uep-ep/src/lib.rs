@@ -25,6 +25,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod layout;
+pub mod liveness;
 pub mod ll;
 pub mod map;
 pub mod net;

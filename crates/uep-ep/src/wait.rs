@@ -7,6 +7,7 @@
 //!
 //! * the abort word: a rank that failed says so, and nobody waits for it;
 //! * the peer waited on: a process on this host that is gone will never store;
+//! * the ranks on other nodes: one the liveness watch found gone never will either;
 //! * the proxy: a network path that stopped will never deliver;
 //! * the deadline: a wait that cannot finish fails with a message naming the rank,
 //!   the call, the peer, the counter, what it expected and what it saw.
@@ -115,9 +116,10 @@ pub struct Wait<'a> {
     /// This rank's region and where its control words are.
     region: &'a Region,
     control: &'a ControlAreas,
-    /// Whether the abort word ends the wait (not while this rank tells others that
-    /// it failed, or waits for its own proxy).
-    watch_abort: bool,
+    /// Whether other ranks' failures end the wait: the abort word and the liveness
+    /// watch (not while this rank tells others that it failed, or waits for its own
+    /// proxy).
+    watch_peers: bool,
     /// The proxy, when there is a network path.
     net: Option<&'a NetPath>,
 }
@@ -135,15 +137,16 @@ impl<'a> Wait<'a> {
             timeout,
             region,
             control,
-            watch_abort: true,
+            watch_peers: true,
             net,
         }
     }
 
-    /// The same, without ending at the abort word.
-    pub fn ignoring_abort(self) -> Self {
+    /// The same, not ended by other ranks' failures (the abort word, the liveness
+    /// watch): for this rank's own progress.
+    pub fn ignoring_peers(self) -> Self {
         Wait {
-            watch_abort: false,
+            watch_peers: false,
             ..self
         }
     }
@@ -246,13 +249,27 @@ impl<'a> Wait<'a> {
                 net.check()?;
             }
         }
-        if self.watch_abort {
-            if let Some((peer, reason)) = abort_reason(self.region, self.control) {
-                return Err(EpError::PeerAborted {
-                    what: what(),
-                    peer,
-                    reason,
-                });
+        // A rank that failed says why, which tells more than its exit does: the abort
+        // word first, then the watch over other nodes.
+        if !self.watch_peers {
+            return Ok(());
+        }
+        if let Some((peer, reason)) = abort_reason(self.region, self.control) {
+            return Err(EpError::PeerAborted {
+                what: what(),
+                peer,
+                reason,
+            });
+        }
+        if let Some(net) = self.net {
+            // One load: the watch over other nodes says someone is gone.
+            if net.liveness().any_lost() {
+                if let Some(lost) = net.liveness().first_lost() {
+                    return Err(EpError::PeerLost {
+                        what: what(),
+                        lost: Box::new(lost.clone()),
+                    });
+                }
             }
         }
         Ok(())
@@ -322,7 +339,7 @@ mod tests {
             "{err}"
         );
         // Not while telling others of a failure.
-        let quiet = Wait::new(Duration::from_millis(5), &r, &map.control, None).ignoring_abort();
+        let quiet = Wait::new(Duration::from_millis(5), &r, &map.control, None).ignoring_peers();
         assert!(matches!(
             quiet.at_least(&c, 1, None, &|| "x".into()),
             Err(EpError::Timeout { .. })

@@ -986,6 +986,71 @@ fn a_peer_killed_during_ll_dispatch_fails_the_others() {
     dead_peer("dead_in_ll_dispatch", 3, 2);
 }
 
+/// Across nodes, with a 60 s deadline: `victims` (one rank, or every rank of a node)
+/// are SIGKILLed while the others wait in `scenario`'s op; every survivor must fail
+/// within two seconds, naming a victim as dead. Ranks on other nodes learn it from the
+/// liveness watch (the victim's host closed the connection), its own node's ranks from
+/// its process state or the abort of the first rank that knew.
+fn dead_across_nodes(scenario: &'static str, ranks: usize, nodes: usize, victims: &[usize]) {
+    let deadline = Duration::from_secs(60);
+    let job = launch_on(scenario, ranks, nodes, victims[0], deadline);
+    job.wait_ready(0..ranks);
+    thread::sleep(KILL_AFTER);
+    let mut killed_at = 0;
+    for &v in victims {
+        killed_at = job.kill(v);
+    }
+    let done = job.finish();
+    let named: Vec<String> = victims.iter().map(|v| format!("rank {v}")).collect();
+    for r in (0..ranks).filter(|r| !victims.contains(r)) {
+        let o = done.rank(r);
+        o.expect_err("peer", &[&format!("rank {r}"), "died"]);
+        assert!(
+            named.iter().any(|n| o.msg.contains(n.as_str())),
+            "{scenario}: rank {r} does not name any of {named:?}: {}",
+            o.msg
+        );
+        let after_kill = o.end_ms.saturating_sub(killed_at);
+        assert!(
+            after_kill < 2000,
+            "{scenario}: rank {r} failed {after_kill} ms after the kill: {}",
+            o.msg
+        );
+    }
+    done.assert_no_segments_left();
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it, one test at a time): timing-sensitive"]
+fn a_rank_killed_during_dispatch_fails_the_other_node_at_once() {
+    dead_across_nodes("dead_in_dispatch", 4, 2, &[3]);
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it, one test at a time): timing-sensitive"]
+fn a_node_killed_during_combine_fails_the_other_node_at_once() {
+    dead_across_nodes("dead_in_combine", 4, 2, &[2, 3]);
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it, one test at a time): timing-sensitive"]
+fn a_rank_killed_during_barrier_fails_the_other_nodes_at_once() {
+    // Rank 0 also hosts the bootstrap rendezvous: the data path must not depend on it.
+    dead_across_nodes("dead_in_barrier", 4, 4, &[0]);
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it, one test at a time): timing-sensitive"]
+fn a_node_killed_during_ll_dispatch_fails_the_other_nodes_at_once() {
+    dead_across_nodes("dead_in_ll_dispatch", 4, 4, &[2]);
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it, one test at a time): timing-sensitive"]
+fn a_rank_killed_during_ll_dispatch_fails_both_nodes_at_once() {
+    dead_across_nodes("dead_in_ll_dispatch", 4, 2, &[1]);
+}
+
 #[test]
 #[ignore = "long tier (./dev test runs it, one test at a time): timing-sensitive"]
 fn a_wait_that_never_finishes_times_out_with_a_message() {

@@ -38,6 +38,7 @@ use uep_wire::BarrierScope;
 
 use crate::area::{Area, Mem};
 use crate::error::{EpError, Result};
+use crate::liveness::{Liveness, LivenessConfig};
 use crate::map::{ControlAreas, NetAreas};
 use crate::topology::Topology;
 use crate::wait::{Peer, Wait};
@@ -60,6 +61,8 @@ pub struct NetConfig {
     pub proxy: ProxyConfig,
     /// Wrap every transport in a fault injector (tests and soak runs).
     pub faults: Option<FaultConfig>,
+    /// How quickly a peer on another node is judged gone.
+    pub liveness: LivenessConfig,
     /// Largest write a packet is cut into (a multiple of 16). Packets batch every token
     /// bound for a peer; a token row's size here sends one write per row instead, as an
     /// unbatched design would (`uep bench --net-write-bytes` compares them).
@@ -72,6 +75,7 @@ impl Default for NetConfig {
             fabric: FabricOptions::from_env(),
             proxy: ProxyConfig::default(),
             faults: None,
+            liveness: LivenessConfig::default(),
             write_bytes: DEFAULT_WRITE_BYTES,
         }
     }
@@ -160,6 +164,8 @@ pub struct NetPath {
     sent_bytes: Cell<u64>,
     /// Whether this rank has told the other nodes that it failed.
     abort_sent: Cell<bool>,
+    /// Who on other nodes is gone.
+    liveness: Liveness,
 }
 
 impl std::fmt::Debug for NetPath {
@@ -196,11 +202,12 @@ impl NetPath {
                 .map(|h| h.trim().to_owned())
                 .unwrap_or_default()
         });
-        let hosts = cp
+        let hosts: Vec<String> = cp
             .all_gather(host.as_bytes())?
             .into_iter()
             .map(|h| String::from_utf8_lossy(&h).into_owned())
             .collect();
+        let liveness = Liveness::start(cp, &topo, &host, &hosts, cfg.liveness, cfg.proxy.timeout)?;
         let mut transports: Vec<Box<dyn Transport>> = Vec::with_capacity(threads);
         for t in 0..threads {
             let registered = RegionRef::from_shm(region)
@@ -273,6 +280,7 @@ impl NetPath {
             faults,
             sent_bytes: Cell::new(0),
             abort_sent: Cell::new(false),
+            liveness,
         })
     }
 
@@ -304,7 +312,7 @@ impl NetPath {
         let pending = self.quiets.borrow_mut()[ch.index() * self.num_ranks + dst].take();
         if let Some((fifo, i, slot)) = pending {
             // Our own proxy's progress: a peer's abort does not end it early.
-            self.wait_consumed(&fifo, slot, &wait.ignoring_abort(), &|| {
+            self.wait_consumed(&fifo, slot, &wait.ignoring_peers(), &|| {
                 format!(
                     "rank {}: waiting for the proxy to finish sending a {ch:?} packet to rank {dst} (FIFO of thread {i}, slot {})",
                     self.me, slot.0
@@ -481,10 +489,17 @@ impl NetPath {
                 self.region.len(),
             )?,
         ];
-        let wait = wait.ignoring_abort();
+        let wait = wait.ignoring_peers();
+        // A peer found gone would never complete the writes, and holds up the Quiet
+        // the others wait behind.
+        let peers: Vec<usize> = peers
+            .iter()
+            .copied()
+            .filter(|&p| self.liveness.lost(p).is_none())
+            .collect();
         for w in phases {
             let mut quiets = Vec::with_capacity(peers.len());
-            for &dst in peers {
+            for &dst in &peers {
                 let (t, fifo) = self.fifo_of(dst)?;
                 let cmd = cmds::normal_write(
                     dst,
@@ -527,6 +542,11 @@ impl NetPath {
     /// Faults injected so far (0 without `NetConfig::faults`).
     pub fn faults_injected(&self) -> u64 {
         self.faults.load(Ordering::Relaxed)
+    }
+
+    /// The liveness watch over the ranks on other nodes.
+    pub fn liveness(&self) -> &Liveness {
+        &self.liveness
     }
 
     /// A fatal error of a proxy thread, if any.

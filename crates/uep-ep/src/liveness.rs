@@ -1,0 +1,484 @@
+//! Liveness across nodes: knowing that a peer is gone instead of guessing it from a
+//! deadline.
+//!
+//! On one host a wait reads the peer's process state from `/proc`. A peer on another
+//! node has no such window, so every rank keeps one TCP connection to every rank on
+//! other nodes and a thread (`uep-liveness`) that, every [`TICK`], writes one byte on
+//! each and reads what arrived. The peer's *kernel* answers for it:
+//!
+//! | what happened to the peer | what the connection shows | verdict |
+//! |---|---|---|
+//! | its process exited or was killed (alone, or with its whole node) | its kernel closes the connection: end of stream or reset, at once | [`Gone::Died`] |
+//! | its host went down, or the link to it was cut | nothing acknowledges our bytes: `TCP_USER_TIMEOUT` fails the connection after [`LivenessConfig::unreachable_after`] | [`Gone::Unreachable`] |
+//! | its process is stopped, or starved of CPU | its kernel still acknowledges (the bytes wait in its receive buffer) | nothing: slow is not dead, the deadline covers it |
+//! | it dropped its Buffer | it says goodbye first | nothing |
+//!
+//! No verdict depends on the peer's process being scheduled, nor on ours: only a
+//! kernel that stops answering, or a connection its kernel closed. The cost on a
+//! healthy run is one byte per peer per tick, off the data path.
+//!
+//! Invariant: a verdict is final. [`Liveness::lost`] never un-reports a rank.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use uep_bootstrap::ControlPlane;
+
+use crate::error::{EpError, Result};
+use crate::topology::Topology;
+
+/// How often the watcher writes to and reads from every connection.
+pub const TICK: Duration = Duration::from_millis(50);
+
+/// A heartbeat byte.
+const BEAT: u8 = 0x01;
+/// The last byte a rank sends when it drops its Buffer: what follows is not a death.
+const BYE: u8 = 0xFF;
+/// How long a rank that leaves waits for its peers to close after its goodbye.
+const GOODBYE_WAIT: Duration = Duration::from_millis(250);
+
+/// How quickly peers are judged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LivenessConfig {
+    /// A peer whose host acknowledges nothing for this long is unreachable. Default
+    /// 600 ms (`UEP_UNREACHABLE_MS`): above a few TCP retransmissions on a busy link,
+    /// so that a dead node is known everywhere within a second.
+    pub unreachable_after: Duration,
+}
+
+impl Default for LivenessConfig {
+    fn default() -> Self {
+        let ms = std::env::var("UEP_UNREACHABLE_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|&ms| ms > 0)
+            .unwrap_or(600);
+        LivenessConfig {
+            unreachable_after: Duration::from_millis(ms),
+        }
+    }
+}
+
+/// How a peer was found gone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Gone {
+    /// Its host closed our connection: the process exited or was killed.
+    Died {
+        /// The connection's last word (`end of stream`, `connection reset`, ...).
+        detail: String,
+    },
+    /// Its host acknowledged nothing for `silent_for`: the host is down or the link
+    /// to it is cut.
+    Unreachable {
+        /// How long nothing was acknowledged.
+        silent_for: Duration,
+    },
+}
+
+/// A peer found gone: who, where, how, and when this rank learnt it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lost {
+    /// The rank.
+    pub rank: usize,
+    /// Its node.
+    pub node: usize,
+    /// Its host, as it advertised itself.
+    pub host: String,
+    /// How it was found gone.
+    pub how: Gone,
+    /// When the watcher reached the verdict.
+    pub at: Instant,
+}
+
+impl std::fmt::Display for Lost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (rank, node, host) = (self.rank, self.node, &self.host);
+        match &self.how {
+            Gone::Died { detail } => write!(
+                f,
+                "rank {rank} on node {node} ({host}) died: its host closed our liveness \
+                 connection ({detail}), so its process exited or was killed"
+            ),
+            Gone::Unreachable { silent_for } => write!(
+                f,
+                "node {node} ({host}) is unreachable: nothing sent to rank {rank} there was \
+                 acknowledged for {silent_for:?}, so the host is down or the link to it \
+                 is cut"
+            ),
+        }
+    }
+}
+
+/// What the watcher and the waits share.
+struct Shared {
+    stop: AtomicBool,
+    /// Whether any rank is lost: the one load a wait makes.
+    any: AtomicBool,
+    /// `[rank]`: the verdict on it, set once.
+    lost: Vec<OnceLock<Lost>>,
+}
+
+/// One rank's liveness watch over the ranks on other nodes; see the module docs.
+pub struct Liveness {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Liveness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Liveness")
+            .field("lost", &self.lost_ranks())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One watched connection.
+struct Conn {
+    rank: usize,
+    node: usize,
+    host: String,
+    stream: TcpStream,
+    /// The peer said goodbye: its end of stream is not a death.
+    left: bool,
+}
+
+impl Liveness {
+    /// Connects this rank to every rank on another node and starts the watcher.
+    /// Collective. `host` is the address to listen on and advertise (this rank's
+    /// address on the network the job uses); `hosts[r]` names rank `r`'s host in
+    /// messages.
+    pub fn start(
+        cp: &dyn ControlPlane,
+        topo: &Topology,
+        host: &str,
+        hosts: &[String],
+        cfg: LivenessConfig,
+        timeout: Duration,
+    ) -> Result<Liveness> {
+        let me = topo.rank;
+        let fail = |what: String| {
+            move |source: std::io::Error| EpError::Io {
+                context: format!("rank {me}: liveness: {what}"),
+                source,
+            }
+        };
+        let bind_ip: IpAddr = host.parse().unwrap_or(Ipv4Addr::UNSPECIFIED.into());
+        let listener =
+            TcpListener::bind((bind_ip, 0)).map_err(fail(format!("listening on {bind_ip}")))?;
+        let port = listener
+            .local_addr()
+            .map_err(fail("reading the port".into()))?
+            .port();
+        // Each rank's nonce: a joiner proves it took part in this exchange.
+        let nonce = rand::random::<u64>();
+        let advert = format!("{host} {port} {nonce}");
+        let adverts: Vec<(String, u16, u64)> = cp
+            .all_gather(advert.as_bytes())?
+            .iter()
+            .enumerate()
+            .map(|(r, a)| {
+                let a = String::from_utf8_lossy(a);
+                let mut it = a.split(' ');
+                let parsed = (|| {
+                    Some((
+                        it.next()?.to_owned(),
+                        it.next()?.parse().ok()?,
+                        it.next()?.parse().ok()?,
+                    ))
+                })();
+                parsed.ok_or_else(|| {
+                    EpError::internal(format!("rank {me}: liveness: rank {r} advertised {a:?}"))
+                })
+            })
+            .collect::<Result<_>>()?;
+        let node_of = |r: usize| r / topo.ranks_per_node;
+        let remote: Vec<usize> = (0..topo.num_ranks)
+            .filter(|&r| node_of(r) != topo.node)
+            .collect();
+        let deadline = Instant::now() + timeout;
+        let mut conns = Vec::with_capacity(remote.len());
+        // Connect to higher ranks (their listeners exist: they were bound before the
+        // exchange), then accept the lower ones: nobody waits on a connect.
+        for &r in remote.iter().filter(|&&r| r > me) {
+            let (h, p, n) = &adverts[r];
+            let addr = (h.as_str(), *p)
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| {
+                    EpError::internal(format!(
+                        "rank {me}: liveness: rank {r}'s host {h:?} does not resolve"
+                    ))
+                })?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut s = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+                .map_err(fail(format!("connecting to rank {r} at {addr}")))?;
+            let mut hello = [0u8; 16];
+            hello[..8].copy_from_slice(&(me as u64).to_le_bytes());
+            hello[8..].copy_from_slice(&n.to_le_bytes());
+            s.write_all(&hello)
+                .map_err(fail(format!("greeting rank {r}")))?;
+            conns.push(Conn {
+                rank: r,
+                node: node_of(r),
+                host: hosts[r].clone(),
+                stream: s,
+                left: false,
+            });
+        }
+        let lower = remote.iter().filter(|&&r| r < me).count();
+        listener
+            .set_nonblocking(true)
+            .map_err(fail("listener".into()))?;
+        while conns.len() < remote.len() {
+            match listener.accept() {
+                Ok((mut s, from)) => {
+                    s.set_nonblocking(false).map_err(fail("accepting".into()))?;
+                    s.set_read_timeout(Some(Duration::from_secs(5)))
+                        .map_err(fail("accepting".into()))?;
+                    let mut hello = [0u8; 16];
+                    let ok = s.read_exact(&mut hello).is_ok();
+                    let r = u64::from_le_bytes(hello[..8].try_into().unwrap_or_default()) as usize;
+                    let n = u64::from_le_bytes(hello[8..].try_into().unwrap_or_default());
+                    let expected = ok
+                        && n == nonce
+                        && r < me
+                        && node_of(r) != topo.node
+                        && !conns.iter().any(|c: &Conn| c.rank == r);
+                    if !expected {
+                        tracing::warn!(rank = me, %from, "liveness: refused a connection that is not a peer's");
+                        continue;
+                    }
+                    conns.push(Conn {
+                        rank: r,
+                        node: node_of(r),
+                        host: hosts[r].clone(),
+                        stream: s,
+                        left: false,
+                    });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let have: Vec<usize> = conns.iter().map(|c| c.rank).collect();
+                        return Err(EpError::Timeout {
+                            what: format!("rank {me}: liveness: accepting the {lower} lower ranks on other nodes"),
+                            detail: format!("connected so far: {have:?}"),
+                            waited: timeout,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(fail("accepting".into())(e)),
+            }
+        }
+        for c in &conns {
+            let sock = socket2::SockRef::from(&c.stream);
+            sock.set_tcp_user_timeout(Some(cfg.unreachable_after))
+                .and_then(|()| sock.set_nodelay(true))
+                .and_then(|()| c.stream.set_nonblocking(true))
+                .map_err(fail(format!(
+                    "configuring the connection to rank {}",
+                    c.rank
+                )))?;
+        }
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            any: AtomicBool::new(false),
+            lost: (0..topo.num_ranks).map(|_| OnceLock::new()).collect(),
+        });
+        let thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("uep-liveness".into())
+                .spawn(move || watch(&shared, conns, cfg))
+                .map_err(fail("starting the watcher".into()))?
+        };
+        Ok(Liveness {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Whether any rank is lost (one relaxed load; for the waits' hot loop).
+    pub fn any_lost(&self) -> bool {
+        self.shared.any.load(Ordering::Acquire)
+    }
+
+    /// The verdict on `rank`, if it is lost.
+    pub fn lost(&self, rank: usize) -> Option<&Lost> {
+        self.shared.lost.get(rank)?.get()
+    }
+
+    /// The first rank found lost (earliest verdict), if any.
+    pub fn first_lost(&self) -> Option<&Lost> {
+        self.shared
+            .lost
+            .iter()
+            .filter_map(OnceLock::get)
+            .min_by_key(|l| l.at)
+    }
+
+    /// Every lost rank, in rank order.
+    pub fn lost_ranks(&self) -> Vec<usize> {
+        (0..self.shared.lost.len())
+            .filter(|&r| self.lost(r).is_some())
+            .collect()
+    }
+}
+
+impl Drop for Liveness {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The watcher: a beat on every connection each tick, and a verdict on any that fails.
+fn watch(shared: &Shared, mut conns: Vec<Conn>, cfg: LivenessConfig) {
+    let mut buf = [0u8; 256];
+    while !shared.stop.load(Ordering::Acquire) {
+        conns.retain_mut(|c| {
+            let verdict = beat(c, &mut buf, cfg);
+            if let Some(how) = &verdict {
+                let lost = Lost {
+                    rank: c.rank,
+                    node: c.node,
+                    host: c.host.clone(),
+                    how: how.clone(),
+                    at: Instant::now(),
+                };
+                tracing::warn!("{lost}");
+                let _ = shared.lost[c.rank].set(lost);
+                shared.any.store(true, Ordering::Release);
+            }
+            verdict.is_none() && !c.left
+        });
+        std::thread::sleep(TICK);
+    }
+    // Goodbye, so that the peers do not take our closing for a death; then wait (a
+    // few ticks at most) until they close too. Closing with their beats unread would
+    // reset the connection, and a reset can discard the goodbye before they read it.
+    for c in &mut conns {
+        let _ = c.stream.write(&[BYE]);
+        let _ = c.stream.shutdown(std::net::Shutdown::Write);
+    }
+    let until = Instant::now() + GOODBYE_WAIT;
+    while !conns.is_empty() && Instant::now() < until {
+        conns.retain_mut(|c| match c.stream.read(&mut buf) {
+            Ok(0) => false,
+            Ok(_) => true,
+            Err(e) => e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted,
+        });
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// One tick on one connection: `Some` once the peer is found gone.
+fn beat(c: &mut Conn, buf: &mut [u8], cfg: LivenessConfig) -> Option<Gone> {
+    let died = |detail: &str| {
+        Some(Gone::Died {
+            detail: detail.into(),
+        })
+    };
+    // `TCP_USER_TIMEOUT` fails the socket with ETIMEDOUT (a non-blocking socket has
+    // no other timeout); a route that vanished reports the host or network unreachable.
+    let judge = |e: std::io::Error| match e.kind() {
+        ErrorKind::TimedOut | ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable => {
+            Some(Gone::Unreachable {
+                silent_for: cfg.unreachable_after,
+            })
+        }
+        _ => died(&e.to_string()),
+    };
+    match c.stream.write(&[BEAT]) {
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+        Err(_) if c.left => return None,
+        Err(e) => return judge(e),
+    }
+    loop {
+        match c.stream.read(buf) {
+            Ok(0) if c.left => return None,
+            Ok(0) => return died("end of stream"),
+            Ok(n) => {
+                if buf[..n].contains(&BYE) {
+                    c.left = true;
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return None,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) if c.left => return None,
+            Err(e) => return judge(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lost_reads_as_a_sentence() {
+        let l = Lost {
+            rank: 3,
+            node: 1,
+            host: "10.77.0.2".into(),
+            how: Gone::Unreachable {
+                silent_for: Duration::from_millis(600),
+            },
+            at: Instant::now(),
+        };
+        let m = l.to_string();
+        assert!(
+            m.contains("node 1 (10.77.0.2) is unreachable") && m.contains("600ms"),
+            "{m}"
+        );
+    }
+
+    /// Two "ranks" on two "nodes" in one process, over loopback: a live peer stays
+    /// live, a closed one dies, a goodbye is no death.
+    #[test]
+    fn a_dropped_peer_is_no_death_but_a_closed_one_is() {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        let cfg = LivenessConfig::default();
+        let conn = |s: TcpStream| {
+            s.set_nonblocking(true).unwrap();
+            Conn {
+                rank: 1,
+                node: 1,
+                host: "h".into(),
+                stream: s,
+                left: false,
+            }
+        };
+        let (mut a, mut b) = (conn(a), conn(b));
+        let mut buf = [0u8; 16];
+        assert_eq!(beat(&mut a, &mut buf, cfg), None);
+        assert_eq!(beat(&mut b, &mut buf, cfg), None);
+        // b closes without a goodbye: a finds it dead.
+        drop(b);
+        std::thread::sleep(Duration::from_millis(20));
+        let v = beat(&mut a, &mut buf, cfg).or_else(|| beat(&mut a, &mut buf, cfg));
+        assert!(matches!(v, Some(Gone::Died { .. })), "{v:?}");
+
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let mut a = conn(a);
+        b.write_all(&[BEAT, BYE]).unwrap();
+        drop(b);
+        std::thread::sleep(Duration::from_millis(20));
+        for _ in 0..3 {
+            assert_eq!(beat(&mut a, &mut buf, cfg), None);
+        }
+        assert!(a.left);
+    }
+}
