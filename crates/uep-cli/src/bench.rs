@@ -319,8 +319,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         .map(Duration::from_secs_f64)
         .or_else(uep_ep::timeout_from_env);
     let group = Group::connect(&info, timeout.unwrap_or(Duration::from_secs(60)))?;
-    let (rank, world) = (group.rank(), group.world_size());
-    let is_root = rank == 0;
+    let world = group.world_size();
     // uep's own launcher runs every rank on this host and says how many form a node
     // (`--nodes`); under another launcher the Buffer finds the nodes from the hosts.
     let emulated = (info.source == EnvSource::Uep).then_some(info.local_world_size);
@@ -331,8 +330,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         topk: args.topk,
         num_experts: args.experts,
     };
-    let run_normal = args.mode != Modes::Ll;
-    let run_ll = args.mode != Modes::Normal;
+    let (run_normal, run_ll) = (args.mode != Modes::Ll, args.mode != Modes::Normal);
     let normal_inputs = if run_normal {
         make_inputs(args, &shape, args.tokens, 0)?
     } else {
@@ -343,23 +341,70 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     } else {
         Vec::new()
     };
-    let max_normal = normal_inputs
-        .iter()
-        .map(|i| i.num_tokens)
-        .max()
-        .unwrap_or(0);
-    let max_ll = ll_inputs.iter().map(|i| i.num_tokens).max().unwrap_or(0);
+    let max_tokens = |inputs: &[RankInput]| inputs.iter().map(|i| i.num_tokens).max().unwrap_or(0);
+    let (max_normal, max_ll) = (max_tokens(&normal_inputs), max_tokens(&ll_inputs));
+    let (mut buffer, setup) =
+        open_buffer(args, &info, group, emulated, timeout, max_normal, max_ll)?;
+    shape.ranks_per_node = buffer.topology().ranks_per_node;
+    if let Some(steps) = args.soak {
+        return crate::soak::run(&mut buffer, args, &shape, max_ll, steps);
+    }
+    let rank = buffer.rank();
+    let steps = (args.warmup + args.iters) as u64;
+    let total = steps * (run_normal as u64 * 3 + run_ll as u64 * 2);
+    let mut run = Run {
+        args,
+        shape,
+        rank,
+        steps,
+        progress: Progress::new(total, "uep bench", rank == 0 && !args.json),
+        bad: Mismatches::new(rank),
+        token_bytes: if args.fp8 {
+            (args.hidden + args.hidden / 128 * 4 + 16) as u64
+        } else {
+            (2 * args.hidden) as u64
+        },
+    };
+    let mut measured = Vec::new();
+    if run_normal {
+        measured.extend(run.normal(&mut buffer, normal_inputs)?);
+    }
+    if run_ll {
+        measured.extend(run.ll(&mut buffer, ll_inputs, max_ll)?);
+    }
+    run.progress.finish();
+    report(args, &buffer, &info, &setup, &measured, &run.bad)
+}
+
+/// What `open_buffer` chose, for the report.
+struct Setup {
+    /// Kernel threads per rank.
+    threads: usize,
+    /// The libfabric provider.
+    provider: String,
+}
+
+/// The Buffer of this rank, configured from the flags and the launcher.
+fn open_buffer(
+    args: &BenchArgs,
+    info: &WorldInfo,
+    group: Group,
+    emulated: Option<usize>,
+    timeout: Option<Duration>,
+    max_normal: usize,
+    max_ll: usize,
+) -> anyhow::Result<(Buffer, Setup)> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = if args.threads > 0 {
         args.threads
     } else {
-        (std::thread::available_parallelism().map_or(1, |n| n.get()) / info.local_world_size).max(1)
+        (cores / info.local_world_size).max(1)
     };
     let mut cfg = BufferConfig::new(args.experts, args.hidden, args.topk, max_normal, max_ll);
     cfg.device_threads = threads;
     if emulated.is_some() {
         cfg.ranks_per_node = emulated;
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if let Some(p) = &args.provider {
         cfg.net.fabric.provider = p.clone();
     }
@@ -378,41 +423,48 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     };
     cfg.net.proxy.emulate_ordering = !args.no_ordering_emulation;
     cfg.net.faults = args.faults.map(FaultConfig::with_seed);
-    let provider = cfg.net.fabric.provider.clone();
     if let Some(b) = args.net_write_bytes {
         cfg.net.write_bytes = b;
     }
     if let Some(t) = timeout {
         cfg.timeout = t;
     }
+    let provider = cfg.net.fabric.provider.clone();
     uep_ep::wait::set_spin_only(args.spin_waits);
-    let mut buffer = Buffer::new(group, cfg)?;
-    let lws = buffer.topology().ranks_per_node;
-    shape.ranks_per_node = lws;
-    if let Some(steps) = args.soak {
-        return crate::soak::run(&mut buffer, args, &shape, max_ll, steps);
-    }
-    let steps = (args.warmup + args.iters) as u64;
-    let total = steps * (run_normal as u64 * 3 + run_ll as u64 * 2);
-    let progress = Progress::new(total, "uep bench", is_root && !args.json);
-    let mut bad = Mismatches::new(rank);
-    let mut measured: Vec<Measured> = Vec::new();
-    let dtype = if args.fp8 { "fp8" } else { "bf16" };
-    let h = args.hidden;
-    let token_bytes = if args.fp8 {
-        (h + h / 128 * 4 + 16) as u64
-    } else {
-        (2 * h) as u64
-    };
+    let buffer = Buffer::new(group, cfg)?;
+    Ok((buffer, Setup { threads, provider }))
+}
 
-    if run_normal {
-        let mut case = NormalCase::new(
-            normal_inputs.clone(),
-            &shape,
-            rank,
-            args.fp8,
-            args.expert_alignment,
-        )?;
+/// One rank's benchmark run: the flags, the step count and what it found wrong.
+struct Run<'a> {
+    args: &'a BenchArgs,
+    shape: JobShape,
+    rank: usize,
+    steps: u64,
+    progress: Progress,
+    bad: Mismatches,
+    /// Bytes of one dispatched token (with its FP8 scales and metadata).
+    token_bytes: u64,
+}
+
+impl Run<'_> {
+    /// Normal mode: layout, dispatch, identity experts, combine, every step; checks
+    /// the first and last step (every step with `--fresh`).
+    fn normal(
+        &mut self,
+        buffer: &mut Buffer,
+        inputs: Vec<RankInput>,
+    ) -> anyhow::Result<Vec<Measured>> {
+        let (args, shape, rank, steps) = (self.args, self.shape, self.rank, self.steps);
+        let (world, lws, h, token_bytes) = (
+            shape.num_ranks,
+            shape.ranks_per_node,
+            args.hidden,
+            self.token_bytes,
+        );
+        let (progress, bad) = (&self.progress, &mut self.bad);
+        let mut measured = Vec::new();
+        let mut case = NormalCase::new(inputs, &shape, rank, args.fp8, args.expert_alignment)?;
         let t_n = case.sent[rank].num_tokens;
         let mut t_layout = Timer::new(args.warmup, args.iters);
         let mut t_dispatch = Timer::new(args.warmup, args.iters);
@@ -474,7 +526,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             let out = buffer.dispatch(args_d)?;
             t_dispatch.record(start.elapsed());
             if check {
-                uep_harness::check::normal_dispatch(&mut bad, &out, &case.expected, h);
+                uep_harness::check::normal_dispatch(bad, &out, &case.expected, h);
             }
             let mut dump = match &args.dump {
                 Some(_) if step + 1 == steps => Some(crate::dump::Dump::normal(&out, h)),
@@ -560,17 +612,27 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             wire_bytes: wire[1] / args.iters as u64,
             timer: t_combine,
         });
+        Ok(measured)
     }
 
-    if run_ll {
-        let mut case = LlCase::new(
-            rank,
-            ll_inputs.clone(),
-            &shape,
-            max_ll,
-            args.fp8,
-            args.round_scale,
-        )?;
+    /// Low-latency mode: dispatch, identity experts, combine, every step; checks the
+    /// first and last step (every step with `--fresh`).
+    fn ll(
+        &mut self,
+        buffer: &mut Buffer,
+        inputs: Vec<RankInput>,
+        max_ll: usize,
+    ) -> anyhow::Result<Vec<Measured>> {
+        let (args, shape, rank, steps) = (self.args, self.shape, self.rank, self.steps);
+        let (world, lws, h, token_bytes) = (
+            shape.num_ranks,
+            shape.ranks_per_node,
+            args.hidden,
+            self.token_bytes,
+        );
+        let (progress, bad) = (&self.progress, &mut self.bad);
+        let mut measured = Vec::new();
+        let mut case = LlCase::new(rank, inputs, &shape, max_ll, args.fp8, args.round_scale)?;
         let t_n = case.inputs[rank].num_tokens;
         let epr = (args.experts / world) as i64;
         let (mut copies, mut net_copies) = (0u64, 0u64);
@@ -603,7 +665,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
             t_dispatch.record(start.elapsed());
             if check {
-                uep_harness::check::ll_dispatch(&mut bad, &out, &case.expected, h);
+                uep_harness::check::ll_dispatch(bad, &out, &case.expected, h);
             }
             let mut dump = match &args.dump {
                 Some(_) if step + 1 == steps => Some(crate::dump::Dump::ll(&out, h)),
@@ -658,13 +720,29 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             wire_bytes: wire[1] / args.iters as u64,
             timer: t_combine,
         });
+        Ok(measured)
     }
-    progress.finish();
+}
 
+/// Gathers every rank's samples and verdict to rank 0, which measures the machine's
+/// limits for the same bytes and prints the table (or JSON). Returns whether every
+/// rank's outputs matched.
+fn report(
+    args: &BenchArgs,
+    buffer: &Buffer,
+    info: &WorldInfo,
+    setup: &Setup,
+    measured: &[Measured],
+    bad: &Mismatches,
+) -> anyhow::Result<bool> {
+    let (world, rank) = (buffer.num_ranks(), buffer.rank());
+    let (h, lws, threads) = (args.hidden, buffer.topology().ranks_per_node, setup.threads);
+    let provider = &setup.provider;
+    let dtype = if args.fp8 { "fp8" } else { "bf16" };
     // Gather every rank's samples and verdict to rank 0.
     let mut blob = Vec::new();
     blob.extend_from_slice(&(bad.count() as u64).to_le_bytes());
-    for m in &measured {
+    for m in measured {
         blob.extend_from_slice(&m.bytes.to_le_bytes());
         blob.extend_from_slice(&m.net_bytes.to_le_bytes());
         blob.extend_from_slice(&m.wire_bytes.to_le_bytes());
@@ -675,7 +753,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     }
     let all = buffer.control_plane().all_gather(&blob)?;
     bad.print();
-    if !is_root {
+    if rank != 0 {
         return Ok(bad.count() == 0);
     }
     let mut total_bad = 0u64;
@@ -721,7 +799,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             }
             if net > 0 {
                 let msg = (net as usize).min(1 << 20);
-                match uep_transport::stream::transport_streams_gbps(&provider, net, msg, sharing) {
+                match uep_transport::stream::transport_streams_gbps(provider, net, msg, sharing) {
                     Ok(gbps) => seconds += net as f64 / (gbps * 1e9),
                     Err(e) => {
                         eprintln!("uep bench: no transport limit for {}: {e}", m.op);

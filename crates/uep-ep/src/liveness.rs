@@ -160,130 +160,52 @@ impl Liveness {
         timeout: Duration,
     ) -> Result<Liveness> {
         let me = topo.rank;
-        let fail = |what: String| {
-            move |source: std::io::Error| EpError::Io {
-                context: format!("rank {me}: liveness: {what}"),
-                source,
-            }
-        };
         let bind_ip: IpAddr = host.parse().unwrap_or(Ipv4Addr::UNSPECIFIED.into());
-        let listener =
-            TcpListener::bind((bind_ip, 0)).map_err(fail(format!("listening on {bind_ip}")))?;
+        let listener = TcpListener::bind((bind_ip, 0))
+            .map_err(io_err(me, format!("listening on {bind_ip}")))?;
         let port = listener
             .local_addr()
-            .map_err(fail("reading the port".into()))?
+            .map_err(io_err(me, "reading the port".into()))?
             .port();
         // Each rank's nonce: a joiner proves it took part in this exchange.
         let nonce = rand::random::<u64>();
-        let advert = format!("{host} {port} {nonce}");
-        let adverts: Vec<(String, u16, u64)> = cp
-            .all_gather(advert.as_bytes())?
-            .iter()
-            .enumerate()
-            .map(|(r, a)| {
-                let a = String::from_utf8_lossy(a);
-                let mut it = a.split(' ');
-                let parsed = (|| {
-                    Some((
-                        it.next()?.to_owned(),
-                        it.next()?.parse().ok()?,
-                        it.next()?.parse().ok()?,
-                    ))
-                })();
-                parsed.ok_or_else(|| {
-                    EpError::internal(format!("rank {me}: liveness: rank {r} advertised {a:?}"))
-                })
-            })
-            .collect::<Result<_>>()?;
+        let adverts = exchange(
+            cp,
+            me,
+            &Advert {
+                host: host.to_owned(),
+                port,
+                nonce,
+            },
+        )?;
         let node_of = |r: usize| r / topo.ranks_per_node;
-        let remote: Vec<usize> = (0..topo.num_ranks)
-            .filter(|&r| node_of(r) != topo.node)
-            .collect();
+        let remote = |r: &usize| node_of(*r) != topo.node;
         let deadline = Instant::now() + timeout;
-        let mut conns = Vec::with_capacity(remote.len());
-        // Connect to higher ranks (their listeners exist: they were bound before the
-        // exchange), then accept the lower ones: nobody waits on a connect.
-        for &r in remote.iter().filter(|&&r| r > me) {
-            let (h, p, n) = &adverts[r];
-            let addr = (h.as_str(), *p)
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| {
-                    EpError::internal(format!(
-                        "rank {me}: liveness: rank {r}'s host {h:?} does not resolve"
-                    ))
-                })?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            let mut s = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
-                .map_err(fail(format!("connecting to rank {r} at {addr}")))?;
-            let mut hello = [0u8; 16];
-            hello[..8].copy_from_slice(&(me as u64).to_le_bytes());
-            hello[8..].copy_from_slice(&n.to_le_bytes());
-            s.write_all(&hello)
-                .map_err(fail(format!("greeting rank {r}")))?;
-            conns.push(Conn {
-                rank: r,
-                node: node_of(r),
-                host: hosts[r].clone(),
-                stream: s,
-                left: false,
-            });
+        // Connect to the higher ranks (their listeners exist: they were bound before
+        // the exchange), then accept the lower ones: nobody waits on a connect.
+        let mut streams = Vec::new();
+        for r in (me + 1..topo.num_ranks).filter(remote) {
+            streams.push((r, connect(me, r, &adverts[r], deadline)?));
         }
-        let lower = remote.iter().filter(|&&r| r < me).count();
-        listener
-            .set_nonblocking(true)
-            .map_err(fail("listener".into()))?;
-        while conns.len() < remote.len() {
-            match listener.accept() {
-                Ok((mut s, from)) => {
-                    s.set_nonblocking(false).map_err(fail("accepting".into()))?;
-                    s.set_read_timeout(Some(Duration::from_secs(5)))
-                        .map_err(fail("accepting".into()))?;
-                    let mut hello = [0u8; 16];
-                    let ok = s.read_exact(&mut hello).is_ok();
-                    let r = u64::from_le_bytes(hello[..8].try_into().unwrap_or_default()) as usize;
-                    let n = u64::from_le_bytes(hello[8..].try_into().unwrap_or_default());
-                    let expected = ok
-                        && n == nonce
-                        && r < me
-                        && node_of(r) != topo.node
-                        && !conns.iter().any(|c: &Conn| c.rank == r);
-                    if !expected {
-                        tracing::warn!(rank = me, %from, "liveness: refused a connection that is not a peer's");
-                        continue;
-                    }
-                    conns.push(Conn {
-                        rank: r,
-                        node: node_of(r),
-                        host: hosts[r].clone(),
-                        stream: s,
-                        left: false,
-                    });
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let have: Vec<usize> = conns.iter().map(|c| c.rank).collect();
-                        return Err(EpError::Timeout {
-                            what: format!("rank {me}: liveness: accepting the {lower} lower ranks on other nodes"),
-                            detail: format!("connected so far: {have:?}"),
-                            waited: timeout,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(e) => return Err(fail("accepting".into())(e)),
-            }
-        }
-        for c in &conns {
-            let sock = socket2::SockRef::from(&c.stream);
+        let lower: Vec<usize> = (0..me).filter(remote).collect();
+        streams.extend(accept(&listener, me, nonce, &lower, deadline, timeout)?);
+        let mut conns = Vec::with_capacity(streams.len());
+        for (rank, stream) in streams {
+            let sock = socket2::SockRef::from(&stream);
             sock.set_tcp_user_timeout(Some(cfg.unreachable_after))
                 .and_then(|()| sock.set_nodelay(true))
-                .and_then(|()| c.stream.set_nonblocking(true))
-                .map_err(fail(format!(
-                    "configuring the connection to rank {}",
-                    c.rank
-                )))?;
+                .and_then(|()| stream.set_nonblocking(true))
+                .map_err(io_err(
+                    me,
+                    format!("configuring the connection to rank {rank}"),
+                ))?;
+            conns.push(Conn {
+                rank,
+                node: node_of(rank),
+                host: hosts[rank].clone(),
+                stream,
+                left: false,
+            });
         }
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
@@ -295,7 +217,7 @@ impl Liveness {
             std::thread::Builder::new()
                 .name("uep-liveness".into())
                 .spawn(move || watch(&shared, conns, cfg))
-                .map_err(fail("starting the watcher".into()))?
+                .map_err(io_err(me, "starting the watcher".into()))?
         };
         Ok(Liveness {
             shared,
@@ -328,6 +250,115 @@ impl Liveness {
             .filter(|&r| self.lost(r).is_some())
             .collect()
     }
+}
+
+/// Where a rank's watch listens, and the nonce that proves a joiner saw this.
+struct Advert {
+    host: String,
+    port: u16,
+    nonce: u64,
+}
+
+fn io_err(me: usize, what: String) -> impl Fn(std::io::Error) -> EpError {
+    move |source| EpError::Io {
+        context: format!("rank {me}: liveness: {what}"),
+        source,
+    }
+}
+
+/// Every rank's [`Advert`], over the control plane. Collective.
+fn exchange(cp: &dyn ControlPlane, me: usize, mine: &Advert) -> Result<Vec<Advert>> {
+    let text = format!("{} {} {}", mine.host, mine.port, mine.nonce);
+    cp.all_gather(text.as_bytes())?
+        .iter()
+        .enumerate()
+        .map(|(r, a)| {
+            let a = String::from_utf8_lossy(a);
+            let mut it = a.split(' ');
+            let parsed = (|| {
+                Some(Advert {
+                    host: it.next()?.to_owned(),
+                    port: it.next()?.parse().ok()?,
+                    nonce: it.next()?.parse().ok()?,
+                })
+            })();
+            parsed.ok_or_else(|| {
+                EpError::internal(format!("rank {me}: liveness: rank {r} advertised {a:?}"))
+            })
+        })
+        .collect()
+}
+
+/// Connects to rank `r` and says who this is (with `r`'s nonce).
+fn connect(me: usize, r: usize, to: &Advert, deadline: Instant) -> Result<TcpStream> {
+    let addr = (to.host.as_str(), to.port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| {
+            EpError::internal(format!(
+                "rank {me}: liveness: rank {r}'s host {:?} does not resolve",
+                to.host
+            ))
+        })?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    let mut s = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+        .map_err(io_err(me, format!("connecting to rank {r} at {addr}")))?;
+    let mut hello = [0u8; 16];
+    hello[..8].copy_from_slice(&(me as u64).to_le_bytes());
+    hello[8..].copy_from_slice(&to.nonce.to_le_bytes());
+    s.write_all(&hello)
+        .map_err(io_err(me, format!("greeting rank {r}")))?;
+    Ok(s)
+}
+
+/// Accepts one connection from each rank of `expected`, refusing any other (a wrong
+/// nonce, an unexpected or repeated rank).
+fn accept(
+    listener: &TcpListener,
+    me: usize,
+    nonce: u64,
+    expected: &[usize],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Vec<(usize, TcpStream)>> {
+    let mut got: Vec<(usize, TcpStream)> = Vec::with_capacity(expected.len());
+    listener
+        .set_nonblocking(true)
+        .map_err(io_err(me, "listener".into()))?;
+    while got.len() < expected.len() {
+        match listener.accept() {
+            Ok((mut s, from)) => {
+                s.set_nonblocking(false)
+                    .and_then(|()| s.set_read_timeout(Some(Duration::from_secs(5))))
+                    .map_err(io_err(me, "accepting".into()))?;
+                let mut hello = [0u8; 16];
+                let ok = s.read_exact(&mut hello).is_ok();
+                let word = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or_default());
+                let (r, n) = (word(&hello[..8]) as usize, word(&hello[8..]));
+                if !ok || n != nonce || !expected.contains(&r) || got.iter().any(|(g, _)| *g == r) {
+                    tracing::warn!(rank = me, %from, "liveness: refused a connection that is not a peer's");
+                    continue;
+                }
+                got.push((r, s));
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let have: Vec<usize> = got.iter().map(|(r, _)| *r).collect();
+                    return Err(EpError::Timeout {
+                        what: format!(
+                            "rank {me}: liveness: accepting ranks {expected:?} of other nodes"
+                        ),
+                        detail: format!("connected so far: {have:?}"),
+                        waited: timeout,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(io_err(me, "accepting".into())(e)),
+        }
+    }
+    Ok(got)
 }
 
 impl Drop for Liveness {
