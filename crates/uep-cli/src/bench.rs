@@ -406,7 +406,7 @@ fn open_buffer(
         cfg.ranks_per_node = emulated;
     }
     if let Some(p) = &args.provider {
-        cfg.net.fabric.provider = p.clone();
+        cfg.net.fabric = FabricOptions::for_provider(p);
     }
     // Local ranks play the nodes of a cluster: keep socket providers' traffic on
     // loopback (`shm` has no addresses to choose, and refuses the hint).

@@ -85,7 +85,7 @@ pub enum ProxyError {
         /// What the proxy was doing (e.g. "posting Write from FIFO 2 slot 7").
         op: String,
         /// The transport's error.
-        source: TransportError,
+        source: Box<TransportError>,
     },
 
     /// A command or the drain at shutdown made no progress for the

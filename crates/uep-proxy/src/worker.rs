@@ -379,7 +379,7 @@ impl Worker {
             rank: self.rank,
             thread: self.thread,
             op: op.into(),
-            source,
+            source: Box::new(source),
         }
     }
 

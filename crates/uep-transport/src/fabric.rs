@@ -50,8 +50,18 @@ impl FabricOptions {
     /// cannot reach (loopback, a management network), while the route to rank 0 is the
     /// one the job's own control traffic already takes.
     pub fn from_env() -> Self {
+        let provider = std::env::var("UEP_FI_PROVIDER")
+            .ok()
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| DEFAULT_PROVIDER.to_string());
+        Self::for_provider(&provider)
+    }
+
+    /// Options for `provider`, with the rest from the environment as in
+    /// [`FabricOptions::from_env`] (the source address depends on the provider).
+    pub fn for_provider(provider: &str) -> Self {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        let provider = var("UEP_FI_PROVIDER").unwrap_or_else(|| DEFAULT_PROVIDER.to_string());
+        let provider = provider.to_string();
         let node = var("UEP_FI_NODE").or_else(|| {
             let sockets = ["tcp", "sockets", "udp"]
                 .iter()
@@ -499,6 +509,9 @@ enum SlotKind {
     Write,
     Atomic,
     Recv,
+    /// A write or atomic to a peer given up on ([`Transport::abandon_peer`]): the
+    /// provider still owns the slot until its completion, which is then dropped.
+    Abandoned,
 }
 
 /// Fixed table of operation contexts. Its memory never moves (boxed slice,
@@ -507,6 +520,8 @@ struct Slots {
     mem: Box<[UnsafeCell<CtxSlot>]>,
     kind: Vec<SlotKind>,
     user: Vec<u64>,
+    /// The peer of each write or atomic.
+    peer: Vec<u32>,
     free: Vec<u32>,
 }
 
@@ -523,15 +538,17 @@ impl Slots {
                 .collect(),
             kind: vec![SlotKind::Free; n],
             user: vec![0; n],
+            peer: vec![0; n],
             // Pop from the end: hand out low indices first (nicer in dumps).
             free: (0..n as u32).rev().collect(),
         }
     }
 
-    fn alloc(&mut self, kind: SlotKind, user: u64) -> Option<u32> {
+    fn alloc(&mut self, kind: SlotKind, user: u64, peer: usize) -> Option<u32> {
         let i = self.free.pop()?;
         self.kind[i as usize] = kind;
         self.user[i as usize] = user;
+        self.peer[i as usize] = peer as u32;
         Some(i)
     }
 
@@ -982,7 +999,7 @@ impl LibfabricTransport {
 
     /// Posts one zero-length receive to absorb remote CQ data.
     fn post_rx_buffer(&mut self) -> Result<(), TransportError> {
-        let Some(i) = self.slots.alloc(SlotKind::Recv, 0) else {
+        let Some(i) = self.slots.alloc(SlotKind::Recv, 0, 0) else {
             return Err(TransportError::WouldBlock);
         };
         // SAFETY: ep enabled; zero-length receive needs no buffer; the slot's
@@ -1030,11 +1047,12 @@ impl LibfabricTransport {
         &mut self,
         kind: SlotKind,
         ctx: u64,
+        peer: usize,
         f: impl FnOnce(&Self, *mut CtxSlot) -> isize,
     ) -> Result<(), TransportError> {
         let i = self
             .slots
-            .alloc(kind, ctx)
+            .alloc(kind, ctx, peer)
             .ok_or(TransportError::WouldBlock)?;
         let rc = f(self, self.slots.ptr(i));
         if rc == 0 {
@@ -1058,7 +1076,7 @@ impl LibfabricTransport {
         &mut self,
         cq: *mut ffi::FidCq,
         queue: &'static str,
-    ) -> Result<TransportError, TransportError> {
+    ) -> Result<Option<TransportError>, TransportError> {
         let mut e = ffi::UepCqErr::default();
         let mut msg = [0 as c_char; 256];
         // SAFETY: CQ open; `e` and `msg` are writable for their sizes.
@@ -1066,22 +1084,31 @@ impl LibfabricTransport {
         if rc < 0 {
             return Err(fab_err("fi_cq_readerr", rc as i64));
         }
-        let mut ctx = None;
+        let (mut ctx, mut peer) = (None, None);
         if let Some(i) = self.slots.index_of(e.op_context) {
             match self.slots.kind[i as usize] {
-                SlotKind::Write | SlotKind::Atomic => ctx = Some(self.slots.user[i as usize]),
+                SlotKind::Write | SlotKind::Atomic => {
+                    ctx = Some(self.slots.user[i as usize]);
+                    peer = Some(self.slots.peer[i as usize] as usize);
+                }
                 SlotKind::Recv => self.rx_posted -= 1,
+                // Given up on already: its error is no news.
+                SlotKind::Abandoned => {
+                    self.slots.release(i);
+                    return Ok(None);
+                }
                 SlotKind::Free => {}
             }
             self.slots.release(i);
         }
-        Ok(TransportError::Completion {
+        Ok(Some(TransportError::Completion {
             queue,
             ctx,
+            peer,
             err: e.err,
             prov_errno: e.prov_errno,
             msg: cstr(msg.as_ptr()),
-        })
+        }))
     }
 
     /// Reads up to one batch from `cq`; `Ok(0)` when empty.
@@ -1100,7 +1127,10 @@ impl LibfabricTransport {
             return Ok(0);
         }
         if rc == -(ffi::FI_EAVAIL as isize) {
-            return Err(self.read_err(cq, queue)?);
+            return match self.read_err(cq, queue)? {
+                Some(e) => Err(e),
+                None => Ok(0),
+            };
         }
         Err(fab_err("fi_cq_read", rc as i64))
     }
@@ -1229,7 +1259,7 @@ impl Transport for LibfabricTransport {
         let p = self.peer(peer)?.clone();
         // In range (validated), so this is inside the registered region.
         let buf = (self.region.addr() + local_off as usize) as *const c_void;
-        self.post_op(SlotKind::Write, ctx, |t, slot| {
+        self.post_op(SlotKind::Write, ctx, peer, |t, slot| {
             // SAFETY: `buf..buf+len` lies in the registered region (checked);
             // `desc` belongs to its MR; the remote range was bounds-checked
             // against the peer's advertised region; `slot` stays valid and
@@ -1254,7 +1284,7 @@ impl Transport for LibfabricTransport {
         self.validate_write(peer, 0, 0, 0)?;
         let p = self.peer(peer)?.clone();
         let buf = self.region.addr() as *const c_void;
-        self.post_op(SlotKind::Write, ctx, |t, slot| {
+        self.post_op(SlotKind::Write, ctx, peer, |t, slot| {
             // SAFETY: zero-length write: no bytes are read or written; the
             // addresses are the (valid) bases of both regions so providers that
             // look at them see registered memory. Slot as in post_write.
@@ -1299,7 +1329,7 @@ impl Transport for LibfabricTransport {
                 align: 8,
             });
         }
-        self.post_op(SlotKind::Atomic, ctx, |t, slot| {
+        self.post_op(SlotKind::Atomic, ctx, peer, |t, slot| {
             // Operand lives in the slot so it stays valid until completion.
             let operand = slot
                 .cast::<u8>()
@@ -1341,6 +1371,10 @@ impl Transport for LibfabricTransport {
                 let c = match self.slots.kind[i as usize] {
                     SlotKind::Write => Completion::Write { ctx },
                     SlotKind::Atomic => Completion::Atomic { ctx },
+                    SlotKind::Abandoned => {
+                        self.slots.release(i);
+                        continue;
+                    }
                     k => {
                         return Err(TransportError::Invalid(format!(
                             "send completion for a slot in state {k:?}"
@@ -1380,6 +1414,20 @@ impl Transport for LibfabricTransport {
                 return Ok(total);
             }
         }
+    }
+
+    fn abandon_peer(&mut self, peer: usize) -> Vec<u64> {
+        let mut gone = Vec::new();
+        for i in 0..self.slots.kind.len() {
+            let live = matches!(self.slots.kind[i], SlotKind::Write | SlotKind::Atomic);
+            if live && self.slots.peer[i] as usize == peer {
+                // The provider still owns the slot's memory: it is released when its
+                // completion (or error) arrives.
+                self.slots.kind[i] = SlotKind::Abandoned;
+                gone.push(self.slots.user[i]);
+            }
+        }
+        gone
     }
 }
 
@@ -1455,8 +1503,8 @@ mod tests {
     #[test]
     fn slot_index_roundtrip() {
         let mut s = Slots::new(4);
-        let a = s.alloc(SlotKind::Write, 11).unwrap();
-        let b = s.alloc(SlotKind::Write, 12).unwrap();
+        let a = s.alloc(SlotKind::Write, 11, 0).unwrap();
+        let b = s.alloc(SlotKind::Write, 12, 0).unwrap();
         assert_ne!(a, b);
         assert_eq!(s.index_of(s.ptr(b).cast()), Some(b));
         assert_eq!(s.index_of(ptr::null_mut()), None);
@@ -1464,13 +1512,13 @@ mod tests {
             s.index_of(s.ptr(b).cast::<u8>().wrapping_add(1).cast()),
             None
         );
-        s.alloc(SlotKind::Write, 0).unwrap();
-        s.alloc(SlotKind::Write, 0).unwrap();
-        assert!(s.alloc(SlotKind::Write, 0).is_none());
+        s.alloc(SlotKind::Write, 0, 0).unwrap();
+        s.alloc(SlotKind::Write, 0, 0).unwrap();
+        assert!(s.alloc(SlotKind::Write, 0, 0).is_none());
         s.release(a);
         s.release(a); // double release must not duplicate the free entry
-        assert!(s.alloc(SlotKind::Write, 0).is_some());
-        assert!(s.alloc(SlotKind::Write, 0).is_none());
+        assert!(s.alloc(SlotKind::Write, 0, 0).is_some());
+        assert!(s.alloc(SlotKind::Write, 0, 0).is_none());
     }
 
     #[test]

@@ -390,6 +390,22 @@ impl<T: Transport> Transport for FaultyTransport<T> {
         self.publish();
         self.inner.poll_recv(out)
     }
+
+    fn abandon_peer(&mut self, peer: usize) -> Vec<u64> {
+        // Held operations never reached the inner transport: they end here.
+        let mut gone = Vec::new();
+        self.held.retain(|h| {
+            let to = match h.op {
+                Op::Write { peer, .. } | Op::Imm { peer, .. } => peer,
+            };
+            if to == peer {
+                gone.push(h.ctx);
+            }
+            to != peer
+        });
+        gone.extend(self.inner.abandon_peer(peer));
+        gone
+    }
 }
 
 #[cfg(test)]

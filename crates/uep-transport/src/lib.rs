@@ -207,6 +207,8 @@ pub enum TransportError {
         queue: &'static str,
         /// The failed operation's context, when it was one of ours.
         ctx: Option<u64>,
+        /// The peer the failed operation was for, when known.
+        peer: Option<usize>,
         /// Positive libfabric error number.
         err: i32,
         /// Provider-specific error number.
@@ -280,6 +282,17 @@ pub trait Transport: Send {
 
     /// Appends arrived immediates to `out`; returns how many.
     fn poll_recv(&mut self, out: &mut Vec<Arrival>) -> Result<usize, TransportError>;
+
+    /// Gives up on every operation in flight to `peer`, which the caller found gone,
+    /// and returns their contexts: they will never be reported by
+    /// [`Transport::poll_send`], and a completion (or error) that still arrives for one
+    /// of them is dropped. The transport may still read the source bytes of an
+    /// abandoned write until then. Posting to `peer` afterwards is the caller's
+    /// mistake, not prevented.
+    fn abandon_peer(&mut self, peer: usize) -> Vec<u64> {
+        let _ = peer;
+        Vec::new()
+    }
 }
 
 impl<T: Transport + ?Sized> Transport for Box<T> {
@@ -329,6 +342,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn poll_recv(&mut self, out: &mut Vec<Arrival>) -> Result<usize, TransportError> {
         (**self).poll_recv(out)
+    }
+    fn abandon_peer(&mut self, peer: usize) -> Vec<u64> {
+        (**self).abandon_peer(peer)
     }
 }
 
