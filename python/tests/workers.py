@@ -14,7 +14,7 @@ import pickle
 import threading
 import time
 import traceback
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -644,3 +644,71 @@ def events_and_flags(ctx: Ctx) -> Dict[str, Any]:
                 n += 1
     buffer.destroy()
     return {"combos": n}
+
+
+def elastic(ctx: Ctx, victims: Tuple[int, ...], kill_step: int, steps: int = 12,
+            num_tokens: int = 16, hidden: int = 256, num_experts: int = 16, num_topk: int = 4) -> Dict[str, Any]:
+    """Elastic low-latency mode: ``victims`` SIGKILL themselves at ``kill_step``; the
+    survivors go on, every step checked exactly against the reference without the
+    masked ranks (their tokens count 0, their experts contribute nothing), and
+    ``active_ranks`` and the mask say who is gone."""
+    import signal
+    rank, R = ctx.rank, ctx.world
+    epr = num_experts // R
+    buffer = ctx.buffer(int(2e9), int(1e9), enable_shrink=True)
+    buffer.clean_low_latency_buffer(num_tokens, hidden, num_experts)
+
+    def inputs(r: int, step: int):
+        g = torch.Generator().manual_seed(1000 * step + r)
+        x = torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16)
+        scores = torch.rand((num_tokens, num_experts), generator=g)
+        idx = torch.topk(scores, num_topk, dim=-1, sorted=False)[1]
+        w = torch.rand((num_tokens, num_topk), generator=g)
+        return x, idx, w
+
+    first_masked = None
+    for step in range(steps):
+        if rank in victims and step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, idx, w = inputs(rank, step)
+        active = torch.ones(R, dtype=torch.int32)
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, num_tokens, num_experts,
+                                                                use_fp8=False, active_ranks=active)
+        status = torch.zeros(R, dtype=torch.int32)
+        buffer.low_latency_query_mask_buffer(status)
+        masked = {r for r in range(R) if status[r]}
+        assert masked == {r for r in range(R) if not active[r]}, (masked, active)
+        if masked and first_masked is None:
+            first_masked = step
+        # Rows per local expert: every unmasked source's copies, none from the masked.
+        want = torch.zeros(epr, dtype=torch.int32)
+        for s in range(R):
+            if s in masked:
+                continue
+            _, sidx, _ = inputs(s, step)
+            for le in range(epr):
+                want[le] += int((sidx == rank * epr + le).sum())
+        assert torch.equal(count, want), (step, count, want, masked)
+        y = recv  # identity experts
+        out, _, _ = buffer.low_latency_combine(y, idx, w, handle, active_ranks=active)
+        buffer.low_latency_query_mask_buffer(status)
+        masked = {r for r in range(R) if status[r]}
+        acc = torch.zeros((num_tokens, hidden))
+        for k in range(num_topk):
+            kept = torch.tensor([int(e) // epr not in masked for e in idx[:, k]]).unsqueeze(1)
+            acc += torch.where(kept, w[:, k:k + 1] * x.float(), torch.zeros(()))
+        assert torch.equal(out, acc.to(torch.bfloat16)), (step, masked)
+    reasons = buffer.low_latency_mask_reasons()
+    buffer.destroy()
+    return {"masked": sorted(masked), "first_masked": first_masked, "steps": steps, "reasons": reasons}
+
+
+def mask_without_shrink(ctx: Ctx) -> Dict[str, Any]:
+    buffer = ctx.buffer(int(2e9), int(1e9))
+    try:
+        buffer.low_latency_clean_mask_buffer()
+    except deep_ep.UepError as e:
+        buffer.destroy()
+        return {"raised": "enable_shrink" in str(e)}
+    buffer.destroy()
+    return {"raised": False}

@@ -95,7 +95,11 @@ class Buffer:
         allow_mnnvl, use_fabric: accepted for compatibility (one uep Buffer serves
             normal and low-latency calls alike; the rest concern NVSHMEM and NVLink).
         explicitly_destroy: whether ``destroy()`` must be called (collectively).
-        enable_shrink: DeepEP's shrink mode (elastic low-latency); not yet available.
+        enable_shrink: elastic low-latency mode (DeepEP's shrink mode): a rank found dead
+            or unreachable is masked on every survivor and low-latency calls go on without
+            it (its tokens count 0, its experts contribute nothing); see the three
+            ``low_latency_*_mask_buffer`` methods and the ``active_ranks`` keyword of the
+            low-latency calls. Normal mode still needs every rank.
         comm: an mpi4py communicator to bootstrap over instead of ``group``.
 
     Environment: ``UEP_TIMEOUT_S`` (deadline of every wait, default 100 s),
@@ -118,8 +122,6 @@ class Buffer:
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(v, int) or v < 0 or v % 128 != 0:
                 raise UepError(f"invalid argument: {name} = {v!r} must be a non-negative multiple of 128")
-        if enable_shrink:
-            raise UepError("invalid argument: enable_shrink (elastic low-latency mode) is not available yet in uep")
         if group is not None:
             self.rank, self.group_size = group.rank(), group.size()
 
@@ -145,7 +147,7 @@ class Buffer:
         threads = int(os.environ.get("UEP_DEVICE_THREADS", "0"))
         self.runtime = _uep.Runtime(self.rank, self.group_size, all_gather,
                                     num_nvl_bytes + num_rdma_bytes, timeout, threads,
-                                    int(per_node) if per_node else None)
+                                    int(per_node) if per_node else None, bool(enable_shrink))
         _, _, self._ranks_per_node, self._num_nodes = self.runtime.topology()
         self._combine_buffer: Optional[torch.Tensor] = None
 
@@ -214,6 +216,51 @@ class Buffer:
     def barrier(self) -> None:
         """A barrier over the Buffer's ranks (uep extension)."""
         self.runtime.barrier()
+
+    # ------------------------------------------------------------- elastic mode
+
+    def _shrink(self) -> Any:
+        if not self.enable_shrink:
+            raise UepError("invalid argument: the mask needs Buffer(..., enable_shrink=True)")
+        return self._rt()
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask ``rank_to_mask`` (``mask=True``: nothing is sent to or awaited from it in
+        low-latency calls), or unmask it. A rank found dead stays masked."""
+        self._shrink().mask_update(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write 1 into ``mask_status`` (``[num_ranks]`` int32) for every masked rank, 0
+        for the others."""
+        status = self._shrink().mask_query()
+        if tuple(mask_status.shape) != (self.group_size,):
+            raise UepError(f"invalid argument: mask_status must have shape ({self.group_size},)")
+        mask_status.copy_(torch.tensor(status, dtype=mask_status.dtype))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank that was not found dead or unreachable."""
+        self._shrink().mask_clean()
+
+    def low_latency_mask_reasons(self) -> List[Optional[str]]:
+        """Why each rank is masked (``None`` where it is not): how its loss was known."""
+        return self._shrink().mask_reasons()
+
+    def _apply_active_ranks(self, active_ranks: Optional[torch.Tensor]) -> None:
+        """Mooncake's ``active_ranks`` on the way in: a 0 masks that rank."""
+        if active_ranks is None:
+            return
+        rt = self._shrink()
+        if tuple(active_ranks.shape) != (self.group_size,):
+            raise UepError(f"invalid argument: active_ranks must have shape ({self.group_size},)")
+        for r, alive in enumerate(active_ranks.tolist()):
+            if not alive and r != self.rank:
+                rt.mask_update(r, True)
+
+    def _report_active_ranks(self, active_ranks: Optional[torch.Tensor]) -> None:
+        """... and on the way out: 0 for every masked rank."""
+        if active_ranks is not None:
+            masked = torch.tensor(self._rt().mask_query(), dtype=torch.bool)
+            active_ranks.masked_fill_(masked, 0)
 
     def destroy(self) -> None:
         """Free the Buffer; collective (a barrier first). Needs ``explicitly_destroy``."""
@@ -410,14 +457,18 @@ class Buffer:
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             active_ranks: Optional[torch.Tensor] = None):
         """Low-latency dispatch: each token to each of its top-k experts, into the fixed
         layout ``[E/R, R * num_max, H]``. Returns ``(recv_x, recv_count, handle, event,
         hook)``; ``recv_x`` is bf16, or ``(float8_e4m3fn, scales)`` with scales
         ``[E/R, R*num_max, H/128]`` f32 (``[.., H/512]`` int32 with ``use_ue8m0``),
         column-major in their last two dimensions. With ``return_recv_hook`` only the
-        send half runs; ``hook()`` receives."""
+        send half runs; ``hook()`` receives. ``active_ranks`` (elastic mode, Mooncake's
+        ``[num_ranks]`` int32, in/out): a 0 masks that rank first; afterwards every
+        masked rank reads 0."""
         rt = self._rt()
+        self._apply_active_ranks(active_ranks)
 
         def fail(msg: str) -> None:
             hidden = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() > 0 else 0
@@ -479,10 +530,12 @@ class Buffer:
 
             def hook() -> None:
                 finish(*rt.ll_dispatch_recv(pending), recv_count, handle, f32_scales)
+                self._report_active_ranks(active_ranks)
             return recv_x, recv_count, handle, EventOverlap(None), hook
         received = rt.ll_dispatch_recv(pending)
         recv_x, f32_scales = outputs(received[1])
         finish(*received, recv_count, handle, f32_scales)
+        self._report_active_ranks(active_ranks)
         return recv_x, recv_count, handle, _event(async_finish, recv_x, recv_count), _noop
 
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> torch.Tensor:
@@ -498,13 +551,16 @@ class Buffer:
                             handle: Tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                            active_ranks: Optional[torch.Tensor] = None):
         """Low-latency combine: each expert output back to its token, weighted:
         ``combined_x[t] = sum_k w[t,k] * y_{idx[t,k]}`` in f32, rounded once. Returns
         ``(combined_x, event, hook)``. ``zero_copy`` reads the expert outputs from
         ``get_next_low_latency_combine_buffer``; ``use_logfmt`` is accepted, and the
-        outputs travel as bf16, which is at least as exact."""
+        outputs travel as bf16, which is at least as exact. ``active_ranks`` as in
+        ``low_latency_dispatch``."""
         rt = self._rt()
+        self._apply_active_ranks(active_ranks)
         uh = getattr(handle, "_uep", None)
         if uh is None:
             self._fail("low_latency_combine needs the handle of a received low-latency dispatch (call its hook first)")
@@ -525,6 +581,7 @@ class Buffer:
 
         def hook() -> None:
             rt.ll_combine_recv(pending, _capsule(src), _capsule(out))
+            self._report_active_ranks(active_ranks)
         if return_recv_hook:
             return out, EventOverlap(None), hook
         hook()

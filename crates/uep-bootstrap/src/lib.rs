@@ -30,7 +30,7 @@ mod proto;
 mod tests;
 
 pub use control::{host_id, ControlPlane};
-pub use env::{EnvSource, WorldInfo, LAUNCHER_LOCAL, LAUNCHER_VAR, SECRET_VAR};
+pub use env::{EnvSource, WorldInfo, LAUNCHER_LOCAL, LAUNCHER_VAR, PORT_VAR, SECRET_VAR};
 pub use error::BootstrapError;
 pub use fdpass::LISTEN_FD_VAR;
 pub use group::Group;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use uep_bootstrap::{launch_local, EnvSource, Group, LaunchSpec, WorldInfo};
+use uep_bootstrap::{EnvSource, Group, LaunchSpec, WorldInfo};
 use uep_ep::{Buffer, BufferConfig, CombineArgs, DispatchArgs};
 use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
 use uep_harness::check::Mismatches;
@@ -27,6 +27,27 @@ pub enum Modes {
     Normal,
     /// Low-latency dispatch/combine.
     Ll,
+}
+
+/// `WHO@STEP`: a rank or node, and a soak step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct At {
+    /// The rank or node.
+    pub who: usize,
+    /// The step (from 0).
+    pub step: u64,
+}
+
+impl std::str::FromStr for At {
+    type Err = String;
+    fn from_str(s: &str) -> Result<At, String> {
+        let bad = || format!("{s:?}: expected WHO@STEP, e.g. 3@20");
+        let (who, step) = s.split_once('@').ok_or_else(bad)?;
+        Ok(At {
+            who: who.trim().parse().map_err(|_| bad())?,
+            step: step.trim().parse().map_err(|_| bad())?,
+        })
+    }
 }
 
 /// Options of `uep bench` (defaults: the DeepSeek-V3 shape).
@@ -101,10 +122,22 @@ pub struct BenchArgs {
     /// (shows that the emulation is what keeps results exact on unordered transports).
     #[arg(long, hide = true)]
     pub no_ordering_emulation: bool,
-    /// Soak: this many steps, normal and low-latency alternating, fresh tokens every
-    /// step, every output verified; prints mismatches, faults injected and memory.
-    #[arg(long, value_name = "STEPS", conflicts_with_all = ["cached", "inputs", "mode"])]
+    /// Soak: this many steps (normal then low-latency each step, as --mode says),
+    /// fresh tokens every step, every output verified; prints mismatches, faults
+    /// injected and memory.
+    #[arg(long, value_name = "STEPS", conflicts_with_all = ["cached", "inputs"])]
     pub soak: Option<u64>,
+    /// Elastic low-latency mode (needs --mode ll): a rank found dead or unreachable is
+    /// masked and the others go on; with --soak, each step is checked against the
+    /// reference without the masked ranks.
+    #[arg(long)]
+    pub elastic: bool,
+    /// With --soak: SIGKILL rank RANK at the start of step STEP (repeatable).
+    #[arg(long, value_name = "RANK@STEP", requires = "soak")]
+    pub kill: Vec<At>,
+    /// With --soak: SIGKILL every rank of node NODE at the start of step STEP.
+    #[arg(long, value_name = "NODE@STEP", requires = "soak")]
+    pub kill_node: Vec<At>,
     /// Run once per value of one parameter (KEY=V1,V2,..., e.g. tokens=1,8,32,128,512,4096,
     /// ranks=2,3,4, hidden=...) and write sweep-KEY.csv and sweep-KEY.svg.
     #[arg(long, value_name = "KEY=V1,V2,...")]
@@ -165,17 +198,33 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
         env: Vec::new(),
         timeout: None,
     };
-    let outcome = launch_local(&spec)?;
-    if outcome.success() {
-        Ok(true)
+    // Ranks told to die do; in elastic mode the others must go on, not be stopped by
+    // the launcher's grace period after the first death.
+    let victims: Vec<usize> = (0..args.ranks)
+        .filter(|&r| {
+            args.kill.iter().any(|k| k.who == r)
+                || args
+                    .kill_node
+                    .iter()
+                    .any(|k| k.who == r / (args.ranks / args.nodes))
+        })
+        .collect();
+    let grace = if args.elastic && !victims.is_empty() {
+        Duration::from_secs(24 * 3600)
     } else {
-        for (r, s) in outcome.statuses.iter().enumerate() {
-            if !s.success() {
-                eprintln!("uep bench: rank {r} {s}");
-            }
+        uep_bootstrap::DEFAULT_GRACE
+    };
+    let outcome = uep_bootstrap::launch_local_with_grace(&spec, grace)?;
+    let mut ok = true;
+    for (r, s) in outcome.statuses.iter().enumerate() {
+        if victims.contains(&r) {
+            eprintln!("uep bench: rank {r} {s} (as --kill said)");
+        } else if !s.success() {
+            eprintln!("uep bench: rank {r} {s}");
+            ok = false;
         }
-        Ok(false)
     }
+    Ok(ok)
 }
 
 fn validate(args: &BenchArgs) -> anyhow::Result<()> {
@@ -207,6 +256,28 @@ fn validate(args: &BenchArgs) -> anyhow::Result<()> {
     }
     if args.iters == 0 {
         return bad("--iters must be at least 1".into());
+    }
+    if args.elastic && args.mode != Modes::Ll {
+        return bad(
+            "--elastic runs low-latency mode only (normal mode needs every rank): add --mode ll"
+                .into(),
+        );
+    }
+    for k in &args.kill {
+        if k.who >= args.ranks {
+            return bad(format!(
+                "--kill {}@{}: there are {} ranks",
+                k.who, k.step, args.ranks
+            ));
+        }
+    }
+    for k in &args.kill_node {
+        if k.who >= args.nodes {
+            return bad(format!(
+                "--kill-node {}@{}: there are {} nodes",
+                k.who, k.step, args.nodes
+            ));
+        }
     }
     if !(0.0..=1.0).contains(&args.drop_prob) {
         return bad(format!(
@@ -429,6 +500,7 @@ fn open_buffer(
     if let Some(t) = timeout {
         cfg.timeout = t;
     }
+    cfg.elastic = args.elastic;
     let provider = cfg.net.fabric.provider.clone();
     uep_ep::wait::set_spin_only(args.spin_waits);
     let buffer = Buffer::new(group, cfg)?;

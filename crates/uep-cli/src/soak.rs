@@ -1,6 +1,12 @@
 //! `uep bench --soak STEPS`: thousands of steps, fresh tokens and routing every step,
-//! normal and low-latency modes alternating, every output checked against the reference;
-//! at the end: steps done, mismatches, faults injected, and memory at start and end.
+//! normal and low-latency modes alternating (or one of them, by `--mode`), every output
+//! checked against the reference; at the end: steps done, mismatches, faults injected,
+//! and memory at start and end.
+//!
+//! With `--elastic`, `--kill RANK@STEP` and `--kill-node NODE@STEP`, the victims SIGKILL
+//! themselves at the start of that step; the survivors go on, each step checked
+//! against the reference without the ranks masked in it, and report how long the step
+//! of the kill took them (the recovery).
 
 use std::time::Instant;
 
@@ -8,9 +14,9 @@ use half::bf16;
 use uep_ep::{Buffer, DispatchArgs};
 use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
 use uep_harness::check::{self, Mismatches};
-use uep_harness::workload::{JobShape, TokenData};
+use uep_harness::workload::{without_ranks, JobShape, RankInput, TokenData};
 
-use crate::bench::{make_inputs, step_salt, BenchArgs};
+use crate::bench::{make_inputs, step_salt, BenchArgs, Modes};
 use crate::report::Progress;
 
 /// Resident and peak resident memory of this process, in KiB (`/proc/self/status`).
@@ -26,6 +32,13 @@ pub fn rss_kib() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// What a survivor saw of the masking.
+#[derive(Debug, Default)]
+struct Recovery {
+    /// The first step that masked a rank, and how long it took this rank.
+    first: Option<(u64, std::time::Duration)>,
+}
+
 /// Run the soak on this rank; rank 0 prints the summary. Returns whether every step matched.
 pub fn run(
     buffer: &mut Buffer,
@@ -34,56 +47,28 @@ pub fn run(
     max_ll: usize,
     steps: u64,
 ) -> anyhow::Result<bool> {
-    let (rank, world, h) = (buffer.rank(), buffer.num_ranks(), args.hidden);
+    let (rank, h) = (buffer.rank(), args.hidden);
     let progress = Progress::new(steps, "uep soak", rank == 0 && !args.json);
     let mut bad = Mismatches::new(rank);
     let started = Instant::now();
     let mut y: Vec<bf16> = Vec::new();
-    let mut ll_y = vec![bf16::ZERO; shape.experts_per_rank() * world * max_ll * h];
+    let mut ll_y = vec![bf16::ZERO; shape.experts_per_rank() * shape.num_ranks * max_ll * h];
     let mut rss_start = 0;
+    let mut recovery = Recovery::default();
     for step in 0..steps {
-        // Normal mode.
-        let inputs = make_inputs(args, shape, args.tokens, step_salt(0, step))?;
-        let case = NormalCase::new(inputs, shape, rank, args.fp8, args.expert_alignment)?;
-        let mine = &case.sent[rank];
-        let out = buffer.dispatch(
-            DispatchArgs::new(case.x(rank))
-                .topk(&mine.topk_idx, Some(&mine.topk_weights))
-                .layout(&case.layout),
-        )?;
-        check::normal_dispatch(&mut bad, &out, &case.expected, h);
-        let n = out.handle.num_recv_tokens;
-        y.resize(n * h, bf16::ZERO);
-        identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, &mut y)?;
-        let w = out.recv_topk_weights.map(<[f32]>::to_vec);
-        let handle = out.handle;
-        let combined = buffer.combine(&y, w.as_deref(), &handle)?;
-        bad.bits(
-            "combine.combined_x",
-            &combined.combined_x,
-            &case.expected_combine.0,
-        );
-
-        // Low-latency mode.
-        let inputs = make_inputs(args, shape, args.ll_tokens, step_salt(0x11, step))?;
-        let case = LlCase::new(rank, inputs, shape, max_ll, args.fp8, args.round_scale)?;
-        let mine = &case.inputs[rank];
-        let TokenData::Bf16(x) = &mine.x else {
-            unreachable!("workload inputs are bf16")
-        };
-        let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
-        check::ll_dispatch(&mut bad, &out, &case.expected, h);
-        let rows_per_expert = world * max_ll;
-        for (le, &n) in out.recv_count.iter().enumerate() {
-            let begin = le * rows_per_expert;
-            let layout = ScaleLayout::ColumnMajor { rows_per_expert };
-            identity_expert(out.recv_x, begin..begin + n as usize, h, layout, &mut ll_y)?;
+        die_if_victim(args, shape, rank, step);
+        let step_start = Instant::now();
+        let masked_before = buffer.low_latency_mask().iter().filter(|&&m| m).count();
+        if args.mode != Modes::Ll {
+            normal_step(buffer, args, shape, step, &mut bad, &mut y)?;
         }
-        let handle = out.handle;
-        let combined =
-            buffer.low_latency_combine(&ll_y, &mine.topk_idx, &mine.topk_weights, &handle)?;
-        bad.bits("ll_combine.combined_x", &combined, &case.expected_combine);
-
+        if args.mode != Modes::Normal {
+            ll_step(buffer, args, shape, max_ll, step, &mut bad, &mut ll_y)?;
+        }
+        let masked_now = buffer.low_latency_mask().iter().filter(|&&m| m).count();
+        if masked_now > masked_before && recovery.first.is_none() {
+            recovery.first = Some((step, step_start.elapsed()));
+        }
         if step == 0 {
             // After the first step every buffer has been touched: growth from here is a leak.
             rss_start = rss_kib().0;
@@ -91,33 +76,177 @@ pub fn run(
         progress.inc(1);
     }
     progress.finish();
-    let (rss_end, rss_peak) = rss_kib();
-    let mut blob = Vec::new();
-    for v in [
-        bad.count() as u64,
-        buffer.faults_injected(),
+    let summary = Summary {
+        steps,
+        mismatches: bad.count() as u64,
+        faults: buffer.faults_injected(),
         rss_start,
-        rss_end,
-        rss_peak,
-    ] {
+        rss: rss_kib(),
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    bad.print();
+    if buffer.is_elastic() {
+        // Ranks may be gone, and the control plane with them: each survivor reports
+        // for itself (and exits non-zero on a mismatch).
+        report_elastic(buffer, args, &summary, &recovery);
+    } else {
+        report_all(buffer, args, &summary)?;
+    }
+    Ok(bad.count() == 0)
+}
+
+/// SIGKILLs this process at the start of `step` if `--kill` or `--kill-node` says so.
+fn die_if_victim(args: &BenchArgs, shape: &JobShape, rank: usize, step: u64) {
+    let node = rank / shape.ranks_per_node.max(1);
+    let me = args.kill.iter().any(|k| k.who == rank && k.step == step)
+        || args
+            .kill_node
+            .iter()
+            .any(|k| k.who == node && k.step == step);
+    if !me {
+        return;
+    }
+    eprintln!(
+        "uep soak: rank {rank} (node {node}) SIGKILLs itself at step {step} ({} ms since the epoch)",
+        unix_ms()
+    );
+    let pid = std::process::id().to_string();
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid])
+        .status();
+    // Not reached once the signal lands.
+    std::thread::sleep(std::time::Duration::from_secs(3600));
+}
+
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+fn normal_step(
+    buffer: &mut Buffer,
+    args: &BenchArgs,
+    shape: &JobShape,
+    step: u64,
+    bad: &mut Mismatches,
+    y: &mut Vec<bf16>,
+) -> anyhow::Result<()> {
+    let (rank, h) = (buffer.rank(), args.hidden);
+    let inputs = make_inputs(args, shape, args.tokens, step_salt(0, step))?;
+    let case = NormalCase::new(inputs, shape, rank, args.fp8, args.expert_alignment)?;
+    let mine = &case.sent[rank];
+    let out = buffer.dispatch(
+        DispatchArgs::new(case.x(rank))
+            .topk(&mine.topk_idx, Some(&mine.topk_weights))
+            .layout(&case.layout),
+    )?;
+    check::normal_dispatch(bad, &out, &case.expected, h);
+    let n = out.handle.num_recv_tokens;
+    y.resize(n * h, bf16::ZERO);
+    identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, y)?;
+    let w = out.recv_topk_weights.map(<[f32]>::to_vec);
+    let handle = out.handle;
+    let combined = buffer.combine(y, w.as_deref(), &handle)?;
+    bad.bits(
+        "combine.combined_x",
+        &combined.combined_x,
+        &case.expected_combine.0,
+    );
+    Ok(())
+}
+
+/// One low-latency step; in elastic mode each output is checked against the reference
+/// without the ranks that call masked.
+fn ll_step(
+    buffer: &mut Buffer,
+    args: &BenchArgs,
+    shape: &JobShape,
+    max_ll: usize,
+    step: u64,
+    bad: &mut Mismatches,
+    ll_y: &mut [bf16],
+) -> anyhow::Result<()> {
+    let (rank, world, h) = (buffer.rank(), buffer.num_ranks(), args.hidden);
+    let inputs = make_inputs(args, shape, args.ll_tokens, step_salt(0x11, step))?;
+    let mine = &inputs[rank];
+    let TokenData::Bf16(x) = &mine.x else {
+        unreachable!("workload inputs are bf16")
+    };
+    let case = |masked: &[bool]| -> anyhow::Result<LlCase> {
+        let seen: Vec<RankInput> = if masked.iter().any(|&m| m) {
+            without_ranks(&inputs, shape, masked)
+        } else {
+            inputs.clone()
+        };
+        Ok(LlCase::new(
+            rank,
+            seen,
+            shape,
+            max_ll,
+            args.fp8,
+            args.round_scale,
+        )?)
+    };
+    let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
+    let dispatched = case(&out.handle.masked)?;
+    check::ll_dispatch(bad, &out, &dispatched.expected, h);
+    let rows_per_expert = world * max_ll;
+    for (le, &n) in out.recv_count.iter().enumerate() {
+        let begin = le * rows_per_expert;
+        let layout = ScaleLayout::ColumnMajor { rows_per_expert };
+        identity_expert(out.recv_x, begin..begin + n as usize, h, layout, ll_y)?;
+    }
+    let handle = out.handle;
+    let combined = buffer.low_latency_combine(ll_y, &mine.topk_idx, &mine.topk_weights, &handle)?;
+    // A rank masked between dispatch and combine leaves the combine without its experts.
+    let combine_mask = buffer.low_latency_last_combine_mask();
+    let expected = if buffer.is_elastic() && combine_mask != handle.masked {
+        case(&combine_mask)?.expected_combine
+    } else {
+        dispatched.expected_combine
+    };
+    bad.bits("ll_combine.combined_x", &combined, &expected);
+    Ok(())
+}
+
+/// One rank's totals.
+struct Summary {
+    steps: u64,
+    mismatches: u64,
+    faults: u64,
+    rss_start: u64,
+    /// (now, peak), KiB.
+    rss: (u64, u64),
+    seconds: f64,
+}
+
+/// Gathers every rank's totals over the control plane; rank 0 prints them.
+fn report_all(buffer: &Buffer, args: &BenchArgs, s: &Summary) -> anyhow::Result<()> {
+    let (rank, world) = (buffer.rank(), buffer.num_ranks());
+    let mut blob = Vec::new();
+    for v in [s.mismatches, s.faults, s.rss_start, s.rss.0, s.rss.1] {
         blob.extend_from_slice(&v.to_le_bytes());
     }
     let all = buffer.control_plane().all_gather(&blob)?;
-    bad.print();
-    if rank == 0 {
-        let rows: Vec<[u64; 5]> = all
-            .iter()
-            .map(|b| {
-                let mut v = [0u64; 5];
-                for (o, c) in v.iter_mut().zip(b.chunks_exact(8)) {
-                    *o = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-                }
-                v
-            })
-            .collect();
-        let mismatches: u64 = rows.iter().map(|r| r[0]).sum();
-        let faults: u64 = rows.iter().map(|r| r[1]).sum();
-        let max = |i: usize| rows.iter().map(|r| r[i]).max().unwrap_or(0);
+    if rank != 0 {
+        return Ok(());
+    }
+    let rows: Vec<[u64; 5]> = all
+        .iter()
+        .map(|b| {
+            let mut v = [0u64; 5];
+            for (o, c) in v.iter_mut().zip(b.chunks_exact(8)) {
+                *o = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            }
+            v
+        })
+        .collect();
+    let mismatches: u64 = rows.iter().map(|r| r[0]).sum();
+    let faults: u64 = rows.iter().map(|r| r[1]).sum();
+    let max = |i: usize| rows.iter().map(|r| r[i]).max().unwrap_or(0);
+    let steps = s.steps;
+    if args.json {
         let summary = serde_json::json!({
             "steps": steps,
             "ranks": world,
@@ -126,24 +255,78 @@ pub fn run(
             "rss_start_kib": max(2),
             "rss_end_kib": max(3),
             "rss_peak_kib": max(4),
-            "seconds": started.elapsed().as_secs_f64(),
+            "seconds": s.seconds,
         });
-        if args.json {
-            println!("{summary}");
-        } else {
-            println!(
-                "uep soak: {steps} steps x {world} ranks in {:.1} s (normal + low-latency each step, fresh tokens)",
-                started.elapsed().as_secs_f64()
-            );
-            println!("  mismatches:      {mismatches}");
-            println!("  faults injected: {faults}");
-            println!(
-                "  RSS per rank:    {} KiB after step 1, {} KiB at the end, peak {} KiB (largest rank)",
-                max(2),
-                max(3),
-                max(4)
-            );
+        println!("{summary}");
+    } else {
+        println!(
+            "uep soak: {steps} steps x {world} ranks in {:.1} s ({}, fresh tokens)",
+            s.seconds,
+            modes(args)
+        );
+        println!("  mismatches:      {mismatches}");
+        println!("  faults injected: {faults}");
+        println!(
+            "  RSS per rank:    {} KiB after step 1, {} KiB at the end, peak {} KiB (largest rank)",
+            max(2),
+            max(3),
+            max(4)
+        );
+    }
+    Ok(())
+}
+
+/// Each survivor's own report (elastic mode).
+fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Recovery) {
+    let (rank, world) = (buffer.rank(), buffer.num_ranks());
+    let masked: Vec<usize> = (0..world)
+        .filter(|&r| buffer.low_latency_mask()[r])
+        .collect();
+    let recovered_ms = recovery.first.map(|(_, d)| d.as_secs_f64() * 1e3);
+    if args.json {
+        let summary = serde_json::json!({
+            "rank": rank,
+            "steps": s.steps,
+            "ranks": world,
+            "mismatches": s.mismatches,
+            "faults_injected": s.faults,
+            "masked": masked,
+            "masked_at_step": recovery.first.map(|(step, _)| step),
+            "recovered_ms": recovered_ms,
+            "rss_start_kib": s.rss_start,
+            "rss_end_kib": s.rss.0,
+            "seconds": s.seconds,
+        });
+        println!("{summary}");
+        return;
+    }
+    let recovered = match recovery.first {
+        Some((step, d)) => format!(
+            "ranks {masked:?} masked at step {step}: recovered in {:.0} ms",
+            d.as_secs_f64() * 1e3
+        ),
+        None => "no rank masked".into(),
+    };
+    println!(
+        "uep soak (elastic), rank {rank}: {} steps of {world} ranks in {:.1} s ({})\n  \
+         mismatches:      {}\n  faults injected: {}\n  {recovered}",
+        s.steps,
+        s.seconds,
+        modes(args),
+        s.mismatches,
+        s.faults
+    );
+    for (r, why) in buffer.low_latency_mask_reasons().into_iter().enumerate() {
+        if let Some(why) = why {
+            println!("  rank {r}: {why}");
         }
     }
-    Ok(bad.count() == 0)
+}
+
+fn modes(args: &BenchArgs) -> &'static str {
+    match args.mode {
+        Modes::All => "normal + low-latency each step",
+        Modes::Normal => "normal mode",
+        Modes::Ll => "low-latency mode",
+    }
 }

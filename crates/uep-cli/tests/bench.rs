@@ -390,3 +390,86 @@ fn soak_over_faults_stays_exact_with_stable_memory() {
         "RSS grew from {start} KiB to {end} KiB over the soak"
     );
 }
+
+/// An elastic soak with victims: every survivor reports 0 mismatches, the victims'
+/// ranks masked, and a recovery (the step of the kill) under a second.
+fn elastic_soak(nodes: &str, victims: &[&str], masked: &[u64], extra: &[&str]) {
+    let mut args = vec![
+        "bench",
+        "--json",
+        "--ranks",
+        "4",
+        "--nodes",
+        nodes,
+        "--mode",
+        "ll",
+        "--elastic",
+        "--soak",
+        "40",
+        "--experts",
+        "16",
+        "--ll-tokens",
+        "24",
+        "--hidden",
+        "256",
+        "--topk",
+        "4",
+        "--timeout",
+        "60",
+    ];
+    args.extend(victims);
+    args.extend(extra);
+    let out = Command::new(env!("CARGO_BIN_EXE_uep"))
+        .args(&args)
+        .output()
+        .expect("run uep");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "{args:?}: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+    let reports: Vec<serde_json::Value> = stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).expect("JSON line"))
+        .collect();
+    assert_eq!(reports.len(), 4 - masked.len(), "{stdout}\n{stderr}");
+    for r in &reports {
+        assert_eq!(r["mismatches"], 0, "{r}");
+        assert_eq!(r["steps"], 40, "{r}");
+        let got: Vec<u64> = r["masked"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        assert_eq!(got, masked, "{r}");
+        let ms = r["recovered_ms"].as_f64().expect("a recovery time");
+        assert!(ms < 1000.0, "recovery took {ms} ms: {r}");
+    }
+}
+
+#[test]
+fn elastic_ll_goes_on_without_a_killed_rank_on_one_node() {
+    elastic_soak("1", &["--kill", "2@12"], &[2], &[]);
+}
+
+#[test]
+fn elastic_ll_goes_on_without_a_killed_rank_across_nodes() {
+    elastic_soak("2", &["--kill", "3@12"], &[3], &[]);
+}
+
+#[test]
+fn elastic_ll_goes_on_without_a_killed_node_and_with_faults() {
+    elastic_soak("2", &["--kill-node", "1@12"], &[2, 3], &["--faults", "5"]);
+}
+
+#[test]
+fn elastic_ll_goes_on_without_rank_0() {
+    // Rank 0 also hosts the bootstrap rendezvous: the data path must not need it.
+    elastic_soak("4", &["--kill", "0@12"], &[0], &[]);
+}

@@ -554,6 +554,98 @@ fn a_stopped_rank_under_load_is_slow_not_dead() {
     eprintln!("stopped 3 s under load: {summary}");
 }
 
+/// Elastic low-latency mode across hosts, ranks started by environment only: the
+/// victims SIGKILL themselves mid-soak, every survivor masks them within the step,
+/// and every step stays exact against the reference without them.
+fn elastic_across_hosts(n: usize, per_host: usize, kill: &[&str], masked: &[u64]) {
+    let Some(hosts) = hosts(n) else { return };
+    let mut args = SMALL.to_vec();
+    args.extend([
+        "--experts",
+        "16",
+        "--topk",
+        "4",
+        "--mode",
+        "ll",
+        "--elastic",
+    ]);
+    args.extend(["--soak", "40", "--timeout", "60"]);
+    args.extend(kill);
+    let outputs = wait_all(
+        spawn_job(&hosts, per_host, Launcher::Torchrun, &args),
+        Duration::from_secs(120),
+    );
+    let log = describe(&outputs);
+    let mut survivors = 0;
+    for (r, o) in outputs.iter().enumerate() {
+        if masked.contains(&(r as u64)) {
+            assert!(!o.status.success(), "rank {r} was to die\n{log}");
+            continue;
+        }
+        survivors += 1;
+        assert!(o.status.success(), "rank {r}\n{log}");
+        let report: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("rank {r}: {e}\n{log}"));
+        assert_eq!(report["mismatches"], 0, "{report}");
+        let got: Vec<u64> = report["masked"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        assert_eq!(got, masked, "{report}");
+        let ms = report["recovered_ms"].as_f64().unwrap();
+        assert!(ms < 1000.0, "rank {r} recovered in {ms} ms\n{log}");
+        eprintln!("rank {r}: {report}");
+    }
+    assert_eq!(survivors, n * per_host - masked.len());
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it): timing-sensitive"]
+fn elastic_ll_survives_a_killed_host() {
+    elastic_across_hosts(2, 2, &["--kill-node", "1@15"], &[2, 3]);
+}
+
+#[test]
+#[ignore = "long tier (./dev test runs it): timing-sensitive"]
+fn elastic_ll_survives_a_killed_rank_among_four_hosts() {
+    elastic_across_hosts(4, 1, &["--kill", "2@15"], &[2]);
+}
+
+/// A cut network in elastic mode: each half finds the other unreachable, half of the
+/// job, so neither goes on alone; every rank fails soon, naming the unreachable node.
+#[test]
+#[ignore = "long tier (./dev test runs it): timing-sensitive"]
+fn elastic_ll_does_not_split_when_the_network_does() {
+    let Some(hosts) = hosts(2) else { return };
+    let mut args = SMALL.to_vec();
+    args.extend([
+        "--experts",
+        "16",
+        "--topk",
+        "4",
+        "--mode",
+        "ll",
+        "--elastic",
+    ]);
+    args.extend(["--soak", "1000000", "--timeout", "60"]);
+    let job = spawn_job(&hosts, 2, Launcher::Torchrun, &args);
+    std::thread::sleep(Duration::from_secs(3));
+    hosts.cut(1).unwrap();
+    let cut = Instant::now();
+    let outputs = wait_all(job, Duration::from_secs(90));
+    let took = cut.elapsed();
+    let log = describe(&outputs);
+    eprintln!("elastic, link cut: every rank ended {took:.1?} after the cut\n{log}");
+    assert!(took < Duration::from_secs(3), "ranks took {took:?}\n{log}");
+    for (r, o) in outputs.iter().enumerate() {
+        assert!(!o.status.success(), "rank {r} went on alone\n{log}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("unreachable"), "rank {r}:\n{err}");
+    }
+}
+
 /// The Python package across hosts: torchrun on each host runs a DeepEP-style job
 /// (`python/tests/torchrun_job.py`) that bootstraps through gloo and checks normal and
 /// low-latency results exactly; the ranks see two nodes and talk over the links.

@@ -16,6 +16,7 @@ use uep_shm::Region;
 use crate::area::Mem;
 use crate::config::BufferConfig;
 use crate::device::HostDevice;
+use crate::elastic::Elastic;
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::{RegionMap, ABORT_MSG_BYTES};
@@ -64,17 +65,26 @@ pub struct Buffer {
     /// The network path, when some ranks are on other nodes. Its proxy writes into
     /// `symm`'s memory (holding a handle on it): `Drop` stops it first.
     pub(crate) net: Option<NetPath>,
+    /// The mask of an elastic Buffer (see [`crate::elastic`]).
+    pub(crate) elastic: Option<std::cell::RefCell<Elastic>>,
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // After telling other nodes of a failure, keep the proxy a moment: a send
-        // completion only says the bytes left; closing the connections at once could
-        // lose them.
-        if self.net.as_ref().is_some_and(NetPath::abort_sent) {
-            std::thread::sleep(ABORT_LINGER);
+        let Some(net) = self.net.take() else {
+            return;
+        };
+        if net.abort_sent() || abort_reason(self.symm.local(), &self.map.control).is_some() {
+            // After telling other nodes of a failure, keep the proxy a moment: a send
+            // completion only says the bytes left; closing the connections at once could
+            // lose them. No drain: a failed job's peers may never complete anything.
+            if net.abort_sent() {
+                std::thread::sleep(ABORT_LINGER);
+            }
+            drop(net);
+        } else {
+            net.shutdown();
         }
-        self.net.take();
     }
 }
 
@@ -162,13 +172,16 @@ impl Buffer {
             ));
         }
         symm.unlink()?;
+        // An elastic job's proxies outlive a peer's failure.
+        let mut net_cfg = cfg.net.clone();
+        net_cfg.proxy.elastic |= cfg.elastic;
         let net = match map.net {
             Some(areas) if topo.num_nodes > 1 => Some(NetPath::start(
                 cp.as_ref(),
                 topo,
                 symm.local(),
                 areas,
-                &cfg.net,
+                &net_cfg,
             )?),
             _ => None,
         };
@@ -178,6 +191,9 @@ impl Buffer {
                 .map(|n| [Bank::new(n.banks[0].area), Bank::new(n.banks[1].area)]),
             ll: map.ll.map(|ll| ll.map(|a| Bank::new(a.bank))),
         };
+        let elastic = cfg
+            .elastic
+            .then(|| std::cell::RefCell::new(Elastic::new(num_ranks)));
         Ok(Buffer {
             device: HostDevice::new(cfg.device_threads),
             cp,
@@ -189,6 +205,7 @@ impl Buffer {
             seq: Seqs::default(),
             banks,
             net,
+            elastic,
         })
     }
 
@@ -438,8 +455,14 @@ impl Buffer {
     /// A barrier over all ranks, hierarchical: release stores among the node's ranks;
     /// on several nodes the node leaders (local rank 0) then meet through the proxy's
     /// barrier (zero-length writes carrying a barrier immediate) and release their node.
+    ///
+    /// On an elastic Buffer it is an agreement round instead (every rank not masked
+    /// meets every other), which also spreads the mask.
     pub fn barrier(&mut self) -> Result<()> {
         self.collective(|b| {
+            if b.elastic.is_some() {
+                return b.agree("barrier").map(drop);
+            }
             b.seq.barrier += 1;
             b.barrier_phases(b.seq.barrier)
         })

@@ -87,6 +87,10 @@ pub struct BufferConfig {
     pub ranks_per_node: Option<usize>,
     /// The network path to ranks on other nodes (used only when there are several).
     pub net: NetConfig,
+    /// Elastic low-latency mode (DeepEP's `enable_shrink`): a rank found dead or
+    /// unreachable is masked on every survivor and low-latency calls go on without it
+    /// (see the `elastic` module). Off: any dead rank fails every call.
+    pub elastic: bool,
 }
 
 impl BufferConfig {
@@ -114,6 +118,7 @@ impl BufferConfig {
             device_threads: 1,
             ranks_per_node: ranks_per_node_from_env(),
             net: NetConfig::default(),
+            elastic: false,
         }
     }
 
@@ -133,10 +138,11 @@ impl BufferConfig {
             None => "off".into(),
         };
         format!(
-            "normal: {}; low-latency: {}; ranks per node {:?}; {bytes} bytes",
+            "normal: {}; low-latency: {}; ranks per node {:?}; elastic {}; {bytes} bytes",
             mode(&self.normal),
             mode(&self.ll),
-            self.ranks_per_node
+            self.ranks_per_node,
+            self.elastic
         )
     }
 

@@ -65,6 +65,15 @@ pub enum EpError {
         /// Who was lost, and how that was known.
         lost: Box<crate::liveness::Lost>,
     },
+    /// Elastic mode: the other ranks masked this one (they found it gone, or their
+    /// callers masked it) and went on without it.
+    #[error("peer failure: rank {rank} was masked by its peers; ranks {by:?} go on without it")]
+    Excluded {
+        /// This rank.
+        rank: usize,
+        /// The ranks that go on.
+        by: Vec<usize>,
+    },
     /// A peer gave up (bad input, a timeout, a dead peer of its own) and said why.
     #[error("peer failure: {what}: rank {peer} aborted: {reason}")]
     PeerAborted {
@@ -141,6 +150,7 @@ impl EpError {
             EpError::Timeout { .. } => "timeout",
             EpError::PeerDied { .. }
             | EpError::PeerLost { .. }
+            | EpError::Excluded { .. }
             | EpError::PeerAborted { .. }
             | EpError::Unusable { .. } => "peer",
             EpError::Proxy { .. } => "proxy",

@@ -23,6 +23,7 @@ pub mod area;
 pub mod buffer;
 pub mod config;
 pub mod device;
+pub mod elastic;
 pub mod error;
 pub mod layout;
 pub mod liveness;

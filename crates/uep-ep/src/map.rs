@@ -55,6 +55,17 @@ pub struct ControlAreas {
     pub ll_entered: Area<u64>,
     /// `[LL_BUFFERS][src R]` epoch: low-latency combine rows from the source have landed.
     pub ll_combine_done: Area<u64>,
+    /// `[2][src R][1 + W]` elastic mode's agreement messages from the ranks of this
+    /// node, by round parity: the mask (`W = ceil(R / 64)` words), then the round,
+    /// stored last (see [`ControlAreas::agree_slot`]).
+    pub agree: Area<u64>,
+    /// `W`.
+    pub mask_words: usize,
+}
+
+/// Words of a rank mask: one bit a rank.
+pub fn mask_words(num_ranks: usize) -> usize {
+    num_ranks.div_ceil(64).max(1)
 }
 
 impl ControlAreas {
@@ -70,7 +81,17 @@ impl ControlAreas {
             relay_done: l.take(r),
             ll_entered: l.take(1),
             ll_combine_done: l.take(LL_BUFFERS * r),
+            agree: l.take(2 * r * (1 + mask_words(r))),
+            mask_words: mask_words(r),
         }
+    }
+
+    /// Rank `src`'s agreement message of round parity `parity`: `(round word, mask)`.
+    pub fn agree_slot(&self, parity: usize, src: usize) -> crate::Result<(Area<u64>, Area<u64>)> {
+        let w = 1 + self.mask_words;
+        let r = self.agree.len() / (2 * w);
+        let slot = self.agree.row((parity % 2) * r + src, w)?;
+        Ok((slot.prefix(1)?, slot.slice(1..w)?))
     }
 
     /// Rank `src`'s abort message slot (16-byte aligned: the proxy copies it to ranks on
@@ -321,6 +342,12 @@ impl NetAreas {
                 landing_cap[Channel::ll_combine(b).index()] = c;
             }
         }
+        // Elastic mode's agreement: the round, then the mask.
+        for parity in 0..2 {
+            let agree = round(8 * (1 + mask_words(r)));
+            staging_cap[Channel::agree(parity).index()] = agree;
+            landing_cap[Channel::agree(parity).index()] = agree;
+        }
         let tails = l.take(r);
         let proxy_counters = l.take(PROXY_COUNTER_BYTES);
         let abort_src = l.take(1);
@@ -425,6 +452,7 @@ mod tests {
         add("relay_done", c.relay_done.byte_range());
         add("ll_entered", c.ll_entered.byte_range());
         add("ll_combine_done", c.ll_combine_done.byte_range());
+        add("agree", c.agree.byte_range());
         if let Some(n) = &map.normal {
             add("notify", n.notify.byte_range());
             for (i, b) in n.banks.iter().enumerate() {

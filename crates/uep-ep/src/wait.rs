@@ -120,6 +120,9 @@ pub struct Wait<'a> {
     /// watch (not while this rank tells others that it failed, or waits for its own
     /// proxy).
     watch_peers: bool,
+    /// Elastic mode: only the awaited peer's loss ends the wait (the caller masks it
+    /// and goes on); other ranks' losses are not this wait's business.
+    elastic: bool,
     /// The proxy, when there is a network path.
     net: Option<&'a NetPath>,
 }
@@ -138,7 +141,16 @@ impl<'a> Wait<'a> {
             region,
             control,
             watch_peers: true,
+            elastic: false,
             net,
+        }
+    }
+
+    /// The same, in elastic mode (see the field).
+    pub fn elastic(self) -> Self {
+        Wait {
+            elastic: true,
+            ..self
         }
     }
 
@@ -261,18 +273,24 @@ impl<'a> Wait<'a> {
                 reason,
             });
         }
-        if let Some(net) = self.net {
-            // One load: the watch over other nodes says someone is gone.
-            if net.liveness().any_lost() {
-                if let Some(lost) = net.liveness().first_lost() {
-                    return Err(EpError::PeerLost {
-                        what: what(),
-                        lost: Box::new(lost.clone()),
-                    });
-                }
-            }
+        let Some(net) = self.net else {
+            return Ok(());
+        };
+        let lost = if self.elastic {
+            peer.and_then(|p| net.lost(p.rank))
+        } else if net.liveness().any_lost() {
+            // One load on the hot path: the watch over other nodes says someone is gone.
+            net.liveness().first_lost().cloned()
+        } else {
+            None
+        };
+        match lost {
+            Some(lost) => Err(EpError::PeerLost {
+                what: what(),
+                lost: Box::new(lost),
+            }),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 

@@ -406,9 +406,64 @@ pub fn generate_all(spec: &WorkloadSpec) -> Result<Vec<RankInput>> {
         .collect()
 }
 
+/// The inputs as an elastic job sees them with the ranks in `masked` gone: a masked
+/// rank sends no tokens, and every slot routed to a masked rank's experts is `-1`
+/// (weight 0). The reference of these inputs is what the survivors must get.
+pub fn without_ranks(inputs: &[RankInput], shape: &JobShape, masked: &[bool]) -> Vec<RankInput> {
+    let epr = shape.experts_per_rank().max(1) as i64;
+    let gone = |e: i64| e >= 0 && masked.get((e / epr) as usize).copied().unwrap_or(false);
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(r, input)| {
+            if masked.get(r).copied().unwrap_or(false) {
+                let x = match &input.x {
+                    TokenData::Bf16(_) => TokenData::Bf16(Vec::new()),
+                    TokenData::Fp8 { .. } => TokenData::Fp8 {
+                        data: Vec::new(),
+                        scales: Vec::new(),
+                    },
+                };
+                return RankInput {
+                    num_tokens: 0,
+                    x,
+                    topk_idx: Vec::new(),
+                    topk_weights: Vec::new(),
+                };
+            }
+            let mut input = input.clone();
+            for (e, w) in input.topk_idx.iter_mut().zip(&mut input.topk_weights) {
+                if gone(*e) {
+                    *e = -1;
+                    *w = 0.0;
+                }
+            }
+            input
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn without_ranks_empties_them_and_their_experts() {
+        let s = spec(Routing::Uniform, 4, 8, 2);
+        let inputs = generate_all(&s).unwrap();
+        let masked = [false, false, true, false];
+        let out = without_ranks(&inputs, &s.shape, &masked);
+        assert_eq!(out[2].num_tokens, 0);
+        for (r, input) in out.iter().enumerate().filter(|(r, _)| *r != 2) {
+            assert_eq!(input.num_tokens, inputs[r].num_tokens);
+            for (i, &e) in input.topk_idx.iter().enumerate() {
+                assert!(!(4..6).contains(&e), "rank 2's experts 4..6 are gone");
+                if e < 0 {
+                    assert_eq!(input.topk_weights[i], 0.0);
+                }
+            }
+        }
+    }
 
     fn spec(routing: Routing, num_ranks: usize, experts: usize, topk: usize) -> WorkloadSpec {
         WorkloadSpec {

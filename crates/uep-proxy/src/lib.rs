@@ -144,6 +144,11 @@ pub struct ProxyConfig {
     /// Ranks per node for `SameRail` / `NodeLeader` barriers (ranks
     /// `n * rpn .. (n + 1) * rpn` form node `n`); `None` = one node.
     pub ranks_per_node: Option<usize>,
+    /// A peer's failure is its own (default `false`): an operation to a peer that
+    /// fails marks the peer lost ([`Proxy::is_lost`]) and the thread carries on,
+    /// instead of stopping with a fatal [`ProxyError::Transport`]. For elastic jobs,
+    /// which mask a lost rank and keep serving.
+    pub elastic: bool,
     /// TESTS ONLY (default `true`). When `false` the receiver applies tail
     /// increments and LL count signals the moment they arrive, ignoring
     /// sequence numbers and arrival counts: used to show that the emulation
@@ -163,6 +168,7 @@ impl Default for ProxyConfig {
             spin_before_park: Duration::from_micros(50),
             max_park: Duration::from_millis(1),
             ranks_per_node: None,
+            elastic: false,
             emulate_ordering: true,
         }
     }
@@ -287,7 +293,7 @@ impl Proxy {
                 ));
             }
         }
-        let shared = Arc::new(Shared::new(cfg.threads));
+        let shared = Arc::new(Shared::new(cfg.threads, num_ranks));
         let stats: Vec<_> = (0..cfg.threads)
             .map(|_| Arc::new(CachePadded::new(ThreadStats::default())))
             .collect();
@@ -399,6 +405,21 @@ impl Proxy {
         }
         self.wake_thread(thread);
         ArrivalWatch { counter }
+    }
+
+    /// Marks `rank` lost (the caller found it gone): every thread abandons its
+    /// operations in flight to it, drops later commands to it, and leaves it out of
+    /// barriers. Never undone.
+    pub fn mark_lost(&self, rank: usize) {
+        if self.shared.mark_lost(rank) {
+            self.wake();
+        }
+    }
+
+    /// Whether `rank` is lost: marked by [`Proxy::mark_lost`], or, with
+    /// [`ProxyConfig::elastic`], found by a failed operation to it.
+    pub fn is_lost(&self, rank: usize) -> bool {
+        self.shared.is_lost(rank)
     }
 
     /// `Err` with the first fatal error of any thread (that thread has

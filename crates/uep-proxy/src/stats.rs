@@ -51,6 +51,10 @@ pub struct ProxyStats {
     pub rejected_commands: u64,
     /// Times a thread parked (slept) while idle.
     pub idle_parks: u64,
+    /// Operations in flight to a lost peer, given up on.
+    pub abandoned: u64,
+    /// Commands to a lost peer, dropped without posting.
+    pub dropped_to_lost: u64,
 }
 
 macro_rules! thread_stats {
@@ -97,6 +101,8 @@ thread_stats!(
     malformed_imms,
     rejected_commands,
     idle_parks,
+    abandoned,
+    dropped_to_lost,
 );
 
 impl ThreadStats {

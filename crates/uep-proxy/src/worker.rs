@@ -28,7 +28,7 @@
 //! make the window throttle less often.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -177,15 +177,40 @@ pub(crate) struct Shared {
     /// thread polls closely instead of parking for long (module docs of the
     /// crate, "Idling").
     pub(crate) watchers: Vec<CachePadded<AtomicUsize>>,
+    /// `[rank]`: the peer is lost (found gone by the caller, or, with
+    /// [`ProxyConfig::elastic`], by a failed completion). Set once, never cleared.
+    pub(crate) lost: Vec<AtomicBool>,
+    /// Bumped after every change of `lost`, so threads notice with one load.
+    pub(crate) lost_epoch: AtomicU64,
 }
 
 impl Shared {
-    /// State for `threads` threads.
-    pub(crate) fn new(threads: usize) -> Shared {
+    /// State for `threads` threads of a job of `num_ranks`.
+    pub(crate) fn new(threads: usize, num_ranks: usize) -> Shared {
         Shared {
             watchers: (0..threads).map(|_| CachePadded::default()).collect(),
+            lost: (0..num_ranks).map(|_| AtomicBool::new(false)).collect(),
             ..Shared::default()
         }
+    }
+
+    /// Marks `rank` lost; `true` if it was not already.
+    pub(crate) fn mark_lost(&self, rank: usize) -> bool {
+        let fresh = self
+            .lost
+            .get(rank)
+            .is_some_and(|l| !l.swap(true, Ordering::AcqRel));
+        if fresh {
+            self.lost_epoch.fetch_add(1, Ordering::Release);
+        }
+        fresh
+    }
+
+    /// Whether `rank` is lost.
+    pub(crate) fn is_lost(&self, rank: usize) -> bool {
+        self.lost
+            .get(rank)
+            .is_some_and(|l| l.load(Ordering::Acquire))
     }
 
     /// Whether someone waits for an arrival on thread `thread`.
@@ -271,6 +296,10 @@ struct Worker {
     stats: StatsRef,
     completions: Vec<Completion>,
     arrivals: Vec<Arrival>,
+    /// `Shared::lost_epoch` when this thread last abandoned lost peers' operations.
+    lost_seen: u64,
+    /// Peers whose operations this thread has abandoned.
+    abandoned: Vec<bool>,
 }
 
 /// Runs one proxy thread to completion, recording a fatal error in `shared`.
@@ -324,6 +353,8 @@ impl Worker {
             stats: init.stats,
             completions: Vec::new(),
             arrivals: Vec::new(),
+            lost_seen: 0,
+            abandoned: vec![false; init.num_ranks],
         }
     }
 
@@ -335,6 +366,7 @@ impl Worker {
             if self.shared.abort.load(Ordering::Acquire) {
                 return Ok(());
             }
+            self.abandon_lost();
             let mut work = self.poll_send()?;
             work |= self.poll_recv()?;
             let n = self.fifos.len();
@@ -392,7 +424,39 @@ impl Worker {
         }
     }
 
-    /// Retires send completions; `true` if any.
+    /// Gives up on the operations in flight to peers newly marked lost: they are
+    /// retired as if completed (a Quiet behind them may pop), and the transport drops
+    /// their late completions.
+    fn abandon_lost(&mut self) {
+        let epoch = self.shared.lost_epoch.load(Ordering::Acquire);
+        if epoch == self.lost_seen {
+            return;
+        }
+        self.lost_seen = epoch;
+        for peer in 0..self.num_ranks {
+            if self.shared.is_lost(peer) && !self.abandoned[peer] {
+                self.abandoned[peer] = true;
+                let gone: Vec<Completion> = self
+                    .transport
+                    .abandon_peer(peer)
+                    .into_iter()
+                    .map(|ctx| Completion::Write { ctx })
+                    .collect();
+                ThreadStats::bump(&self.stats.abandoned, gone.len() as u64);
+                // Contexts the transport hands back are ours and in flight.
+                if let Err(e) = self.retire(&gone) {
+                    tracing::warn!(
+                        rank = self.rank,
+                        thread = self.thread,
+                        "abandoning rank {peer}'s operations: {e}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Retires send completions; `true` if any. With [`ProxyConfig::elastic`], a
+    /// failed operation marks its peer lost instead of stopping the thread.
     fn poll_send(&mut self) -> Result<bool> {
         let mut buf = std::mem::take(&mut self.completions);
         buf.clear();
@@ -401,8 +465,27 @@ impl Worker {
         let retired = self.retire(&buf);
         self.completions = buf;
         retired?;
-        polled.map_err(|e| self.transport_err("polling send completions", e))?;
-        Ok(!self.completions.is_empty())
+        match polled {
+            Err(TransportError::Completion {
+                ctx: Some(ctx),
+                peer: Some(peer),
+                ref msg,
+                ..
+            }) if self.cfg.elastic => {
+                tracing::warn!(
+                    rank = self.rank,
+                    thread = self.thread,
+                    "an operation to rank {peer} failed ({msg}): rank {peer} is lost"
+                );
+                self.shared.mark_lost(peer);
+                self.retire(&[Completion::Write { ctx }])?;
+                Ok(true)
+            }
+            polled => {
+                polled.map_err(|e| self.transport_err("polling send completions", e))?;
+                Ok(!self.completions.is_empty())
+            }
+        }
     }
 
     fn retire(&mut self, done: &[Completion]) -> Result<()> {
@@ -503,6 +586,17 @@ impl Worker {
             slot: slot.0,
             command: format!("{cmd:?}"),
             reason: reason.into(),
+        }
+    }
+
+    /// Whether a command to `dst` is to be dropped: the peer is lost, and nothing
+    /// posted to it would ever complete.
+    fn to_lost(&self, dst: usize) -> bool {
+        if self.shared.is_lost(dst) {
+            ThreadStats::bump(&self.stats.dropped_to_lost, 1);
+            true
+        } else {
+            false
         }
     }
 
@@ -620,6 +714,9 @@ impl Worker {
         };
         let dst = usize::from(dst_rank);
         self.check_peer(f, slot, cmd, dst)?;
+        if self.to_lost(dst) {
+            return Ok(Step::Done);
+        }
         let signal =
             classify(flags, piggyback, len).map_err(|why| self.reject(f, slot, cmd, why))?;
         let end = src_off.checked_add(len.into());
@@ -718,6 +815,9 @@ impl Worker {
         };
         let dst = usize::from(dst_rank);
         self.check_peer(f, slot, cmd, dst)?;
+        if self.to_lost(dst) {
+            return Ok(Step::Done);
+        }
         let value = i16::try_from(value).map_err(|_| {
             self.reject(
                 f,
@@ -843,6 +943,12 @@ impl Worker {
             let Some(&peer) = b.peers.get(b.sent) else {
                 break;
             };
+            if self.shared.is_lost(peer) {
+                if let Some(b) = &mut self.fifos[f].barrier {
+                    b.sent += 1;
+                }
+                continue;
+            }
             if self.fifos[f].in_flight >= self.cfg.max_writes_in_flight_per_fifo {
                 return Ok(Step::Wait);
             }
@@ -860,7 +966,8 @@ impl Worker {
             Some(b) => b.peers.clone(),
             None => Vec::new(),
         };
-        for p in peers {
+        // A lost peer never reaches the barrier: it no longer counts.
+        for p in peers.into_iter().filter(|&p| !self.shared.is_lost(p)) {
             if !self.barrier_reached(p, seq)? {
                 return Ok(Step::Wait);
             }

@@ -121,6 +121,8 @@ pub struct Runtime {
     timeout: Mutex<Duration>,
     threads: usize,
     emulate: Option<usize>,
+    /// Elastic low-latency mode (`enable_shrink`).
+    elastic: bool,
     state: Mutex<State>,
 }
 
@@ -183,6 +185,7 @@ impl Runtime {
         cfg.timeout = *self.timeout.lock().unwrap_or_else(|e| e.into_inner());
         cfg.device_threads = self.threads;
         cfg.ranks_per_node = self.emulate;
+        cfg.elastic = self.elastic;
         cfg
     }
 
@@ -358,7 +361,8 @@ impl Runtime {
     /// A runtime for rank `rank` of `world_size`, exchanging through `all_gather`
     /// (collective: it finds which ranks share a host).
     #[new]
-    #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None))]
+    #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None, elastic=false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         rank: usize,
         world_size: usize,
@@ -367,6 +371,7 @@ impl Runtime {
         timeout_s: f64,
         device_threads: usize,
         ranks_per_node: Option<usize>,
+        elastic: bool,
     ) -> PyResult<Runtime> {
         if rank >= world_size {
             return Err(uep_err(format!(
@@ -393,6 +398,7 @@ impl Runtime {
             timeout: Mutex::new(Duration::from_secs_f64(timeout_s)),
             threads: device_threads.max(1),
             emulate: ranks_per_node,
+            elastic,
             state: Mutex::new(State {
                 buffer: None,
                 outputs: Pool::default(),
@@ -979,6 +985,39 @@ impl Runtime {
             want,
             Some(reason.to_string()),
         )
+    }
+
+    /// `[R]`: the masked ranks (elastic mode; all `false` before the first call).
+    fn mask_query(&self, py: Python<'_>) -> Vec<bool> {
+        match self.lock(py).buffer.as_ref() {
+            Some(b) => b.low_latency_mask(),
+            None => vec![false; self.topo.num_ranks],
+        }
+    }
+
+    /// Why each rank is masked (`None` where it is not).
+    fn mask_reasons(&self, py: Python<'_>) -> Vec<Option<String>> {
+        match self.lock(py).buffer.as_ref() {
+            Some(b) => b.low_latency_mask_reasons(),
+            None => vec![None; self.topo.num_ranks],
+        }
+    }
+
+    /// Mask (`mask`) or unmask `rank` (elastic mode).
+    fn mask_update(&self, py: Python<'_>, rank: usize, mask: bool) -> PyResult<()> {
+        let mut st = self.lock(py);
+        Self::buffer(&mut st)?
+            .low_latency_update_mask(rank, mask)
+            .map_err(ep_err)
+    }
+
+    /// Unmask every rank not found gone (elastic mode).
+    fn mask_clean(&self, py: Python<'_>) -> PyResult<()> {
+        let mut st = self.lock(py);
+        match st.buffer.as_mut() {
+            Some(b) => b.low_latency_clean_mask().map_err(ep_err),
+            None => Ok(()),
+        }
     }
 
     /// Free everything (collective: a barrier first, as DeepEP's `destroy`).

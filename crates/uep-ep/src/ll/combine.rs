@@ -114,13 +114,16 @@ impl Buffer {
         let s = areas.shape;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
-        let wait = self.wait();
+        let wait = self.ll_wait();
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
         let mut sinks = Vec::with_capacity(r_n);
         for src in 0..r_n {
-            if self.topo.is_local(src) {
-                sinks.push((self.peer_region(src)?, areas.combine_x, None, None));
+            if self.masked(src) {
+                // Elastic mode: nothing goes back to a masked rank.
+                sinks.push(None);
+            } else if self.topo.is_local(src) {
+                sinks.push(Some((self.peer_region(src)?, areas.combine_x, None, None)));
             } else {
                 let staged = self.net()?.stage(ch, src, &wait)?;
                 let mut first = Vec::with_capacity(epr);
@@ -130,16 +133,16 @@ impl Buffer {
                     n += handle.layout_range[le * r_n + src].1 as usize;
                 }
                 let p = LlCombinePacket::layout(n, h).at_base(staged.area.offset());
-                sinks.push((local, p.rows, Some(first), Some((staged, p.len))));
+                sinks.push(Some((local, p.rows, Some(first), Some((staged, p.len)))));
             }
         }
         self.device.launch(epr, |experts| {
             for le in experts {
-                for (src, (region, rows, first, _)) in sinks.iter().enumerate() {
-                    if src == me {
-                        // Read straight from `y` by the reduction.
+                for (src, sink) in sinks.iter().enumerate() {
+                    // Our own rows are read straight from `y` by the reduction.
+                    let (Some((region, rows, first, _)), false) = (sink, src == me) else {
                         continue;
-                    }
+                    };
                     let (begin, n) = handle.layout_range[le * r_n + src];
                     for j in begin as usize..(begin + n) as usize {
                         let row = le * r_n * m + j;
@@ -155,7 +158,7 @@ impl Buffer {
             }
             Ok(())
         })?;
-        for (region, _, _, staged) in sinks {
+        for (region, _, _, staged) in sinks.into_iter().flatten() {
             match staged {
                 None => region
                     .word(self.map.control.ll_combine_done, c * r_n + me)?
@@ -201,21 +204,35 @@ impl Buffer {
                 out.len()
             ));
         }
-        let wait = self.wait();
+        let wait = self.ll_wait();
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
         let mut landed = vec![None; r_n];
         for (src, landed) in landed.iter_mut().enumerate() {
+            if self.masked(src) {
+                continue;
+            }
             let what = || {
                 format!("rank {me}: LL combine {seq}: waiting for rank {src}'s expert outputs (ll_combine_done[{c}][{src}])")
             };
             if self.topo.is_local(src) {
                 let word = local.word(self.map.control.ll_combine_done, c * r_n + src)?;
-                wait.at_least(word, seq as u64, Some(self.peer(src)), &what)?;
+                let done = wait.at_least(word, seq as u64, Some(self.peer(src)), &what);
+                self.unless_lost(src, done)?;
             } else {
-                *landed = Some(self.net()?.recv(ch, src, &wait, &what)?);
+                let packet = self.net()?.recv(ch, src, &wait, &what);
+                *landed = self.unless_lost(src, packet)?;
             }
         }
+        // Elastic mode: every survivor leaves out the same experts' outputs.
+        let masked = match &self.elastic {
+            Some(el) => {
+                let m = self.agree(&format!("LL combine {seq}"))?;
+                el.borrow_mut().last_combine = m.clone();
+                m
+            }
+            None => vec![false; r_n],
+        };
         // SAFETY: every source published its rows for this combine (its epoch, or its
         // announced packet); they write this combine area again only for combine
         // seq + LL_BUFFERS, which follows this rank's next combine.
@@ -226,7 +243,9 @@ impl Buffer {
             from[i] = &y_bits[row * h..(row + 1) * h];
         }
         for (src, at) in landed.iter().enumerate() {
-            let Some(at) = at else { continue };
+            let (Some(at), false) = (at, masked[src]) else {
+                continue;
+            };
             let experts = (src * epr) as i64..((src + 1) * epr) as i64;
             let n = p.topk_idx.iter().filter(|e| experts.contains(e)).count();
             let packet = LlCombinePacket::layout(n, h).at_base(at.offset());
@@ -247,7 +266,8 @@ impl Buffer {
             let mut parts = Vec::with_capacity(k);
             for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
                 parts.clear();
-                for slot in (0..k).filter(|&s| idx[t * k + s] >= 0) {
+                let kept = |e: i64| e >= 0 && !masked[e as usize / epr];
+                for slot in (0..k).filter(|&s| kept(idx[t * k + s])) {
                     parts.push((from[t * k + slot], w[t * k + slot]));
                 }
                 reduce_rows(&parts, true, out_row);

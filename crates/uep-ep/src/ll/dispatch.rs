@@ -178,7 +178,7 @@ impl Buffer {
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
         let t_n = x.len() / h;
         let local = self.symm.local();
-        let wait = self.wait();
+        let wait = self.ll_wait();
         // Enter the step: same-node peers may now write its buffer (see the module docs).
         local
             .word(self.map.control.ll_entered, 0)?
@@ -209,27 +209,34 @@ impl Buffer {
             );
         }
         let ch = Channel::ll_dispatch(b);
-        let mut sinks = Vec::with_capacity(r_n);
+        // A masked rank gets nothing (elastic mode).
+        let mut sinks: Vec<Option<LlSink>> = Vec::with_capacity(r_n);
         for r in 0..r_n {
-            if self.topo.is_local(r) {
+            if self.masked(r) {
+                sinks.push(None);
+            } else if self.topo.is_local(r) {
                 let region = self.peer_region(r)?;
                 // Buffer b of rank r was last used by step seq - 3; r moves past it when
                 // it enters seq - 1.
                 let word = region.word(self.map.control.ll_entered, 0)?;
-                wait.at_least(word, seq as u64 - 1, Some(self.peer(r)), &|| {
+                let released = wait.at_least(word, seq as u64 - 1, Some(self.peer(r)), &|| {
                     format!(
                         "rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}"
                     )
-                })?;
+                });
+                if self.unless_lost(r, released)?.is_none() {
+                    sinks.push(None);
+                    continue;
+                }
                 // This source's block of every expert: rows `me*M..` of each.
-                sinks.push(LlSink {
+                sinks.push(Some(LlSink {
                     region,
                     x: areas.recv_x,
                     scales: areas.recv_scales,
                     codes: areas.recv_src,
                     first: None,
                     staged: None,
-                });
+                }));
             } else {
                 let staged = self.net()?.stage(ch, r, &wait)?;
                 let counts = &per_expert[r * epr..(r + 1) * epr];
@@ -245,14 +252,14 @@ impl Buffer {
                         Some(f)
                     })
                     .collect();
-                sinks.push(LlSink {
+                sinks.push(Some(LlSink {
                     region: local,
                     x: p.rows,
                     scales: p.scales,
                     codes: p.codes,
                     first: Some(first),
                     staged: Some(staged),
-                });
+                }));
             }
         }
         self.device.launch(t_n, |range| {
@@ -263,7 +270,7 @@ impl Buffer {
                         continue;
                     }
                     let (r, le) = (e as usize / epr, e as usize % epr);
-                    let sink = &sinks[r];
+                    let Some(sink) = &sinks[r] else { continue };
                     let p = pos[t * k + slot] as usize;
                     let row = match &sink.first {
                         None => le * r_n * m + me * m + p,
@@ -289,6 +296,7 @@ impl Buffer {
         // Count signals, after all rows (the launch joined every kernel thread).
         let total = local.len();
         for (r, sink) in sinks.into_iter().enumerate() {
+            let Some(sink) = sink else { continue };
             let counts = &per_expert[r * epr..(r + 1) * epr];
             match (sink.first, sink.staged) {
                 (None, _) => {
@@ -356,23 +364,31 @@ impl Buffer {
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
         let (groups, row_bytes) = (h / 128, if use_fp8 { h } else { 2 * h });
         let local = self.symm.local();
-        let wait = self.wait();
+        let wait = self.ll_wait();
         let ch = Channel::ll_dispatch(b);
         let mut counts = vec![0u32; epr * r_n];
         let mut wait_ns = vec![0u64; r_n];
-        for src in 0..r_n {
+        // A masked source counts zero tokens (elastic mode); so does one found gone here.
+        for src in (0..r_n).filter(|&s| !self.masked(s)) {
             let start = Instant::now();
             if self.topo.is_local(src) {
                 for le in 0..epr {
                     let word = local.word(areas.count_of(le, src, r_n)?, 0)?;
-                    counts[le * r_n + src] = wait.epoch(word, seq, Some(self.peer(src)), &|| {
+                    let count = wait.epoch(word, seq, Some(self.peer(src)), &|| {
                         format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s count for local expert {le} (ll_count[{b}][{le}][{src}])")
-                    })?;
+                    });
+                    match self.unless_lost(src, count)? {
+                        Some(c) => counts[le * r_n + src] = c,
+                        None => break,
+                    }
                 }
             } else {
                 let landing = self.net()?.recv(ch, src, &wait, &|| {
                     format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s rows")
-                })?;
+                });
+                let Some(landing) = self.unless_lost(src, landing)? else {
+                    continue;
+                };
                 let mut header = vec![0u32; epr];
                 local.get(
                     LlDispatchPacket::layout(epr, 0, 0, 0)
@@ -410,6 +426,17 @@ impl Buffer {
                 }
             }
             wait_ns[src] = start.elapsed().as_nanos() as u64;
+        }
+        // Every survivor uses the same mask: what arrived from a source masked anywhere
+        // is dropped.
+        let masked = match &self.elastic {
+            Some(_) => self.agree(&format!("LL dispatch {seq}"))?,
+            None => vec![false; r_n],
+        };
+        for (i, c) in counts.iter_mut().enumerate() {
+            if masked[i % r_n] {
+                *c = 0;
+            }
         }
         for (i, &c) in counts.iter().enumerate() {
             if c as usize > m {
@@ -477,6 +504,7 @@ impl Buffer {
                 recv_count,
                 fp8: use_fp8,
                 topk_hash: pending.topk_hash,
+                masked,
             },
             wait_ns,
         ))

@@ -53,6 +53,9 @@ pub struct LlHandle {
     pub fp8: bool,
     /// Fingerprint of the `topk_idx` dispatched, so combine can check it gets the same.
     pub(crate) topk_hash: u64,
+    /// `[R]`: the ranks masked in this dispatch (elastic mode; all `false` otherwise):
+    /// they sent nothing here.
+    pub masked: Vec<bool>,
 }
 
 /// A low-latency dispatch whose send half ran: pass it to

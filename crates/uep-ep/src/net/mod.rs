@@ -38,7 +38,7 @@ use uep_wire::BarrierScope;
 
 use crate::area::{Area, Mem};
 use crate::error::{EpError, Result};
-use crate::liveness::{Liveness, LivenessConfig};
+use crate::liveness::{Gone, Liveness, LivenessConfig, Lost};
 use crate::map::{ControlAreas, NetAreas};
 use crate::topology::Topology;
 use crate::wait::{Peer, Wait};
@@ -529,6 +529,17 @@ impl NetPath {
         Ok(())
     }
 
+    /// Stops the proxy after it has sent everything queued (bounded by the proxy's
+    /// timeout; lost peers' operations are given up on), then the liveness watch, which
+    /// says goodbye: a rank that leaves after its last call must not take that call's
+    /// last packets with it.
+    pub fn shutdown(self) {
+        let me = self.me;
+        if let Err(e) = self.proxy.shutdown() {
+            tracing::warn!(rank = me, "proxy shutdown: {e}");
+        }
+    }
+
     /// Whether [`NetPath::send_abort`] ran.
     pub fn abort_sent(&self) -> bool {
         self.abort_sent.get()
@@ -547,6 +558,29 @@ impl NetPath {
     /// The liveness watch over the ranks on other nodes.
     pub fn liveness(&self) -> &Liveness {
         &self.liveness
+    }
+
+    /// Whether `rank` is gone, and how that was known: the liveness watch's verdict,
+    /// or (with `ProxyConfig::elastic`) an operation to it that failed.
+    pub fn lost(&self, rank: usize) -> Option<Lost> {
+        if let Some(l) = self.liveness.lost(rank) {
+            return Some(l.clone());
+        }
+        self.proxy.is_lost(rank).then(|| Lost {
+            rank,
+            node: rank / self.ranks_per_node,
+            host: self.hosts.get(rank).cloned().unwrap_or_default(),
+            how: Gone::Died {
+                detail: "an operation to it failed".into(),
+            },
+            at: Instant::now(),
+        })
+    }
+
+    /// Stop sending to `rank` (masked in elastic mode): its proxy operations in flight
+    /// are given up on, later ones dropped.
+    pub fn mark_lost(&self, rank: usize) {
+        self.proxy.mark_lost(rank);
     }
 
     /// A fatal error of a proxy thread, if any.

@@ -28,6 +28,8 @@ pub enum Channel {
     LlDispatch(u8),
     /// Low-latency combine of buffer `b`.
     LlCombine(u8),
+    /// Elastic mode's agreement on the masked ranks, by round parity (`0..2`).
+    Agree(u8),
 }
 
 /// Low-latency buffers: step `s` uses buffer `s % LL_BUFFERS`. Three, so that the
@@ -36,7 +38,7 @@ pub enum Channel {
 pub const LL_BUFFERS: usize = 3;
 
 /// Number of [`Channel`]s.
-pub const CHANNELS: usize = 3 + 2 * LL_BUFFERS;
+pub const CHANNELS: usize = 3 + 2 * LL_BUFFERS + 2;
 
 impl Channel {
     /// The channel's index, `0..CHANNELS`.
@@ -47,7 +49,13 @@ impl Channel {
             Channel::Combine => 2,
             Channel::LlDispatch(b) => 3 + b as usize % LL_BUFFERS,
             Channel::LlCombine(b) => 3 + LL_BUFFERS + b as usize % LL_BUFFERS,
+            Channel::Agree(p) => 3 + 2 * LL_BUFFERS + p as usize % 2,
         }
+    }
+
+    /// The agreement channel of round parity `parity`.
+    pub fn agree(parity: usize) -> Channel {
+        Channel::Agree((parity % 2) as u8)
     }
 
     /// The low-latency dispatch channel of buffer `b`.
@@ -66,6 +74,7 @@ impl Channel {
             .into_iter()
             .chain((0..LL_BUFFERS).map(Channel::ll_dispatch))
             .chain((0..LL_BUFFERS).map(Channel::ll_combine))
+            .chain((0..2).map(Channel::agree))
     }
 }
 

@@ -69,6 +69,7 @@ impl Buffer {
         combined_x: &mut [bf16],
         combined_topk_weights: Option<&mut [f32]>,
     ) -> Result<()> {
+        self.require_every_rank("combine")?;
         self.collective(|b| b.combine_call(x, &args, handle, combined_x, combined_topk_weights))
     }
 

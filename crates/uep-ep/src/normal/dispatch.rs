@@ -149,6 +149,7 @@ impl Buffer {
     /// If any rank dispatches more tokens than the Buffer's `max_tokens`, every rank
     /// returns [`EpError::Capacity`] and the Buffer stays usable.
     pub fn dispatch(&mut self, args: DispatchArgs<'_>) -> Result<DispatchOutput<'_>> {
+        self.require_every_rank("dispatch")?;
         let handle = self.collective(|b| b.dispatch_call(&args))?;
         self.dispatch_output(handle)
     }

@@ -1,0 +1,29 @@
+"""Elastic low-latency mode (``enable_shrink=True``): ranks SIGKILLed mid-run are
+masked on every survivor, the survivors go on, and every step stays exact against the
+reference without them; normal mode refuses to run without every rank."""
+
+import pytest
+
+from conftest import launch
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_killed_rank_is_masked_and_the_others_go_on(nodes):
+    env = {"UEP_RANKS_PER_NODE": str(4 // nodes), "UEP_TIMEOUT_S": "60"}
+    results = launch("elastic", 4, env=env, killed=(3,), victims=(3,), kill_step=4)
+    for r in range(3):
+        assert results[r]["masked"] == [3], results[r]
+        assert results[r]["first_masked"] == 4, results[r]
+        assert "rank 3" in results[r]["reasons"][3], results[r]
+
+
+def test_a_killed_node_is_masked_and_the_other_goes_on():
+    env = {"UEP_RANKS_PER_NODE": "2", "UEP_TIMEOUT_S": "60"}
+    results = launch("elastic", 4, env=env, killed=(2, 3), victims=(2, 3), kill_step=5)
+    for r in range(2):
+        assert results[r]["masked"] == [2, 3], results[r]
+
+
+def test_the_mask_api_needs_enable_shrink():
+    results = launch("mask_without_shrink", 2)
+    assert all(r["raised"] for r in results), results
