@@ -33,6 +33,93 @@ struct LlSink<'a> {
     staged: Option<Staged>,
 }
 
+/// Where every packed row came from (the handle's tables).
+struct Packed {
+    layout_range: Vec<(i32, i32)>,
+    recv_count: Vec<i32>,
+    src_info: Vec<i32>,
+    src_slot: Vec<i32>,
+}
+
+/// Where each copy goes inside its (expert, source) block: copies numbered per expert in
+/// (token, slot) order.
+struct Placement {
+    /// `[E]` copies per expert.
+    per_expert: Vec<u32>,
+    /// `[T * K]` each copy's row in its expert's block (`u32::MAX` for a `-1` slot).
+    pos: Vec<u32>,
+}
+
+impl Placement {
+    fn of(topk_idx: &[i64], num_experts: usize) -> Placement {
+        let mut per_expert = vec![0u32; num_experts];
+        let mut pos = vec![u32::MAX; topk_idx.len()];
+        for (p, &e) in pos.iter_mut().zip(topk_idx) {
+            if e >= 0 {
+                *p = per_expert[e as usize];
+                per_expert[e as usize] += 1;
+            }
+        }
+        Placement { per_expert, pos }
+    }
+
+    /// The counts of rank `r`'s `epr` experts.
+    fn counts_of(&self, r: usize, epr: usize) -> &[u32] {
+        &self.per_expert[r * epr..(r + 1) * epr]
+    }
+}
+
+/// The rows to send, cast once per token (not once per copy): bf16 as given, or FP8
+/// with a scale per 128 channels.
+struct Rows<'a> {
+    x: &'a [bf16],
+    hidden: usize,
+    /// Bytes of one sent row.
+    row_bytes: usize,
+    /// FP8: `[T, H]` codes and `[T, H/128]` scales.
+    fp8: Option<(Vec<u8>, Vec<f32>)>,
+}
+
+impl<'a> Rows<'a> {
+    fn quantise(x: &'a [bf16], hidden: usize, use_fp8: bool, round_scale: bool) -> Rows<'a> {
+        let t_n = x.len() / hidden;
+        let groups = hidden / 128;
+        let fp8 = use_fp8.then(|| {
+            let (mut q, mut scales) = (vec![0u8; t_n * hidden], vec![0f32; t_n * groups]);
+            for t in 0..t_n {
+                quantize_token(
+                    &x[t * hidden..(t + 1) * hidden],
+                    round_scale,
+                    &mut q[t * hidden..(t + 1) * hidden],
+                    &mut scales[t * groups..(t + 1) * groups],
+                );
+            }
+            (q, scales)
+        });
+        Rows {
+            x,
+            hidden,
+            row_bytes: if use_fp8 { hidden } else { 2 * hidden },
+            fp8,
+        }
+    }
+
+    /// Token `t`'s bytes as sent.
+    fn row(&self, t: usize) -> &[u8] {
+        let h = self.hidden;
+        match &self.fp8 {
+            Some((q, _)) => &q[t * h..(t + 1) * h],
+            None => bytemuck::cast_slice(&self.x[t * h..(t + 1) * h]),
+        }
+    }
+
+    /// Token `t`'s scales (FP8 only).
+    fn scales(&self, t: usize) -> Option<&[f32]> {
+        let g = self.hidden / 128;
+        self.fp8.as_ref().map(|(_, s)| &s[t * g..(t + 1) * g])
+    }
+}
+
 impl Buffer {
     /// The low-latency areas of buffer `b`.
     pub(crate) fn ll_areas(&self, b: usize) -> Result<LlAreas> {
@@ -163,6 +250,8 @@ impl Buffer {
         Ok(pending)
     }
 
+    /// The send half of step `seq`, in phases: enter → quantise → open sinks → pack →
+    /// signal.
     fn ll_send_step(
         &self,
         seq: u32,
@@ -174,43 +263,44 @@ impl Buffer {
         let b = seq as usize % LL_BUFFERS;
         let areas = self.ll_areas(b)?;
         let s = areas.shape;
-        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
-        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
-        let t_n = x.len() / h;
-        let local = self.symm.local();
-        let wait = self.ll_wait();
+        let t_n = x.len() / s.hidden;
         // Enter the step: same-node peers may now write its buffer (see the module docs).
-        local
+        self.symm
+            .local()
             .word(self.map.control.ll_entered, 0)?
             .store(seq as u64, Ordering::Release);
+        let rows = Rows::quantise(x, s.hidden, use_fp8, round_scale);
+        let place = Placement::of(topk_idx, s.num_experts);
+        let sinks = self.ll_open_sinks(seq, &areas, &place, rows.row_bytes)?;
+        self.ll_pack(&sinks, &areas, topk_idx, &place, &rows)?;
+        self.ll_signal(sinks, seq, &areas, &place, rows.row_bytes)?;
+        Ok(LlPending {
+            buffer_id: self.id,
+            seq,
+            buffer: b,
+            num_tokens: t_n,
+            fp8: use_fp8,
+            topk_hash: fingerprint(topk_idx),
+        })
+    }
 
-        // Row of each (token, slot) inside its (expert, me) block, in (token, slot) order.
-        let mut per_expert = vec![0u32; s.num_experts];
-        let mut pos = vec![u32::MAX; t_n * k];
-        for (p, &e) in pos.iter_mut().zip(topk_idx) {
-            if e >= 0 {
-                *p = per_expert[e as usize];
-                per_expert[e as usize] += 1;
-            }
-        }
-        // Cast once per token, not once per copy.
-        let groups = h / 128;
-        let (row_bytes, mut q, mut scales) = if use_fp8 {
-            (h, vec![0u8; t_n * h], vec![0f32; t_n * groups])
-        } else {
-            (h * 2, Vec::new(), Vec::new())
-        };
-        for t in 0..if use_fp8 { t_n } else { 0 } {
-            quantize_token(
-                &x[t * h..(t + 1) * h],
-                round_scale,
-                &mut q[t * h..(t + 1) * h],
-                &mut scales[t * groups..(t + 1) * groups],
-            );
-        }
+    /// Where every rank's copies go: a same-node peer's rows (once it released the
+    /// buffer), or a packet staged for a peer on another node; `None` for a masked rank
+    /// (elastic mode), which gets nothing.
+    fn ll_open_sinks(
+        &self,
+        seq: u32,
+        areas: &LlAreas,
+        place: &Placement,
+        row_bytes: usize,
+    ) -> Result<Vec<Option<LlSink<'_>>>> {
+        let b = seq as usize % LL_BUFFERS;
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let epr = areas.shape.experts_per_rank(r_n);
+        let groups = areas.shape.hidden / 128;
+        let wait = self.ll_wait();
         let ch = Channel::ll_dispatch(b);
-        // A masked rank gets nothing (elastic mode).
-        let mut sinks: Vec<Option<LlSink>> = Vec::with_capacity(r_n);
+        let mut sinks = Vec::with_capacity(r_n);
         for r in 0..r_n {
             if self.masked(r) {
                 sinks.push(None);
@@ -239,11 +329,11 @@ impl Buffer {
                 }));
             } else {
                 let staged = self.net()?.stage(ch, r, &wait)?;
-                let counts = &per_expert[r * epr..(r + 1) * epr];
+                let counts = place.counts_of(r, epr);
                 let n = counts.iter().sum::<u32>() as usize;
                 let p = LlDispatchPacket::layout(epr, n, row_bytes, groups)
                     .at_base(staged.area.offset());
-                local.put(p.counts, counts)?;
+                self.symm.local().put(p.counts, counts)?;
                 let first = counts
                     .iter()
                     .scan(0usize, |acc, &c| {
@@ -253,7 +343,7 @@ impl Buffer {
                     })
                     .collect();
                 sinks.push(Some(LlSink {
-                    region: local,
+                    region: self.symm.local(),
                     x: p.rows,
                     scales: p.scales,
                     codes: p.codes,
@@ -262,6 +352,23 @@ impl Buffer {
                 }));
             }
         }
+        Ok(sinks)
+    }
+
+    /// The kernel: every (token, slot) copy into its place, in parallel over tokens.
+    fn ll_pack(
+        &self,
+        sinks: &[Option<LlSink<'_>>],
+        areas: &LlAreas,
+        topk_idx: &[i64],
+        place: &Placement,
+        rows: &Rows<'_>,
+    ) -> Result<()> {
+        let s = areas.shape;
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
+        let (groups, row_bytes) = (h / 128, rows.row_bytes);
+        let t_n = topk_idx.len() / k.max(1);
         self.device.launch(t_n, |range| {
             for t in range {
                 for slot in 0..k {
@@ -271,33 +378,43 @@ impl Buffer {
                     }
                     let (r, le) = (e as usize / epr, e as usize % epr);
                     let Some(sink) = &sinks[r] else { continue };
-                    let p = pos[t * k + slot] as usize;
+                    let p = place.pos[t * k + slot] as usize;
                     let row = match &sink.first {
                         None => le * r_n * m + me * m + p,
                         Some(first) => first[le] + p,
                     };
-                    if use_fp8 {
-                        sink.region
-                            .put(sink.x.row(row, row_bytes)?, &q[t * h..(t + 1) * h])?;
-                        sink.region.put(
-                            sink.scales.row(row, groups)?,
-                            &scales[t * groups..(t + 1) * groups],
-                        )?;
-                    } else {
-                        let bytes: &[u8] = bytemuck::cast_slice(&x[t * h..(t + 1) * h]);
-                        sink.region.put(sink.x.row(row, row_bytes)?, bytes)?;
+                    sink.region.put(sink.x.row(row, row_bytes)?, rows.row(t))?;
+                    if let Some(scales) = rows.scales(t) {
+                        sink.region.put(sink.scales.row(row, groups)?, scales)?;
                     }
                     sink.region
                         .put(sink.codes.row(row, 1)?, &[(t * k + slot) as i32])?;
                 }
             }
             Ok(())
-        })?;
-        // Count signals, after all rows (the launch joined every kernel thread).
-        let total = local.len();
+        })
+    }
+
+    /// After every row (the launch joined every kernel thread): one count per (expert,
+    /// receiver) into a same-node peer, or the packet to a peer on another node, each
+    /// expert's rows written straight into their block there (one write per expert:
+    /// the per-expert batching of the reference).
+    fn ll_signal(
+        &self,
+        sinks: Vec<Option<LlSink<'_>>>,
+        seq: u32,
+        areas: &LlAreas,
+        place: &Placement,
+        row_bytes: usize,
+    ) -> Result<()> {
+        let s = areas.shape;
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (epr, m) = (s.experts_per_rank(r_n), s.max_tokens);
+        let groups = s.hidden / 128;
+        let total = self.symm.local().len();
         for (r, sink) in sinks.into_iter().enumerate() {
             let Some(sink) = sink else { continue };
-            let counts = &per_expert[r * epr..(r + 1) * epr];
+            let counts = place.counts_of(r, epr);
             match (sink.first, sink.staged) {
                 (None, _) => {
                     for (le, &c) in counts.iter().enumerate() {
@@ -307,9 +424,6 @@ impl Buffer {
                     }
                 }
                 (Some(first), Some(staged)) => {
-                    // Each expert's rows straight into their block at the receiver (one
-                    // write per expert: the per-expert batching of the reference), then
-                    // the packet.
                     let n = counts.iter().sum::<u32>() as usize;
                     let p = LlDispatchPacket::layout(epr, n, row_bytes, groups);
                     let mut direct = Vec::with_capacity(epr);
@@ -329,14 +443,7 @@ impl Buffer {
                 }
             }
         }
-        Ok(LlPending {
-            buffer_id: self.id,
-            seq,
-            buffer: b,
-            num_tokens: t_n,
-            fp8: use_fp8,
-            topk_hash: fingerprint(topk_idx),
-        })
+        Ok(())
     }
 
     fn ll_recv(&mut self, pending: &LlPending) -> Result<(LlHandle, Vec<u64>)> {
@@ -356,9 +463,56 @@ impl Buffer {
         Ok(out)
     }
 
+    /// The receive half of a step, in phases: wait for every source's counts → agree on
+    /// the mask (elastic mode) → pack each expert's rows to the front.
     fn ll_recv_step(&self, pending: &LlPending) -> Result<(LlHandle, Vec<u64>)> {
-        let (seq, b, use_fp8) = (pending.seq, pending.buffer, pending.fp8);
+        let (seq, b) = (pending.seq, pending.buffer);
         let areas = self.ll_areas(b)?;
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (epr, m) = (areas.shape.experts_per_rank(r_n), areas.shape.max_tokens);
+        let (mut counts, wait_ns) = self.ll_wait_counts(pending, &areas)?;
+        // Every survivor uses the same mask: what arrived from a source masked anywhere
+        // is dropped.
+        let masked = match &self.elastic {
+            Some(_) => self.agree(&format!("LL dispatch {seq}"))?,
+            None => vec![false; r_n],
+        };
+        for (i, c) in counts.iter_mut().enumerate() {
+            if masked[i % r_n] {
+                *c = 0;
+            }
+            if *c as usize > m {
+                return Err(invalid!(
+                    "rank {} sent {c} rows to expert {} of rank {me}, more than the {m} it may send",
+                    i % r_n,
+                    me * epr + i / r_n
+                ));
+            }
+        }
+        let packed = self.ll_pack_front(&areas, &counts, pending.fp8)?;
+        Ok((
+            LlHandle {
+                buffer_id: self.id,
+                seq,
+                buffer: b,
+                num_tokens: pending.num_tokens,
+                src_info: packed.src_info,
+                src_slot: packed.src_slot,
+                layout_range: packed.layout_range,
+                recv_count: packed.recv_count,
+                fp8: pending.fp8,
+                topk_hash: pending.topk_hash,
+                masked,
+            },
+            wait_ns,
+        ))
+    }
+
+    /// `[E/R, R]` counts from every source not masked (zero from one found gone here),
+    /// and how long each wait took. A source on another node announced a packet: its
+    /// rows went straight into their blocks, and its scales and codes join them here.
+    fn ll_wait_counts(&self, pending: &LlPending, areas: &LlAreas) -> Result<(Vec<u32>, Vec<u64>)> {
+        let (seq, b, use_fp8) = (pending.seq, pending.buffer, pending.fp8);
         let s = areas.shape;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
@@ -368,7 +522,6 @@ impl Buffer {
         let ch = Channel::ll_dispatch(b);
         let mut counts = vec![0u32; epr * r_n];
         let mut wait_ns = vec![0u64; r_n];
-        // A masked source counts zero tokens (elastic mode); so does one found gone here.
         for src in (0..r_n).filter(|&s| !self.masked(s)) {
             let start = Instant::now();
             if self.topo.is_local(src) {
@@ -404,8 +557,6 @@ impl Buffer {
                 }
                 let p = LlDispatchPacket::layout(epr, total, row_bytes, groups)
                     .at_base(landing.offset());
-                // The rows themselves went straight into their blocks; scales and codes
-                // join them.
                 let mut first = 0;
                 for (le, &c) in header.iter().enumerate() {
                     let (n, block) = (c as usize, le * r_n * m + src * m);
@@ -427,34 +578,25 @@ impl Buffer {
             }
             wait_ns[src] = start.elapsed().as_nanos() as u64;
         }
-        // Every survivor uses the same mask: what arrived from a source masked anywhere
-        // is dropped.
-        let masked = match &self.elastic {
-            Some(_) => self.agree(&format!("LL dispatch {seq}"))?,
-            None => vec![false; r_n],
-        };
-        for (i, c) in counts.iter_mut().enumerate() {
-            if masked[i % r_n] {
-                *c = 0;
-            }
-        }
-        for (i, &c) in counts.iter().enumerate() {
-            if c as usize > m {
-                return Err(invalid!(
-                    "rank {} sent {c} rows to expert {} of rank {me}, more than the {m} it may send",
-                    i % r_n,
-                    me * epr + i / r_n
-                ));
-            }
-        }
+        Ok((counts, wait_ns))
+    }
 
-        // Pack each expert's blocks to the front, sources ascending (moves only go down),
-        // scales into their column-major place.
+    /// Packs each expert's blocks to the front, sources ascending (moves only go
+    /// down), the scales into their column-major place, and records where every row
+    /// came from.
+    fn ll_pack_front(&self, areas: &LlAreas, counts: &[u32], use_fp8: bool) -> Result<Packed> {
+        let s = areas.shape;
+        let r_n = self.topo.num_ranks;
+        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
+        let (groups, row_bytes) = (h / 128, if use_fp8 { h } else { 2 * h });
+        let local = self.symm.local();
         let rows_per_expert = r_n * m;
-        let mut layout_range = vec![(0i32, 0i32); epr * r_n];
-        let mut recv_count = vec![0i32; epr];
-        let mut src_info = vec![-1i32; epr * rows_per_expert];
-        let mut src_slot = vec![-1i32; epr * rows_per_expert];
+        let mut out = Packed {
+            layout_range: vec![(0i32, 0i32); epr * r_n],
+            recv_count: vec![0i32; epr],
+            src_info: vec![-1i32; epr * rows_per_expert],
+            src_slot: vec![-1i32; epr * rows_per_expert],
+        };
         let mut block_scales = Vec::new();
         let mut column = Vec::new();
         for le in 0..epr {
@@ -484,30 +626,15 @@ impl Buffer {
                 }
                 let codes = local.get_vec(areas.recv_src.slice(from..from + n)?)?;
                 for (i, &code) in codes.iter().enumerate() {
-                    src_info[to + i] = code / k as i32;
-                    src_slot[to + i] = code % k as i32;
+                    out.src_info[to + i] = code / k as i32;
+                    out.src_slot[to + i] = code % k as i32;
                 }
-                layout_range[le * r_n + src] = (base as i32, n as i32);
+                out.layout_range[le * r_n + src] = (base as i32, n as i32);
                 base += n;
             }
-            recv_count[le] = base as i32;
+            out.recv_count[le] = base as i32;
         }
-        Ok((
-            LlHandle {
-                buffer_id: self.id,
-                seq,
-                buffer: b,
-                num_tokens: pending.num_tokens,
-                src_info,
-                src_slot,
-                layout_range,
-                recv_count,
-                fp8: use_fp8,
-                topk_hash: pending.topk_hash,
-                masked,
-            },
-            wait_ns,
-        ))
+        Ok(out)
     }
 
     /// The output areas of the LL dispatch `handle` describes: all rows, and the

@@ -405,7 +405,6 @@ impl Buffer {
             topk: if with_topk { k } else { 0 },
             weights: if with_weights { k } else { 0 },
         };
-        let bank = areas.bank(seq);
         let out_base: Vec<usize> = (0..r_n).map(|r| counts.column_sum(me, r)).collect();
         let in_rank = &routing.in_rank;
         let dests: Vec<Dest> = (0..r_n)
@@ -451,8 +450,44 @@ impl Buffer {
                 }
             }
         }
-        let mut sinks = Vec::with_capacity(nd);
-        let mut staged = Vec::with_capacity(nd);
+        let (sinks, staged) =
+            self.open_row_sinks(seq, areas, &dests, &totals, &out_base, fmt, wait)?;
+        Ok(Plan {
+            dests,
+            hit,
+            direct,
+            chunk_start,
+            per_chunk,
+            totals,
+            sinks,
+            staged,
+            out_base,
+            fmt,
+            fp8,
+            with_topk,
+            with_weights,
+        })
+    }
+
+    /// Where each destination's rows go: a same-node rank's output rows from this
+    /// rank's first row there, or the packet staged for another node's relay.
+    #[allow(clippy::too_many_arguments)]
+    fn open_row_sinks(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        dests: &[Dest],
+        totals: &[(usize, usize)],
+        out_base: &[usize],
+        fmt: RowFormat,
+        wait: &Wait<'_>,
+    ) -> Result<(Vec<RowSink<'_>>, Vec<Option<Staged>>)> {
+        let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
+        let (h, k) = (areas.shape.hidden, areas.shape.topk);
+        let groups = h / 128;
+        let bank = areas.bank(seq);
+        let mut sinks = Vec::with_capacity(dests.len());
+        let mut staged = Vec::with_capacity(dests.len());
         for (d, dest) in dests.iter().enumerate() {
             match *dest {
                 Dest::Rank(r) => {
@@ -498,21 +533,7 @@ impl Buffer {
                 }
             }
         }
-        Ok(Plan {
-            dests,
-            hit,
-            direct,
-            chunk_start,
-            per_chunk,
-            totals,
-            sinks,
-            staged,
-            out_base,
-            fmt,
-            fp8,
-            with_topk,
-            with_weights,
-        })
+        Ok((sinks, staged))
     }
 
     /// Phase 3, pack: the kernel threads store every token once into each destination.

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use half::bf16;
 
 use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed};
-use crate::area::Mem;
+use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::error::Result;
 use crate::invalid;
@@ -22,6 +22,22 @@ use crate::map::NormalAreas;
 use crate::net::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
 use crate::quant::reduce_rows;
 use crate::wait::Wait;
+
+/// A dispatch packet to relay, read and checked.
+struct RelayPacket {
+    src: usize,
+    head: DispatchHeader,
+    fmt: RowFormat,
+    p: DispatchPacket,
+    /// `[n, K]` global expert ids.
+    idx: Vec<i64>,
+    /// `[n, K]` weights.
+    weights: Vec<f32>,
+    /// `[n]` source token index.
+    tokens: Vec<i32>,
+    /// `[n]` local ranks that need each token.
+    masks: Vec<u64>,
+}
 
 impl Buffer {
     /// Dispatch phase 5: take the packet of each rank on another node that has this
@@ -35,158 +51,203 @@ impl Buffer {
         matrix: &[u32],
         wait: &Wait<'_>,
     ) -> Result<Vec<Relayed>> {
-        let topo = self.topo;
-        let (r_n, me) = (topo.num_ranks, topo.rank);
-        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
-        let epr = areas.shape.experts_per_rank(r_n);
-        let local = self.symm.local();
-        let bank = areas.bank(seq);
+        let me = self.topo.rank;
         let mut relayed = Vec::new();
-        for m in topo.remote_nodes() {
-            let src = topo.relay(me, m);
+        for m in self.topo.remote_nodes() {
+            let src = self.topo.relay(me, m);
             let landing = self.net()?.recv(Channel::Dispatch, src, wait, &|| {
                 format!("rank {me}: dispatch {seq}: waiting for rank {src}'s tokens to relay")
             })?;
-            let mut head = [DispatchHeader::default()];
-            local.get(landing.prefix(16)?.cast(), &mut head)?;
-            let head = head[0];
-            let n = head.tokens as usize;
-            if n > t_max {
-                return Err(invalid!(
-                    "rank {me}: rank {src}'s dispatch packet announces {n} tokens, more than num_max_dispatch_tokens_per_rank = {t_max}"
-                ));
-            }
-            let n_direct = head.direct_tokens();
-            let mine = matrix[src * r_n + me] as usize;
-            if head.has(DispatchHeader::DIRECT) && n_direct != mine || n_direct > n {
-                return Err(invalid!(
-                    "rank {me}: rank {src}'s dispatch packet says {n_direct} of its {n} tokens came straight here; its counts announced {mine}"
-                ));
-            }
-            let fp8 = head.has(DispatchHeader::FP8);
-            let (topk, weights) = (
-                head.has(DispatchHeader::TOPK),
-                head.has(DispatchHeader::WEIGHTS),
-            );
-            let (row_bytes, groups) = (if fp8 { h } else { 2 * h }, h / 128);
-            let fmt = RowFormat {
-                row_bytes,
-                groups: if fp8 { groups } else { 0 },
-                topk: if topk { k } else { 0 },
-                weights: if weights { k } else { 0 },
-            };
-            let p = DispatchPacket::layout(n, n_direct, fmt).at_base(landing.offset());
-            if p.len > landing.len() {
-                return Err(invalid!(
-                    "rank {me}: rank {src}'s dispatch packet of {} bytes overflows its {}-byte landing area",
-                    p.len,
-                    landing.len()
-                ));
-            }
-            let idx = local.get_vec(p.topk_idx)?;
-            let w = local.get_vec(p.weights)?;
-            let tokens = local.get_vec(p.src)?;
-            let masks = local.get_vec(p.mask)?;
-            // Rows from `src` start, on each rank of this node, after those of ranks 0..src.
-            let start = |r: usize| column_sum(matrix, r_n, src, r);
-            let mut pos: Vec<usize> = topo.node_ranks(topo.node).map(start).collect();
-            let (mut idx_row, mut w_row) = (vec![0i64; k], vec![0f32; k]);
-            // Rows of the packet that went to none but this rank are not in it.
-            let mut rest = 0;
-            for j in 0..n {
-                if masks[j]
-                    .checked_shr(topo.ranks_per_node as u32)
-                    .unwrap_or(0)
-                    != 0
-                {
-                    return Err(invalid!(
-                        "rank {me}: rank {src}'s dispatch packet names local ranks {:#x} of a node of {}",
-                        masks[j],
-                        topo.ranks_per_node
-                    ));
-                }
-                if masks[j] == 0 {
-                    return Err(invalid!(
-                        "rank {me}: rank {src}'s dispatch packet carries token {} for no rank",
-                        tokens[j]
-                    ));
-                }
-                let direct_here =
-                    head.has(DispatchHeader::DIRECT) && masks[j] >> topo.local & 1 != 0;
-                // Where the token's x row (and scales) is: in this rank's own output rows
-                // when it went straight there, else the next row of the packet.
-                let (x_at, scales_at) = if direct_here {
-                    let at = pos[topo.local];
-                    (
-                        bank.recv_x.row(at, row_bytes)?,
-                        bank.recv_scales.row(at, fmt.groups)?,
-                    )
-                } else {
-                    rest += 1;
-                    (
-                        p.x.row(rest - 1, row_bytes)?,
-                        p.scales.row(rest - 1, fmt.groups)?,
-                    )
-                };
-                for (l, r) in topo.node_ranks(topo.node).enumerate() {
-                    if masks[j] >> l & 1 == 0 {
-                        continue;
-                    }
-                    let region = self.peer_region(r)?;
-                    let at = pos[l];
-                    pos[l] += 1;
-                    if at >= start(r) + matrix[src * r_n + r] as usize {
-                        return Err(invalid!(
-                            "rank {me}: rank {src}'s dispatch packet sends rank {r} more tokens than its counts announced ({})",
-                            matrix[src * r_n + r]
-                        ));
-                    }
-                    // (This rank's own rows went straight into place, unless unaligned.)
-                    if !(l == topo.local && direct_here) {
-                        region.copy(bank.recv_x.row(at, row_bytes)?, local, x_at)?;
-                        if fp8 {
-                            region.copy(bank.recv_scales.row(at, fmt.groups)?, local, scales_at)?;
-                        }
-                    }
-                    if topk {
-                        let w = weights.then(|| &w[j * k..(j + 1) * k]);
-                        localize(
-                            &idx[j * k..(j + 1) * k],
-                            w,
-                            r,
-                            epr,
-                            &mut idx_row,
-                            &mut w_row,
-                        );
-                        region.put(bank.recv_topk_idx.row(at, k)?, &idx_row)?;
-                        if weights {
-                            region.put(bank.recv_topk_weights.row(at, k)?, &w_row)?;
-                        }
-                    }
-                    region.put(areas.recv_src_idx.row(at, 1)?, &tokens[j..j + 1])?;
-                }
-            }
-            if rest != n - n_direct {
-                return Err(invalid!(
-                    "rank {me}: rank {src}'s dispatch packet carries {} rows for other ranks, but its masks name {rest}",
-                    n - n_direct
-                ));
-            }
-            for (l, r) in topo.node_ranks(topo.node).enumerate() {
-                let announced = matrix[src * r_n + r] as usize;
-                if pos[l] != start(r) + announced {
-                    return Err(invalid!(
-                        "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {announced}",
-                        pos[l] - start(r)
-                    ));
-                }
-                self.peer_region(r)?
-                    .word(self.map.control.dispatch_done, src)?
-                    .store(seq as u64, Ordering::Release);
-            }
-            relayed.push(Relayed { src, tokens, masks });
+            let packet = self.open_relay_packet(src, landing, areas, matrix)?;
+            self.store_relayed(seq, &packet, areas, matrix)?;
+            relayed.push(Relayed {
+                src,
+                tokens: packet.tokens,
+                masks: packet.masks,
+            });
         }
         Ok(relayed)
+    }
+
+    /// Reads and checks the header of `src`'s dispatch packet in `landing`, and its
+    /// per-token sections.
+    fn open_relay_packet(
+        &self,
+        src: usize,
+        landing: Area<u8>,
+        areas: &NormalAreas,
+        matrix: &[u32],
+    ) -> Result<RelayPacket> {
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
+        let local = self.symm.local();
+        let mut head = [DispatchHeader::default()];
+        local.get(landing.prefix(16)?.cast(), &mut head)?;
+        let head = head[0];
+        let n = head.tokens as usize;
+        if n > t_max {
+            return Err(invalid!(
+                "rank {me}: rank {src}'s dispatch packet announces {n} tokens, more than num_max_dispatch_tokens_per_rank = {t_max}"
+            ));
+        }
+        let n_direct = head.direct_tokens();
+        let mine = matrix[src * r_n + me] as usize;
+        if head.has(DispatchHeader::DIRECT) && n_direct != mine || n_direct > n {
+            return Err(invalid!(
+                "rank {me}: rank {src}'s dispatch packet says {n_direct} of its {n} tokens came straight here; its counts announced {mine}"
+            ));
+        }
+        let fp8 = head.has(DispatchHeader::FP8);
+        let (topk, weights) = (
+            head.has(DispatchHeader::TOPK),
+            head.has(DispatchHeader::WEIGHTS),
+        );
+        let fmt = RowFormat {
+            row_bytes: if fp8 { h } else { 2 * h },
+            groups: if fp8 { h / 128 } else { 0 },
+            topk: if topk { k } else { 0 },
+            weights: if weights { k } else { 0 },
+        };
+        let p = DispatchPacket::layout(n, n_direct, fmt).at_base(landing.offset());
+        if p.len > landing.len() {
+            return Err(invalid!(
+                "rank {me}: rank {src}'s dispatch packet of {} bytes overflows its {}-byte landing area",
+                p.len,
+                landing.len()
+            ));
+        }
+        Ok(RelayPacket {
+            src,
+            head,
+            fmt,
+            p,
+            idx: local.get_vec(p.topk_idx)?,
+            weights: local.get_vec(p.weights)?,
+            tokens: local.get_vec(p.src)?,
+            masks: local.get_vec(p.mask)?,
+        })
+    }
+
+    /// Stores every token of `packet` into the output rows of the ranks of this node
+    /// its mask names, checking it against the counts the source announced, then
+    /// publishes the source to them.
+    fn store_relayed(
+        &self,
+        seq: u32,
+        packet: &RelayPacket,
+        areas: &NormalAreas,
+        matrix: &[u32],
+    ) -> Result<()> {
+        let topo = self.topo;
+        let (r_n, me) = (topo.num_ranks, topo.rank);
+        let k = areas.shape.topk;
+        let epr = areas.shape.experts_per_rank(r_n);
+        let local = self.symm.local();
+        let bank = areas.bank(seq);
+        let RelayPacket {
+            src, head, fmt, p, ..
+        } = *packet;
+        let (idx, w, tokens, masks) = (&packet.idx, &packet.weights, &packet.tokens, &packet.masks);
+        let (n, n_direct) = (head.tokens as usize, head.direct_tokens());
+        let row_bytes = fmt.row_bytes;
+        let (fp8, topk, weights) = (fmt.groups > 0, fmt.topk > 0, fmt.weights > 0);
+        // Rows from `src` start, on each rank of this node, after those of ranks 0..src.
+        let start = |r: usize| column_sum(matrix, r_n, src, r);
+        let mut pos: Vec<usize> = topo.node_ranks(topo.node).map(start).collect();
+        let (mut idx_row, mut w_row) = (vec![0i64; k], vec![0f32; k]);
+        // Rows of the packet that went to none but this rank are not in it.
+        let mut rest = 0;
+        for j in 0..n {
+            if masks[j]
+                .checked_shr(topo.ranks_per_node as u32)
+                .unwrap_or(0)
+                != 0
+            {
+                return Err(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet names local ranks {:#x} of a node of {}",
+                    masks[j],
+                    topo.ranks_per_node
+                ));
+            }
+            if masks[j] == 0 {
+                return Err(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet carries token {} for no rank",
+                    tokens[j]
+                ));
+            }
+            let direct_here = head.has(DispatchHeader::DIRECT) && masks[j] >> topo.local & 1 != 0;
+            // Where the token's x row (and scales) is: in this rank's own output rows
+            // when it went straight there, else the next row of the packet.
+            let (x_at, scales_at) = if direct_here {
+                let at = pos[topo.local];
+                (
+                    bank.recv_x.row(at, row_bytes)?,
+                    bank.recv_scales.row(at, fmt.groups)?,
+                )
+            } else {
+                rest += 1;
+                (
+                    p.x.row(rest - 1, row_bytes)?,
+                    p.scales.row(rest - 1, fmt.groups)?,
+                )
+            };
+            for (l, r) in topo.node_ranks(topo.node).enumerate() {
+                if masks[j] >> l & 1 == 0 {
+                    continue;
+                }
+                let region = self.peer_region(r)?;
+                let at = pos[l];
+                pos[l] += 1;
+                if at >= start(r) + matrix[src * r_n + r] as usize {
+                    return Err(invalid!(
+                        "rank {me}: rank {src}'s dispatch packet sends rank {r} more tokens than its counts announced ({})",
+                        matrix[src * r_n + r]
+                    ));
+                }
+                // (This rank's own rows went straight into place, unless unaligned.)
+                if !(l == topo.local && direct_here) {
+                    region.copy(bank.recv_x.row(at, row_bytes)?, local, x_at)?;
+                    if fp8 {
+                        region.copy(bank.recv_scales.row(at, fmt.groups)?, local, scales_at)?;
+                    }
+                }
+                if topk {
+                    let w = weights.then(|| &w[j * k..(j + 1) * k]);
+                    localize(
+                        &idx[j * k..(j + 1) * k],
+                        w,
+                        r,
+                        epr,
+                        &mut idx_row,
+                        &mut w_row,
+                    );
+                    region.put(bank.recv_topk_idx.row(at, k)?, &idx_row)?;
+                    if weights {
+                        region.put(bank.recv_topk_weights.row(at, k)?, &w_row)?;
+                    }
+                }
+                region.put(areas.recv_src_idx.row(at, 1)?, &tokens[j..j + 1])?;
+            }
+        }
+        if rest != n - n_direct {
+            return Err(invalid!(
+                "rank {me}: rank {src}'s dispatch packet carries {} rows for other ranks, but its masks name {rest}",
+                n - n_direct
+            ));
+        }
+        for (l, r) in topo.node_ranks(topo.node).enumerate() {
+            let announced = matrix[src * r_n + r] as usize;
+            if pos[l] != start(r) + announced {
+                return Err(invalid!(
+                    "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {announced}",
+                    pos[l] - start(r)
+                ));
+            }
+            self.peer_region(r)?
+                .word(self.map.control.dispatch_done, src)?
+                .store(seq as u64, Ordering::Release);
+        }
+        Ok(())
     }
 
     /// Combine phase 3, on the relaying rank: once every rank of this node has written
