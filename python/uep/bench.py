@@ -10,6 +10,12 @@ alternating Rust and Python runs, and prints what the Python path costs over the
 path for each op::
 
     python -m uep.bench --compare target/release/uep
+
+With ``--peers`` it also times, step by step alternating with uep on the same tensors,
+what a user would write without an EP library: a Megatron-style dispatcher over
+``torch.distributed.all_to_all_single`` on gloo (count exchange, pack by destination,
+all-to-all of rows, top-k ids and weights; back with one all-to-all and a per-token sum in
+f32, rank order, rounded once), checked against uep's result.
 """
 
 from __future__ import annotations
@@ -31,6 +37,42 @@ import torch.multiprocessing as mp
 import uep
 
 OPS = ["layout", "dispatch", "combine", "ll_dispatch", "ll_combine"]
+PEER_OPS = ["gloo_dispatch", "gloo_combine"]
+
+
+def _gloo_dispatch(x, topk_idx, weights, epr: int, group):
+    """The peer's dispatch: rows, ids and weights of each token to every rank holding one
+    of its experts, grouped by source rank in token order (as DeepEP lays them out)."""
+    T, R = x.shape[0], dist.get_world_size(group)
+    in_rank = torch.zeros((T, R), dtype=torch.bool)
+    valid = topk_idx >= 0
+    in_rank[torch.arange(T).unsqueeze(1).expand_as(topk_idx)[valid], (topk_idx // epr)[valid]] = True
+    send_n = in_rank.sum(0)
+    recv_n = torch.empty_like(send_n)
+    dist.all_to_all_single(recv_n, send_n, group=group)
+    # Token indices by destination rank, token order inside.
+    order = torch.cat([torch.nonzero(in_rank[:, r]).flatten() for r in range(R)])
+    out_splits, in_splits = recv_n.tolist(), send_n.tolist()
+    n = sum(out_splits)
+
+    def a2a(t):
+        out = torch.empty((n,) + tuple(t.shape[1:]), dtype=t.dtype)
+        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+        return out
+    # gloo moves bf16 as its bytes.
+    recv_x = a2a(x[order].view(torch.uint8)).view(torch.bfloat16)
+    return recv_x, a2a(topk_idx[order]), a2a(weights[order]), (order, in_splits, out_splits)
+
+
+def _gloo_combine(y, state, T: int, group):
+    """The peer's combine: each received row back to its source, summed per token over
+    the ranks in rank order in f32, rounded once."""
+    order, in_splits, out_splits = state
+    back = torch.empty((sum(in_splits), 2 * y.shape[1]), dtype=torch.uint8)
+    dist.all_to_all_single(back, y.contiguous().view(torch.uint8), in_splits, out_splits, group=group)
+    acc = torch.zeros((T, y.shape[1]))
+    acc.index_add_(0, order, back.view(torch.bfloat16).float())
+    return acc.to(torch.bfloat16)
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
@@ -45,7 +87,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -
     topk_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
     weights = torch.rand((T, K), generator=g)
     ll_x, ll_idx, ll_w = x[:M].contiguous(), topk_idx[:M].contiguous(), weights[:M].contiguous()
-    times: Dict[str, List[float]] = {op: [] for op in OPS}
+    times: Dict[str, List[float]] = {op: [] for op in OPS + PEER_OPS}
     copies = {"normal": 0, "ll": 0}
     ok = True
 
@@ -72,7 +114,24 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -
         if step >= args.warmup:
             copies["normal"] += int(per_rank.sum())
         # A layer's tensors die with its call; so do these, before the next step.
-        del recv_x, recv_w, handle, combined
+        del recv_x, recv_w, handle
+        if args.peers:
+            # The same step through the peer, on the same tensors.
+            def peer_dispatch():
+                dist.barrier(group=group)
+                return _gloo_dispatch(x, topk_idx, weights, E // world, group)
+            t0 = time.perf_counter()
+            g_x, _, _, state = peer_dispatch()
+            if step >= args.warmup:
+                times["gloo_dispatch"].append((time.perf_counter() - t0) * 1e6)
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            g_out = _gloo_combine(g_x, state, T, group)
+            if step >= args.warmup:
+                times["gloo_combine"].append((time.perf_counter() - t0) * 1e6)
+            ok &= torch.equal(g_out, combined)
+            del g_x, g_out, state
+        del combined
     for step in range(args.warmup + args.iters):
         recv, _, ll_handle, _, _ = timed("ll_dispatch", step, lambda: buffer.low_latency_dispatch(
             ll_x, ll_idx, M, E, use_fp8=False))
@@ -99,9 +158,9 @@ def run_python(args: argparse.Namespace) -> List[dict]:
     mp.spawn(_rank, args=(args.ranks, port, args, results), nprocs=args.ranks)
     H, R = args.hidden, args.ranks
     reports = []
-    for op in OPS:
+    for op in OPS + (PEER_OPS if args.peers else []):
         samples = [t for r in range(R) for t in results[r]["times"][op]]
-        mode = "ll" if op.startswith("ll") else "normal"
+        mode = "ll" if op.startswith("ll_") else "normal"
         copies = sum(results[r]["copies"][mode] for r in range(R)) / R / args.iters
         row = 2 * H
         nbytes = 0 if op == "layout" else int(copies * row)
@@ -159,12 +218,21 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="with --compare: Rust/Python pairs, alternating")
     p.add_argument("--compare", metavar="UEP", help="the uep binary: run `uep bench` beside it")
+    p.add_argument("--peers", action="store_true",
+                   help="also time the all_to_all_single dispatcher on gloo, alternating with uep")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not args.compare:
         reports = run_python(args)
         print(json.dumps(reports) if args.json else table(reports, f"uep Python bench: {args.ranks} ranks"))
+        if args.peers and not args.json:
+            by = {r["op"]: r for r in reports}
+            print()
+            print("uep vs torch.distributed.all_to_all_single on gloo, same steps alternating, same bytes:")
+            for op in ("dispatch", "combine"):
+                u, g = by[op]["avg_us"], by["gloo_" + op]["avg_us"]
+                print(f"  {op:<9} uep {u:>12.0f} µs   gloo {g:>12.0f} µs   speedup {g / u:.2f}x")
         return 0 if all(r["verified"] for r in reports) else 1
     rust: Dict[str, List[float]] = {op: [] for op in OPS}
     py: Dict[str, List[float]] = {op: [] for op in OPS}

@@ -1,4 +1,5 @@
-//! Handing rank 0 the launcher's listening socket across `exec` (the crate's only `unsafe`).
+//! Handing rank 0 the launcher's listening socket across `exec`, and tying every rank's
+//! life to its launcher's (the crate's only `unsafe`: hooks between fork and exec).
 //!
 //! The launcher binds `127.0.0.1:0`, so the port is chosen and held without a race, and lets
 //! exactly one child, rank 0, inherit that socket. Rank 0 finds it via `UEP_LISTEN_FD` and adopts
@@ -31,6 +32,29 @@ pub(crate) fn inherit_in_child(cmd: &mut Command, fd: RawFd) {
             let flags = libc::fcntl(fd, libc::F_GETFD);
             if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
                 return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Makes the child `cmd` spawns die with SIGKILL when the thread that spawned it ends (the
+/// launcher exits or is killed), so that no rank outlives its launcher and holds its
+/// cores and ports.
+pub(crate) fn die_with_launcher(cmd: &mut Command) {
+    let launcher = std::process::id() as libc::pid_t;
+    // SAFETY: the hook runs in the forked child between fork and exec and calls only prctl,
+    // getppid and raise, which are async-signal-safe, allocate nothing and take no locks.
+    // They change only the child's own state.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The launcher may have died before the prctl took effect: then the child was
+            // already handed to another parent.
+            if libc::getppid() != launcher {
+                libc::raise(libc::SIGKILL);
             }
             Ok(())
         });

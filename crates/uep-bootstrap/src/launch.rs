@@ -126,6 +126,9 @@ pub fn launch_local(spec: &LaunchSpec) -> Result<LaunchOutcome, BootstrapError> 
 /// closed. The port is chosen race-free: the launcher binds `127.0.0.1:0` and rank 0 inherits
 /// that listening socket (`UEP_LISTEN_FD`), which [`crate::Group::connect`] adopts.
 ///
+/// Every rank dies (SIGKILL) if the thread that launched it ends first, say because the
+/// launcher was killed: no rank outlives its launcher.
+///
 /// Once a rank exits unsuccessfully (non-zero or by a signal), the others get `grace` to exit on
 /// their own and are then killed. Returns the per-rank statuses; fails if a rank cannot be spawned
 /// or `spec.timeout` expires (then all ranks are killed first).
@@ -168,6 +171,7 @@ pub fn launch_local_with_grace(
             .env(LAUNCHER_VAR, LAUNCHER_LOCAL)
             .env_remove(LISTEN_FD_VAR)
             .stdin(Stdio::null());
+        fdpass::die_with_launcher(&mut cmd);
         if let Some(l) = &listener {
             // Only rank 0 (the first spawn) inherits the listening socket.
             let fd = l.as_raw_fd();

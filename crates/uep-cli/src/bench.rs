@@ -176,6 +176,14 @@ pub struct BenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also run the peer a user would write without an EP library, alternating with
+    /// uep on the same inputs: the Megatron-style dispatcher over Open MPI's
+    /// MPI_Alltoallv (shared memory on one node, TCP across emulated nodes).
+    #[arg(long, conflicts_with_all = ["soak", "sweep", "inputs"])]
+    pub peers: bool,
+    /// With --peers: alternating rounds (uep, MPI, uep, ...).
+    #[arg(long, default_value_t = 3, requires = "peers")]
+    pub rounds: usize,
 }
 
 /// Run `uep bench`: as the launcher (spawning ranks) or as one rank.
@@ -190,6 +198,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
         return run_rank(args);
     }
     validate(args)?;
+    if args.peers {
+        return crate::peers::run(args, args.rounds.max(1));
+    }
     let spec = LaunchSpec {
         ranks: args.ranks,
         nodes: args.nodes,
@@ -913,6 +924,11 @@ fn report(
             iters: samples.len() / world,
             verified: total_bad == 0,
         });
+    }
+    if let Some(path) = std::env::var_os(crate::peers::REPORT_VAR) {
+        // A job of `--peers`: the report is for the caller, not the terminal.
+        std::fs::write(path, render_json(&reports))?;
+        return Ok(total_bad == 0);
     }
     if args.json {
         println!("{}", render_json(&reports));

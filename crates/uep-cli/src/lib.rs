@@ -2,6 +2,7 @@
 pub mod bench;
 pub mod dump;
 pub mod info;
+pub mod peers;
 pub mod report;
 pub mod soak;
 pub mod sweep;

@@ -473,3 +473,113 @@ fn elastic_ll_goes_on_without_rank_0() {
     // Rank 0 also hosts the bootstrap rendezvous: the data path must not need it.
     elastic_soak("4", &["--kill", "0@12"], &[0], &[]);
 }
+
+/// The ranks of `uep bench` die with it: SIGKILL the launcher mid-run, and every rank
+/// it started is gone within a second, instead of running on alone.
+#[test]
+fn ranks_die_with_their_launcher() {
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_uep"))
+        .args([
+            "bench",
+            "--ranks",
+            "2",
+            "--experts",
+            "16",
+            "--hidden",
+            "256",
+            "--topk",
+            "4",
+        ])
+        .args(["--tokens", "64", "--ll-tokens", "16", "--soak", "100000000"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let children = |pid: u32| -> Vec<u32> {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten();
+        tasks
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+            .flat_map(|c| {
+                c.split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .collect::<Vec<u32>>()
+            })
+            .collect()
+    };
+    let start = std::time::Instant::now();
+    let ranks = loop {
+        let c = children(launcher.id());
+        if c.len() == 2 {
+            break c;
+        }
+        assert!(start.elapsed().as_secs() < 30, "the ranks did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    // Let them get going, then kill the launcher.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let alive = |pid: &u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            !s.rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X']))
+        })
+    };
+    let killed = std::time::Instant::now();
+    while ranks.iter().any(alive) {
+        assert!(
+            killed.elapsed().as_secs() < 1,
+            "ranks {ranks:?} outlived their launcher"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// `uep bench --peers` runs the MPI_Alltoallv dispatcher beside uep on the same inputs
+/// (its combine checked against the same sum) and reports both, on one node and across
+/// emulated nodes (Open MPI's TCP transport).
+#[test]
+fn peers_run_mpi_alltoallv_beside_uep() {
+    if env!("UEP_MPI_PEER").is_empty() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must build the MPI peer (mpicc)"
+        );
+        eprintln!("skipped: uep was built without mpicc");
+        return;
+    }
+    for nodes in ["1", "2"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_uep"))
+            .args([
+                "bench", "--peers", "--rounds", "1", "--json", "--ranks", "4",
+            ])
+            .args(["--nodes", nodes, "--tokens", "64", "--hidden", "256"])
+            .args([
+                "--experts",
+                "16",
+                "--topk",
+                "4",
+                "--iters",
+                "2",
+                "--warmup",
+                "1",
+            ])
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{}\n{stdout}\n{stderr}", out.status);
+        let v: Vec<serde_json::Value> = serde_json::from_str(&stdout).expect("JSON");
+        assert_eq!(v.len(), 2, "{stdout}");
+        for r in &v {
+            assert!(r["speedup"].as_f64().is_some_and(|s| s > 0.0), "{r}");
+            assert!(r["uep_avg_us"].as_f64().is_some_and(|s| s > 0.0), "{r}");
+            assert_eq!(r["nodes"].as_u64(), nodes.parse().ok(), "{r}");
+        }
+    }
+}

@@ -9,7 +9,7 @@
 //! | what happened to the peer | what the connection shows | verdict |
 //! |---|---|---|
 //! | its process exited or was killed (alone, or with its whole node) | its kernel closes the connection: end of stream or reset, at once | [`Gone::Died`] |
-//! | its host went down, or the link to it was cut | nothing acknowledges our bytes: `TCP_USER_TIMEOUT` fails the connection after [`LivenessConfig::unreachable_after`] | [`Gone::Unreachable`] |
+//! | its host went down, or the link to it was cut | nothing acknowledges our bytes: `TCP_USER_TIMEOUT` fails the connection after [`LivenessConfig::unreachable_after`] | [`Gone::Unreachable`], for every rank on that host |
 //! | its process is stopped, or starved of CPU | its kernel still acknowledges (the bytes wait in its receive buffer) | nothing: slow is not dead, the deadline covers it |
 //! | it dropped its Buffer | it says goodbye first | nothing |
 //!
@@ -71,11 +71,14 @@ pub enum Gone {
         /// The connection's last word (`end of stream`, `connection reset`, ...).
         detail: String,
     },
-    /// Its host acknowledged nothing for `silent_for`: the host is down or the link
-    /// to it is cut.
+    /// Its host acknowledged nothing for `silent_for` on the connection to rank
+    /// `via`: the host is down or the link to it is cut. One kernel acknowledges for
+    /// every rank on a host, so the first such connection condemns them all.
     Unreachable {
         /// How long nothing was acknowledged.
         silent_for: Duration,
+        /// The rank on that node whose connection timed out first.
+        via: usize,
     },
 }
 
@@ -103,9 +106,9 @@ impl std::fmt::Display for Lost {
                 "rank {rank} on node {node} ({host}) died: its host closed our liveness \
                  connection ({detail}), so its process exited or was killed"
             ),
-            Gone::Unreachable { silent_for } => write!(
+            Gone::Unreachable { silent_for, via } => write!(
                 f,
-                "node {node} ({host}) is unreachable: nothing sent to rank {rank} there was \
+                "node {node} ({host}) is unreachable: nothing sent to rank {via} there was \
                  acknowledged for {silent_for:?}, so the host is down or the link to it \
                  is cut"
             ),
@@ -373,23 +376,43 @@ impl Drop for Liveness {
 /// The watcher: a beat on every connection each tick, and a verdict on any that fails.
 fn watch(shared: &Shared, mut conns: Vec<Conn>, cfg: LivenessConfig) {
     let mut buf = [0u8; 256];
+    let report = |c: &Conn, how: Gone| {
+        let lost = Lost {
+            rank: c.rank,
+            node: c.node,
+            host: c.host.clone(),
+            how,
+            at: Instant::now(),
+        };
+        tracing::warn!("{lost}");
+        let _ = shared.lost[c.rank].set(lost);
+        shared.any.store(true, Ordering::Release);
+    };
     while !shared.stop.load(Ordering::Acquire) {
+        // Nodes found unreachable this tick, with the verdict.
+        let mut unreachable: Vec<(usize, Gone)> = Vec::new();
         conns.retain_mut(|c| {
             let verdict = beat(c, &mut buf, cfg);
-            if let Some(how) = &verdict {
-                let lost = Lost {
-                    rank: c.rank,
-                    node: c.node,
-                    host: c.host.clone(),
-                    how: how.clone(),
-                    at: Instant::now(),
-                };
-                tracing::warn!("{lost}");
-                let _ = shared.lost[c.rank].set(lost);
-                shared.any.store(true, Ordering::Release);
+            if let Some(how) = verdict.clone() {
+                if matches!(how, Gone::Unreachable { .. }) {
+                    unreachable.push((c.node, how.clone()));
+                }
+                report(c, how);
             }
             verdict.is_none() && !c.left
         });
+        // The rest of an unreachable node goes with it: its kernel answers for all
+        // of them, and each connection's own timer may run later (a retransmission
+        // backs off) than the one that already fired.
+        for (node, how) in unreachable {
+            conns.retain(|c| {
+                let gone = c.node == node && !c.left;
+                if gone {
+                    report(c, how.clone());
+                }
+                c.node != node
+            });
+        }
         std::thread::sleep(TICK);
     }
     // Goodbye, so that the peers do not take our closing for a death; then wait (a
@@ -423,6 +446,7 @@ fn beat(c: &mut Conn, buf: &mut [u8], cfg: LivenessConfig) -> Option<Gone> {
         ErrorKind::TimedOut | ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable => {
             Some(Gone::Unreachable {
                 silent_for: cfg.unreachable_after,
+                via: c.rank,
             })
         }
         _ => died(&e.to_string()),
@@ -462,6 +486,7 @@ mod tests {
             host: "10.77.0.2".into(),
             how: Gone::Unreachable {
                 silent_for: Duration::from_millis(600),
+                via: 3,
             },
             at: Instant::now(),
         };
