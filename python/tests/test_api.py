@@ -30,13 +30,21 @@ def test_buffer_takes_every_v1_keyword_with_deepeps_defaults():
                                   "is_token_in_rank", "num_tokens_per_expert", "topk_idx", "topk_weights",
                                   "expert_alignment", "num_worst_tokens", "config", "previous_event",
                                   "async_finish", "allocate_on_comm_stream"]
-    ll = inspect.signature(deep_ep.Buffer.low_latency_dispatch).parameters
-    assert list(ll)[1:] == ["x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
-                            "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats",
-                            "use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"]
-    llc = inspect.signature(deep_ep.Buffer.low_latency_combine).parameters
-    assert list(llc)[1:] == ["x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
-                             "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"]
+    # DeepEP's parameters in DeepEP's order; uep's additions (Mooncake's active_ranks)
+    # are keyword-only, so no positional v1 call can reach them.
+    def v1_and_extras(f):
+        ps = list(inspect.signature(f).parameters.values())[1:]
+        v1 = [p.name for p in ps if p.kind != inspect.Parameter.KEYWORD_ONLY]
+        extra = [p.name for p in ps if p.kind == inspect.Parameter.KEYWORD_ONLY]
+        return v1, extra
+    ll, ll_extra = v1_and_extras(deep_ep.Buffer.low_latency_dispatch)
+    assert ll == ["x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
+                  "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats",
+                  "use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"]
+    llc, llc_extra = v1_and_extras(deep_ep.Buffer.low_latency_combine)
+    assert llc == ["x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
+                   "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"]
+    assert ll_extra == llc_extra == ["active_ranks"]
     with pytest.raises(ValueError):
         deep_ep.Buffer(None)
 

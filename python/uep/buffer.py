@@ -458,7 +458,7 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False,
-                             active_ranks: Optional[torch.Tensor] = None):
+                             *, active_ranks: Optional[torch.Tensor] = None):
         """Low-latency dispatch: each token to each of its top-k experts, into the fixed
         layout ``[E/R, R * num_max, H]``. Returns ``(recv_x, recv_count, handle, event,
         hook)``; ``recv_x`` is bf16, or ``(float8_e4m3fn, scales)`` with scales
@@ -552,7 +552,7 @@ class Buffer:
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
-                            active_ranks: Optional[torch.Tensor] = None):
+                            *, active_ranks: Optional[torch.Tensor] = None):
         """Low-latency combine: each expert output back to its token, weighted:
         ``combined_x[t] = sum_k w[t,k] * y_{idx[t,k]}`` in f32, rounded once. Returns
         ``(combined_x, event, hook)``. ``zero_copy`` reads the expert outputs from

@@ -268,6 +268,29 @@ fn multi_node_through_libfabric_tcp() {
 }
 
 #[test]
+fn multi_node_streams_rows_in_stages() {
+    // Past 512 tokens, dispatch hands each stage's direct rows to the proxy while the
+    // next stage packs: the announcement at the end must cover rows sent well before
+    // it, also when the fault injector reorders and delays every write.
+    for nodes in ["2", "4"] {
+        for extra in [
+            &[][..],
+            &["--fp8"][..],
+            &["--faults", "4", "--fresh"][..],
+            // Stages split among kernel threads, unevenly.
+            &["--threads", "3"][..],
+        ] {
+            let mut args = net_small("4", nodes);
+            args.extend([
+                "--tokens", "1300", "--mode", "normal", "--iters", "2", "--warmup", "0",
+            ]);
+            args.extend(extra);
+            bench(&args);
+        }
+    }
+}
+
+#[test]
 fn normal_mode_crosses_the_network_once_per_node() {
     // Every token to all 4 experts, one a rank: each token goes to both ranks of the other
     // node. Sent once to the relaying rank there (and its combine partial once back), the

@@ -15,6 +15,10 @@
 //! straight to their final place at the receiver ([`Write`]s before the announcement),
 //! so a packet carries only what the receiver must read.
 //!
+//! A caller may hand direct rows to the proxy before the packet is complete
+//! ([`NetPath::stream`]): they travel while it packs the rest, and the packet's one
+//! announcement, later in the same ordered stream, covers them.
+//!
 //! What the EP layer uses of the proxy: one FIFO and one ordered stream per peer,
 //! writes with tail increments, `Quiet` to learn that a staging area may be reused,
 //! and the `NodeLeader` barrier. The proxy's LL partial-completion fence and its
@@ -29,7 +33,7 @@ use std::time::Instant;
 
 use uep_bootstrap::ControlPlane;
 use uep_fifo::{Fifo, Slot};
-use uep_proxy::{cmds, CounterLayout, Proxy, ProxyConfig};
+use uep_proxy::{cmds, ArrivalWatch, CounterLayout, Proxy, ProxyConfig};
 use uep_shm::Region;
 use uep_transport::{
     FabricOptions, FaultConfig, FaultyTransport, LibfabricTransport, PeerAddr, RegionRef, Transport,
@@ -341,62 +345,103 @@ impl NetPath {
         })
     }
 
-    /// Send the first `len` bytes of `staged` into the peer's landing area for this
-    /// rank, after the `direct` writes, and announce all of it. Returns at once; the
-    /// next [`NetPath::stage`] of the same area waits for the bytes to leave.
-    pub fn send(&self, staged: Staged, len: usize, direct: &[Write]) -> Result<()> {
-        let Staged {
-            ch,
-            dst,
-            deadline,
-            area,
-        } = staged;
-        let landing = self.areas.landing(ch, self.me)?;
-        let packet = Write::new(area.prefix(len)?, landing.prefix(len)?, self.region.len())?;
-        let (t, fifo) = self.fifo_of(dst)?;
-        let me = self.me;
-        let push = |cmd| {
-            fifo.push(cmd, deadline).map_err(|e| EpError::Timeout {
-                what: format!("rank {me}: sending a {ch:?} packet to rank {dst}"),
-                detail: format!("the FIFO of proxy thread {t} stayed full ({e})"),
-                waited: self.proxy.config().timeout,
-            })
-        };
-        let encode = |r: uep_proxy::Result<uep_wire::TransferCmd>| {
-            r.map_err(|e| EpError::internal(format!("rank {me}: encoding a validated write: {e}")))
-        };
-        let mut sent = 0;
-        for w in direct.iter().chain([&packet]) {
-            let mut off = 0;
-            while off < w.len {
-                let n = self.write_bytes.min(w.len - off);
-                push(encode(cmds::normal_write(
-                    dst,
-                    (w.src + off) as u64,
-                    (w.dst + off) as u64,
-                    n as u32,
-                    WIRE_CHANNEL,
-                    0,
-                ))?)?;
-                off += n;
-            }
-            sent += w.len;
+    /// Start `writes` (rows that go straight to their final place at the peer) ahead of
+    /// the packet of `staged`: they leave while the caller packs the rest. The packet's
+    /// announcement, pushed later by [`NetPath::send`] into the same ordered stream,
+    /// covers them.
+    pub fn stream(&self, staged: &Staged, writes: &[Write]) -> Result<()> {
+        if writes.is_empty() {
+            return Ok(());
         }
-        push(encode(cmds::normal_write(
-            dst,
+        let (t, _) = self.push_writes(staged, writes)?;
+        self.proxy.wake_thread(t);
+        Ok(())
+    }
+
+    /// Send the first `len` bytes of `staged` into the peer's landing area for this
+    /// rank, after the `direct` writes, and announce all of it (with whatever was
+    /// [streamed](NetPath::stream) before). Returns at once; the next
+    /// [`NetPath::stage`] of the same area waits for the bytes to leave.
+    pub fn send(&self, staged: Staged, len: usize, direct: &[Write]) -> Result<()> {
+        let landing = self.areas.landing(staged.ch, self.me)?;
+        let packet = Write::new(
+            staged.area.prefix(len)?,
+            landing.prefix(len)?,
+            self.region.len(),
+        )?;
+        let mut writes = direct.to_vec();
+        writes.push(packet);
+        let (t, fifo) = self.push_writes(&staged, &writes)?;
+        let announce = self.encode(cmds::normal_write(
+            staged.dst,
             packet.src as u64,
             packet.dst as u64,
             0,
             WIRE_CHANNEL,
             1,
-        ))?)?;
-        let slot = push(cmds::quiet())?;
+        ))?;
+        self.push(&staged, t, &fifo, announce)?;
+        let slot = self.push(&staged, t, &fifo, cmds::quiet())?;
         // An idle proxy thread sleeps up to `ProxyConfig::max_park` (1 ms) between
         // looks at its FIFOs: wake it, so the packet leaves now.
         self.proxy.wake_thread(t);
-        self.sent_bytes.set(self.sent_bytes.get() + sent as u64);
-        self.quiets.borrow_mut()[ch.index() * self.num_ranks + dst] = Some((fifo, t, slot));
+        self.quiets.borrow_mut()[staged.ch.index() * self.num_ranks + staged.dst] =
+            Some((fifo, t, slot));
         Ok(())
+    }
+
+    /// Push `writes` for the peer of `staged`, each cut into writes of at most
+    /// [`NetConfig::write_bytes`]; returns the proxy thread and FIFO they went to.
+    fn push_writes(&self, staged: &Staged, writes: &[Write]) -> Result<(usize, Arc<Fifo>)> {
+        let (t, fifo) = self.fifo_of(staged.dst)?;
+        for w in writes {
+            let mut off = 0;
+            while off < w.len {
+                let n = self.write_bytes.min(w.len - off);
+                let cmd = self.encode(cmds::normal_write(
+                    staged.dst,
+                    (w.src + off) as u64,
+                    (w.dst + off) as u64,
+                    n as u32,
+                    WIRE_CHANNEL,
+                    0,
+                ))?;
+                self.push(staged, t, &fifo, cmd)?;
+                off += n;
+            }
+            self.sent_bytes.set(self.sent_bytes.get() + w.len as u64);
+        }
+        Ok((t, fifo))
+    }
+
+    /// Push one command into `fifo` (of proxy thread `t`), waiting while it is full
+    /// until the deadline of the call that staged `staged`.
+    fn push(
+        &self,
+        staged: &Staged,
+        t: usize,
+        fifo: &Fifo,
+        cmd: uep_wire::TransferCmd,
+    ) -> Result<Slot> {
+        fifo.push(cmd, staged.deadline)
+            .map_err(|e| EpError::Timeout {
+                what: format!(
+                    "rank {}: sending a {:?} packet to rank {}",
+                    self.me, staged.ch, staged.dst
+                ),
+                detail: format!("the FIFO of proxy thread {t} stayed full ({e})"),
+                waited: self.proxy.config().timeout,
+            })
+    }
+
+    /// A command built from a validated [`Write`] (it cannot fail to encode).
+    fn encode(
+        &self,
+        cmd: uep_proxy::Result<uep_wire::TransferCmd>,
+    ) -> Result<uep_wire::TransferCmd> {
+        cmd.map_err(|e| {
+            EpError::internal(format!("rank {}: encoding a validated write: {e}", self.me))
+        })
     }
 
     /// For a rank on another node: which node and host it is on, and that only the
@@ -414,6 +459,16 @@ impl NetPath {
         ))
     }
 
+    /// Keep this rank's receiving proxy thread polling until the guard drops: for a
+    /// call that expects packets, from before it packs its own, so that peers' streamed
+    /// rows keep landing meanwhile (`tcp;ofi_rxm` moves bytes only while the receiver
+    /// polls) instead of stalling in full socket buffers.
+    pub fn watch_arrivals(&self) -> ArrivalWatch<'_> {
+        // Every peer sends to this rank through its proxy thread `rank % threads`, whose
+        // endpoint talks to the same thread here.
+        self.proxy.watch_arrivals(self.me % self.threads)
+    }
+
     /// Wait for the next packet from `src` and return the landing area of `ch` it is
     /// in. `what()` names who waits for what.
     pub fn recv(
@@ -425,9 +480,7 @@ impl NetPath {
     ) -> Result<Area<u8>> {
         let target = self.received[src].get() + 1;
         let counter = self.region.word(self.areas.tails, src)?;
-        // Every peer sends to this rank through its proxy thread `rank % threads`, whose
-        // endpoint talks to the same thread here: keep that one polling while we wait.
-        let _watch = self.proxy.watch_arrivals(self.me % self.threads);
+        let _watch = self.watch_arrivals();
         let peer = Peer {
             rank: src,
             region: None,

@@ -3,6 +3,7 @@
 #![allow(unsafe_code)]
 
 use std::borrow::Cow;
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 
 use uep_shm::Region;
@@ -94,14 +95,19 @@ struct Plan<'a> {
     hit: Vec<bool>,
     /// `[T][dest]`: the token goes straight to the relay's output rows.
     direct: Vec<bool>,
-    /// `[chunk][dest]`: (tokens, direct tokens) before the chunk's first token.
-    chunk_start: Vec<(usize, usize)>,
-    per_chunk: usize,
+    /// The stages tokens are packed in, in order: (tokens, their blocks). A stage's
+    /// direct rows leave for the other nodes while the next stage packs.
+    stages: Vec<(Range<usize>, Range<usize>)>,
+    /// `[block][dest]`: (tokens, direct tokens) before the block's first token; a
+    /// block is one kernel thread's share of a stage.
+    block_start: Vec<(usize, usize)>,
     /// `[dest]`: (tokens, direct tokens) in all.
     totals: Vec<(usize, usize)>,
     sinks: Vec<RowSink<'a>>,
     /// `[dest]`: the staging area of a node's packet.
     staged: Vec<Option<Staged>>,
+    /// `[dest]`: direct rows already handed to the proxy.
+    streamed: Vec<usize>,
     /// `[R]`: this source's first row in each rank's output.
     out_base: Vec<usize>,
     fmt: RowFormat,
@@ -116,10 +122,30 @@ fn rows_aligned(at: usize, fmt: RowFormat) -> bool {
     (at * fmt.row_bytes) % 16 == 0 && (at * fmt.groups * 4) % 16 == 0
 }
 
+/// Tokens a stage of pack packs before its direct rows are handed to the proxy: small
+/// enough that the transfer overlaps packing, large enough that each stage's rows to a
+/// node make writes of a megabyte or so at DeepSeek-V3's hidden size.
+const STAGE_TOKENS: usize = 512;
+
 impl Plan<'_> {
     fn packet(&self, d: usize) -> DispatchPacket {
         let (n, n_direct) = self.totals[d];
         DispatchPacket::layout(n, n_direct, self.fmt)
+    }
+
+    /// Direct rows to destination `d` packed before stage `s` (all of them for
+    /// `s == stages.len()`).
+    fn direct_before(&self, s: usize, d: usize) -> usize {
+        match self.stages.get(s) {
+            Some((_, blocks)) => self.block_start[blocks.start * self.dests.len() + d].1,
+            None => self.totals[d].1,
+        }
+    }
+
+    /// The fewest rows whose x and scales are whole 16-byte words: a streamed write
+    /// ends on such a boundary, so the next one starts aligned.
+    fn row_quantum(&self) -> usize {
+        (1..16).find(|&q| rows_aligned(q, self.fmt)).unwrap_or(16)
     }
 }
 
@@ -169,7 +195,11 @@ impl Buffer {
         let counts = self.notify(seq, &areas, &routing, t_n, &wait)?;
         self.check_room(&counts, &areas, args)?;
         let mut plan = self.plan(seq, &areas, &counts, &routing, args, t_n, &wait)?;
-        self.pack(&plan, &areas, args, &routing, t_n)?;
+        let _landing = self.net.as_ref().map(|n| n.watch_arrivals());
+        for s in 0..plan.stages.len() {
+            self.pack(&plan, s, &areas, args, &routing)?;
+            self.stream(seq, &areas, &mut plan, s)?;
+        }
         self.publish(seq, &areas, &mut plan)?;
         let relay = self.relay_dispatch(seq, &areas, &counts.matrix, &wait)?;
         self.finish(seq, &areas, counts, routing, relay, &plan, args, t_n, &wait)
@@ -438,17 +468,27 @@ impl Buffer {
                 })
             })
             .collect();
-        let (chunks, per_chunk) = self.device.chunks(t_n);
-        let mut chunk_start = vec![(0usize, 0usize); chunks * nd];
+        // Stages of STAGE_TOKENS, each split among the kernel threads as `launch` splits
+        // it; the running totals at each block's start are its threads' first rows.
+        let mut stages = Vec::new();
+        let mut block_start = Vec::new();
         let mut totals = vec![(0usize, 0usize); nd];
-        for c in 0..chunks {
-            chunk_start[c * nd..(c + 1) * nd].copy_from_slice(&totals);
-            for t in (c * per_chunk).min(t_n)..((c + 1) * per_chunk).min(t_n) {
-                for (d, (n, n_direct)) in totals.iter_mut().enumerate() {
-                    *n += hit[t * nd + d] as usize;
-                    *n_direct += direct[t * nd + d] as usize;
+        let mut blocks = 0;
+        for first in (0..t_n.max(1)).step_by(STAGE_TOKENS) {
+            let tokens = first..(first + STAGE_TOKENS).min(t_n);
+            let (chunks, per) = self.device.chunks(tokens.len());
+            for c in 0..chunks {
+                block_start.extend_from_slice(&totals);
+                let from = (tokens.start + c * per).min(tokens.end);
+                for t in from..(from + per).min(tokens.end) {
+                    for (d, (n, n_direct)) in totals.iter_mut().enumerate() {
+                        *n += hit[t * nd + d] as usize;
+                        *n_direct += direct[t * nd + d] as usize;
+                    }
                 }
             }
+            stages.push((tokens, blocks..blocks + chunks));
+            blocks += chunks;
         }
         let (sinks, staged) =
             self.open_row_sinks(seq, areas, &dests, &totals, &out_base, fmt, wait)?;
@@ -456,11 +496,12 @@ impl Buffer {
             dests,
             hit,
             direct,
-            chunk_start,
-            per_chunk,
+            stages,
+            block_start,
             totals,
             sinks,
             staged,
+            streamed: vec![0; nd],
             out_base,
             fmt,
             fp8,
@@ -536,14 +577,15 @@ impl Buffer {
         Ok((sinks, staged))
     }
 
-    /// Phase 3, pack: the kernel threads store every token once into each destination.
+    /// Phase 3, pack (stage `s`): the kernel threads store each of the stage's tokens
+    /// once into each destination.
     fn pack(
         &self,
         plan: &Plan<'_>,
+        s: usize,
         areas: &NormalAreas,
         args: &DispatchArgs<'_>,
         routing: &Routing<'_>,
-        t_n: usize,
     ) -> Result<()> {
         let (r_n, topo) = (self.topo.num_ranks, self.topo);
         let (h, k) = (areas.shape.hidden, areas.shape.topk);
@@ -552,12 +594,14 @@ impl Buffer {
         let (rb, groups) = (plan.fmt.row_bytes, plan.fmt.groups);
         let nd = plan.dests.len();
         let (x, in_rank) = (args.x, &routing.in_rank);
-        self.device.launch(t_n, |range| {
-            let chunk = range.start / plan.per_chunk;
-            let mut pos = plan.chunk_start[chunk * nd..(chunk + 1) * nd].to_vec();
+        let (tokens, blocks) = plan.stages[s].clone();
+        let per = self.device.chunks(tokens.len()).1;
+        self.device.launch(tokens.len(), |range| {
+            let b = blocks.start + range.start / per;
+            let mut pos = plan.block_start[b * nd..(b + 1) * nd].to_vec();
             let mut idx_row = vec![0i64; k];
             let mut w_row = vec![0f32; k];
-            for t in range {
+            for t in tokens.start + range.start..tokens.start + range.end {
                 let idx: &[i64] = match args.topk_idx {
                     Some(all) if plan.with_topk => &all[t * k..(t + 1) * k],
                     _ => &[],
@@ -622,14 +666,74 @@ impl Buffer {
         })
     }
 
-    /// Phase 4, publish: a release store of the epoch into each same-node rank; the
-    /// packet, after the direct writes of the relay's own rows, to each other node.
-    fn publish(&self, seq: u32, areas: &NormalAreas, plan: &mut Plan<'_>) -> Result<()> {
-        let (me, topo) = (self.topo.rank, self.topo);
+    /// Phase 3½, stream (after stage `s` is packed): the stage's rows that go
+    /// straight into another node's relay's output rows, handed to the proxy now, so
+    /// that they are on the wire while the next stage packs. Writes end on a
+    /// [`Plan::row_quantum`] boundary; the rows after it go with the packet.
+    fn stream(&self, seq: u32, areas: &NormalAreas, plan: &mut Plan<'_>, s: usize) -> Result<()> {
+        let q = plan.row_quantum();
+        for d in 0..plan.dests.len() {
+            let Some(staged) = &plan.staged[d] else {
+                continue;
+            };
+            let rows = plan.streamed[d]..plan.direct_before(s + 1, d) / q * q;
+            if rows.is_empty() {
+                continue;
+            }
+            let writes = self.direct_writes(seq, areas, plan, d, staged, rows.clone())?;
+            self.net()?.stream(staged, &writes)?;
+            plan.streamed[d] = rows.end;
+        }
+        Ok(())
+    }
+
+    /// The one-sided writes of direct rows `rows` of destination `d` (a node): from
+    /// the packet's direct section into the relay's output rows, x and (FP8) scales.
+    fn direct_writes(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        plan: &Plan<'_>,
+        d: usize,
+        staged: &Staged,
+        rows: Range<usize>,
+    ) -> Result<Vec<Write>> {
+        let Dest::Node(m) = plan.dests[d] else {
+            return Ok(Vec::new());
+        };
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
         let groups = areas.shape.hidden / 128;
         let rb = plan.fmt.row_bytes;
         let total = self.symm.local().len();
         let bank = areas.bank(seq);
+        let p = plan.packet(d).at_base(staged.area.offset());
+        // Direct rows exist only where the relay's rows start aligned.
+        let at = plan.out_base[self.topo.relay(self.topo.rank, m)];
+        let mut writes = vec![Write::new(
+            p.direct_x.slice(rows.start * rb..rows.end * rb)?,
+            bank.recv_x
+                .slice((at + rows.start) * rb..(at + rows.end) * rb)?,
+            total,
+        )?];
+        if plan.fp8 {
+            writes.push(Write::new(
+                p.direct_scales.rows(rows.clone(), groups)?.cast(),
+                bank.recv_scales
+                    .rows(at + rows.start..at + rows.end, groups)?
+                    .cast(),
+                total,
+            )?);
+        }
+        Ok(writes)
+    }
+
+    /// Phase 4, publish: a release store of the epoch into each same-node rank; the
+    /// packet to each other node, after the direct rows not streamed yet, announcing
+    /// it and every direct row.
+    fn publish(&self, seq: u32, areas: &NormalAreas, plan: &mut Plan<'_>) -> Result<()> {
+        let (me, topo) = (self.topo.rank, self.topo);
         for (d, dest) in plan.dests.iter().enumerate() {
             match *dest {
                 Dest::Rank(_) => plan.sinks[d]
@@ -654,24 +758,8 @@ impl Buffer {
                         reserved: 0,
                     };
                     self.symm.local().put(p.header, &[header])?;
-                    // The relay's own rows, straight into its output rows (only where
-                    // they start aligned: otherwise none went direct).
-                    let at = plan.out_base[relay];
-                    let mut direct = Vec::with_capacity(2);
-                    if n_direct > 0 {
-                        direct.push(Write::new(
-                            p.direct_x,
-                            bank.recv_x.slice(at * rb..(at + n_direct) * rb)?,
-                            total,
-                        )?);
-                    }
-                    if n_direct > 0 && plan.fp8 {
-                        direct.push(Write::new(
-                            p.direct_scales.cast(),
-                            bank.recv_scales.rows(at..at + n_direct, groups)?.cast(),
-                            total,
-                        )?);
-                    }
+                    let rest = plan.streamed[d]..n_direct;
+                    let direct = self.direct_writes(seq, areas, plan, d, &staged, rest)?;
                     self.net()?.send(staged, p.len, &direct)?;
                 }
             }

@@ -11,8 +11,11 @@
 //!    kernel thread's first row lands;
 //! 3. **pack**: kernel threads store each token once into every same-node rank that
 //!    needs it, straight into its output rows, and once into the packet for every other
-//!    node that needs it;
-//! 4. **publish**: an epoch store per same-node rank, a packet per other node;
+//!    node that needs it; in stages of tokens, and after each stage the rows that go
+//!    straight to another node's relay are handed to the proxy (**stream**), so they
+//!    are on the wire while the next stage packs;
+//! 4. **publish**: an epoch store per same-node rank, a packet per other node (whose
+//!    announcement covers the rows streamed before it);
 //! 5. **relay** ([`relay`]): each rank takes the packets of the other nodes' ranks with
 //!    its local index and stores their tokens into its node's ranks;
 //! 6. **finish**: wait for every source, pad, and build the handle.
