@@ -158,6 +158,40 @@ fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
         .collect()
 }
 
+/// Like [`wait_all`], and also when each process first wrote an `error:` line to its
+/// stderr (read as it comes): the moment it reported its failure, before its teardown.
+fn wait_all_reported(
+    mut children: Vec<Child>,
+    limit: Duration,
+) -> (Vec<Output>, Vec<Option<Instant>>) {
+    use std::io::{BufRead, BufReader};
+    let readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            let stderr = c.stderr.take().expect("piped stderr");
+            std::thread::spawn(move || {
+                let (mut text, mut reported) = (String::new(), None);
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    if reported.is_none() && line.contains("error:") {
+                        reported = Some(Instant::now());
+                    }
+                    text.push_str(&line);
+                    text.push('\n');
+                }
+                (text, reported)
+            })
+        })
+        .collect();
+    let mut outputs = wait_all(children, limit);
+    let mut reported = Vec::new();
+    for (out, reader) in outputs.iter_mut().zip(readers) {
+        let (text, at) = reader.join().expect("stderr reader");
+        out.stderr = text.into_bytes();
+        reported.push(at);
+    }
+    (outputs, reported)
+}
+
 fn describe(outputs: &[Output]) -> String {
     outputs
         .iter()
@@ -468,7 +502,8 @@ fn link_cut_fails_every_rank_naming_the_node_then_a_new_job_runs() {
 }
 
 /// SIGKILLs `victims` of a soak on `n` hosts of `per_host` ranks; every survivor must
-/// fail within two seconds (the deadline is 60 s), naming a victim as dead.
+/// report its failure within two seconds (the deadline is 60 s), naming a victim as
+/// dead, and exit soon after.
 fn killed_mid_soak(n: usize, per_host: usize, victims: &[usize]) {
     let Some(hosts) = hosts(n) else { return };
     let mut soak = SMALL.to_vec();
@@ -480,15 +515,30 @@ fn killed_mid_soak(n: usize, per_host: usize, victims: &[usize]) {
         job[v].kill().unwrap();
     }
     let killed = Instant::now();
-    let outputs = wait_all(job, Duration::from_secs(90));
+    let (outputs, reported) = wait_all_reported(job, Duration::from_secs(90));
     let took = killed.elapsed();
     let log = describe(&outputs);
-    eprintln!("{victims:?} killed: every rank ended {took:.1?} after\n{log}");
-    assert!(
-        took < Duration::from_secs(2),
-        "ranks took {took:?} to fail\n{log}"
+    let survivors: Vec<usize> = (0..n * per_host).filter(|r| !victims.contains(r)).collect();
+    let failed_in: Vec<Option<Duration>> = survivors
+        .iter()
+        .map(|&r| reported[r].map(|at| at.duration_since(killed)))
+        .collect();
+    eprintln!(
+        "{victims:?} killed: survivors {survivors:?} reported their failure after {failed_in:.1?}, \
+         every rank ended {took:.1?} after\n{log}"
     );
-    for r in (0..n * per_host).filter(|r| !victims.contains(r)) {
+    for (&r, t) in survivors.iter().zip(&failed_in) {
+        assert!(
+            t.is_some_and(|t| t < Duration::from_secs(2)),
+            "rank {r} reported its failure after {t:?}\n{log}"
+        );
+    }
+    // Teardown after the report is bounded too: nothing hangs on the dead.
+    assert!(
+        took < Duration::from_secs(10),
+        "ranks took {took:?} to exit\n{log}"
+    );
+    for &r in &survivors {
         let err = String::from_utf8_lossy(&outputs[r].stderr);
         assert!(
             err.contains("died") && victims.iter().any(|v| err.contains(&format!("rank {v}"))),

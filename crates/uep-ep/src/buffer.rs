@@ -78,7 +78,7 @@ impl Drop for Buffer {
             // After telling other nodes of a failure, keep the proxy a moment: a send
             // completion only says the bytes left; closing the connections at once could
             // lose them. No drain: a failed job's peers may never complete anything.
-            if net.abort_sent() {
+            if net.abort_in_flight() {
                 std::thread::sleep(ABORT_LINGER);
             }
             drop(net);

@@ -168,6 +168,8 @@ pub struct NetPath {
     sent_bytes: Cell<u64>,
     /// Whether this rank has told the other nodes that it failed.
     abort_sent: Cell<bool>,
+    /// Whether that message went to any live peer (whose writes may still be leaving).
+    abort_in_flight: Cell<bool>,
     /// Who on other nodes is gone.
     liveness: Liveness,
 }
@@ -284,6 +286,7 @@ impl NetPath {
             faults,
             sent_bytes: Cell::new(0),
             abort_sent: Cell::new(false),
+            abort_in_flight: Cell::new(false),
             liveness,
         })
     }
@@ -315,13 +318,28 @@ impl NetPath {
         let area = self.areas.staging(ch, dst)?;
         let pending = self.quiets.borrow_mut()[ch.index() * self.num_ranks + dst].take();
         if let Some((fifo, i, slot)) = pending {
-            // Our own proxy's progress: a peer's abort does not end it early.
-            self.wait_consumed(&fifo, slot, &wait.ignoring_peers(), &|| {
+            let what = || {
                 format!(
                     "rank {}: waiting for the proxy to finish sending a {ch:?} packet to rank {dst} (FIFO of thread {i}, slot {})",
                     self.me, slot.0
                 )
-            })?;
+            };
+            // Our own proxy's progress: a peer's abort does not end it early, but the
+            // packet to a peer found gone would never finish.
+            wait.ignoring_peers().until(
+                None,
+                &what,
+                &|| "the command is still queued".into(),
+                || match fifo.is_consumed(slot) {
+                    true => Some(Ok(())),
+                    false => self.lost(dst).map(|lost| {
+                        Err(EpError::PeerLost {
+                            what: what(),
+                            lost: Box::new(lost),
+                        })
+                    }),
+                },
+            )??;
         }
         Ok(Staged {
             ch,
@@ -550,6 +568,7 @@ impl NetPath {
             .copied()
             .filter(|&p| self.liveness.lost(p).is_none())
             .collect();
+        self.abort_in_flight.set(!peers.is_empty());
         for w in phases {
             let mut quiets = Vec::with_capacity(peers.len());
             for &dst in &peers {
@@ -572,11 +591,23 @@ impl NetPath {
                 quiets.push((fifo.clone(), push(cmds::quiet())?));
                 self.proxy.wake_thread(t);
             }
-            // The word must not land before the message it points to.
+            // The word must not land before the message it points to. A peer found
+            // gone meanwhile never completes its writes, and the Quiets behind them
+            // never pop: stop waiting then (the others learn of it from their watch).
+            let one_lost = || peers.iter().any(|&p| self.lost(p).is_some());
             for (fifo, slot) in quiets {
-                self.wait_consumed(&fifo, slot, &wait, &|| {
-                    format!("rank {me}: telling the other nodes that this rank failed")
+                let what = || format!("rank {me}: telling the other nodes that this rank failed");
+                let seen = || "the command is still queued".to_owned();
+                let popped = wait.until(None, &what, &seen, || {
+                    match (fifo.is_consumed(slot), one_lost()) {
+                        (true, _) => Some(true),
+                        (false, true) => Some(false),
+                        (false, false) => None,
+                    }
                 })?;
+                if !popped {
+                    return Ok(());
+                }
             }
         }
         Ok(())
@@ -596,6 +627,12 @@ impl NetPath {
     /// Whether [`NetPath::send_abort`] ran.
     pub fn abort_sent(&self) -> bool {
         self.abort_sent.get()
+    }
+
+    /// Whether [`NetPath::send_abort`] wrote to any peer: their send completions say
+    /// only that the bytes left, so the connections should outlive them a moment.
+    pub fn abort_in_flight(&self) -> bool {
+        self.abort_in_flight.get()
     }
 
     /// Packet bytes handed to the proxy so far.
