@@ -326,20 +326,14 @@ impl NetPath {
             };
             // Our own proxy's progress: a peer's abort does not end it early, but the
             // packet to a peer found gone would never finish.
-            wait.ignoring_peers().until(
-                None,
-                &what,
-                &|| "the command is still queued".into(),
-                || match fifo.is_consumed(slot) {
-                    true => Some(Ok(())),
-                    false => self.lost(dst).map(|lost| {
-                        Err(EpError::PeerLost {
-                            what: what(),
-                            lost: Box::new(lost),
-                        })
-                    }),
-                },
-            )??;
+            if let Some(lost) =
+                self.wait_consumed(&fifo, slot, &wait.ignoring_peers(), &what, &[dst])?
+            {
+                return Err(EpError::PeerLost {
+                    what: what(),
+                    lost: Box::new(lost),
+                });
+            }
         }
         Ok(Staged {
             ch,
@@ -350,16 +344,21 @@ impl NetPath {
     }
 
     /// Wait until the proxy has popped `slot` of `fifo` (a Quiet or Barrier pops only
-    /// once done).
+    /// once done), or until one of `for_peers`, whose operations are queued before it,
+    /// is found gone: then it may never pop, and that peer is returned.
     fn wait_consumed(
         &self,
         fifo: &Fifo,
         slot: Slot,
         wait: &Wait<'_>,
         what: &dyn Fn() -> String,
-    ) -> Result<()> {
+        for_peers: &[usize],
+    ) -> Result<Option<Lost>> {
         wait.until(None, what, &|| "the command is still queued".into(), || {
-            fifo.is_consumed(slot).then_some(())
+            if fifo.is_consumed(slot) {
+                return Some(None);
+            }
+            for_peers.iter().find_map(|&p| self.lost(p)).map(Some)
         })
     }
 
@@ -530,7 +529,7 @@ impl NetPath {
         // Barrier messages arrive at thread 0 too: keep it polling until it pops.
         let _watch = self.proxy.watch_arrivals(0);
         self.proxy.wake_thread(0);
-        self.wait_consumed(fifo, slot, wait, &what)
+        self.wait_consumed(fifo, slot, wait, &what, &[]).map(drop)
     }
 
     /// Tell every rank in `peers` (all on other nodes) that this rank failed, once: its
@@ -594,18 +593,12 @@ impl NetPath {
             // The word must not land before the message it points to. A peer found
             // gone meanwhile never completes its writes, and the Quiets behind them
             // never pop: stop waiting then (the others learn of it from their watch).
-            let one_lost = || peers.iter().any(|&p| self.lost(p).is_some());
+            let what = || format!("rank {me}: telling the other nodes that this rank failed");
             for (fifo, slot) in quiets {
-                let what = || format!("rank {me}: telling the other nodes that this rank failed");
-                let seen = || "the command is still queued".to_owned();
-                let popped = wait.until(None, &what, &seen, || {
-                    match (fifo.is_consumed(slot), one_lost()) {
-                        (true, _) => Some(true),
-                        (false, true) => Some(false),
-                        (false, false) => None,
-                    }
-                })?;
-                if !popped {
+                if self
+                    .wait_consumed(&fifo, slot, &wait, &what, &peers)?
+                    .is_some()
+                {
                     return Ok(());
                 }
             }
