@@ -677,9 +677,6 @@ impl Buffer {
                 continue;
             };
             let rows = plan.streamed[d]..plan.direct_before(s + 1, d) / q * q;
-            if rows.is_empty() {
-                continue;
-            }
             let writes = self.direct_writes(seq, areas, plan, d, staged, rows.clone())?;
             self.net()?.stream(staged, &writes)?;
             plan.streamed[d] = rows.end;
