@@ -192,6 +192,28 @@ fn wait_all_reported(
     (outputs, reported)
 }
 
+/// Asserts that each of `ranks` reported its failure (see [`wait_all_reported`]) within
+/// `bound` of `since`; returns how long each took.
+fn assert_reported(
+    reported: &[Option<Instant>],
+    since: Instant,
+    ranks: &[usize],
+    bound: Duration,
+    log: &str,
+) -> Vec<Duration> {
+    ranks
+        .iter()
+        .map(|&r| {
+            let t = reported[r].map(|at| at.duration_since(since));
+            assert!(
+                t.is_some_and(|t| t < bound),
+                "rank {r} reported its failure after {t:?} (bound {bound:?})\n{log}"
+            );
+            t.unwrap_or_default()
+        })
+        .collect()
+}
+
 fn describe(outputs: &[Output]) -> String {
     outputs
         .iter()
@@ -471,13 +493,18 @@ fn link_cut_fails_every_rank_naming_the_node_then_a_new_job_runs() {
     hosts.cut(1).unwrap();
     let cut = Instant::now();
     eprintln!("cut at {:?}", std::time::SystemTime::now());
-    let outputs = wait_all(job, Duration::from_secs(90));
+    let (outputs, reported) = wait_all_reported(job, Duration::from_secs(90));
     let took = cut.elapsed();
     let log = describe(&outputs);
-    eprintln!("link cut: every rank ended {took:.1?} after the cut\n{log}");
+    let all: Vec<usize> = (0..outputs.len()).collect();
+    let failed_in = assert_reported(&reported, cut, &all, Duration::from_secs(2), &log);
+    eprintln!(
+        "link cut: ranks reported their failure after {failed_in:.1?}, every rank ended \
+         {took:.1?} after the cut\n{log}"
+    );
     assert!(
-        took < Duration::from_secs(2),
-        "ranks took {took:?} to fail\n{log}"
+        took < Duration::from_secs(10),
+        "ranks took {took:?} to exit\n{log}"
     );
     for (rank, o) in outputs.iter().enumerate() {
         assert!(
@@ -519,20 +546,11 @@ fn killed_mid_soak(n: usize, per_host: usize, victims: &[usize]) {
     let took = killed.elapsed();
     let log = describe(&outputs);
     let survivors: Vec<usize> = (0..n * per_host).filter(|r| !victims.contains(r)).collect();
-    let failed_in: Vec<Option<Duration>> = survivors
-        .iter()
-        .map(|&r| reported[r].map(|at| at.duration_since(killed)))
-        .collect();
+    let failed_in = assert_reported(&reported, killed, &survivors, Duration::from_secs(2), &log);
     eprintln!(
         "{victims:?} killed: survivors {survivors:?} reported their failure after {failed_in:.1?}, \
          every rank ended {took:.1?} after\n{log}"
     );
-    for (&r, t) in survivors.iter().zip(&failed_in) {
-        assert!(
-            t.is_some_and(|t| t < Duration::from_secs(2)),
-            "rank {r} reported its failure after {t:?}\n{log}"
-        );
-    }
     // Teardown after the report is bounded too: nothing hangs on the dead.
     assert!(
         took < Duration::from_secs(10),
@@ -684,11 +702,19 @@ fn elastic_ll_does_not_split_when_the_network_does() {
     std::thread::sleep(Duration::from_secs(3));
     hosts.cut(1).unwrap();
     let cut = Instant::now();
-    let outputs = wait_all(job, Duration::from_secs(90));
+    let (outputs, reported) = wait_all_reported(job, Duration::from_secs(90));
     let took = cut.elapsed();
     let log = describe(&outputs);
-    eprintln!("elastic, link cut: every rank ended {took:.1?} after the cut\n{log}");
-    assert!(took < Duration::from_secs(3), "ranks took {took:?}\n{log}");
+    let all: Vec<usize> = (0..outputs.len()).collect();
+    let failed_in = assert_reported(&reported, cut, &all, Duration::from_secs(3), &log);
+    eprintln!(
+        "elastic, link cut: ranks reported their failure after {failed_in:.1?}, every rank \
+         ended {took:.1?} after the cut\n{log}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "ranks took {took:?} to exit\n{log}"
+    );
     for (r, o) in outputs.iter().enumerate() {
         assert!(!o.status.success(), "rank {r} went on alone\n{log}");
         let err = String::from_utf8_lossy(&o.stderr);
