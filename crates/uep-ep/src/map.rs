@@ -330,14 +330,14 @@ impl NetAreas {
         }
         if let Some(s) = ll {
             let (epr, h, m) = (s.experts_per_rank(r), s.hidden, s.max_tokens);
-            // A peer gets at most M copies per expert and K per token.
+            // A peer gets each of at most M tokens once, and back at most M copies per
+            // expert and K per token.
+            let d = round(LlDispatchPacket::layout(epr, m, s.topk, 2 * h, s.groups()).len);
             let rows = (m * s.topk).min(epr * m);
-            let d = LlDispatchPacket::layout(epr, rows, 2 * h, s.groups());
             let c = round(LlCombinePacket::layout(rows, h).len);
             for b in 0..LL_BUFFERS {
-                // The rows go straight into place: only the sender stages them.
-                staging_cap[Channel::ll_dispatch(b).index()] = round(d.staged_len);
-                landing_cap[Channel::ll_dispatch(b).index()] = round(d.len);
+                staging_cap[Channel::ll_dispatch(b).index()] = d;
+                landing_cap[Channel::ll_dispatch(b).index()] = d;
                 staging_cap[Channel::ll_combine(b).index()] = c;
                 landing_cap[Channel::ll_combine(b).index()] = c;
             }

@@ -13,24 +13,27 @@ use super::{fingerprint, LlDispatchOutput, LlHandle, LlPending};
 use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::config::Shape;
-use crate::error::{EpError, Result};
+use crate::error::Result;
 use crate::invalid;
 use crate::map::LlAreas;
 use crate::net::packet::{Channel, LlDispatchPacket, LL_BUFFERS};
-use crate::net::{Staged, Write};
+use crate::net::Staged;
 use crate::quant::quantize_token;
 use crate::tokens::RecvTokens;
 use crate::wait::epoch_word;
 
-/// Where one rank's copies go: a same-node peer's rows for this source (`first` None),
-/// or this rank's staged packet, expert `le` starting at row `first[le]`.
-struct LlSink<'a> {
-    region: &'a Region,
-    x: Area<u8>,
-    scales: Area<f32>,
-    codes: Area<i32>,
-    first: Option<Vec<usize>>,
-    staged: Option<Staged>,
+/// Where one rank's copies go.
+enum LlSink<'a> {
+    /// A same-node peer: each copy straight into this source's block of its expert's
+    /// rows there.
+    Peer(&'a Region),
+    /// A peer on another node: each token once into this rank's staged packet, token
+    /// `t` at row `row_of[t]` (`u32::MAX` for a token that goes nowhere there).
+    Packet {
+        p: LlDispatchPacket,
+        row_of: Vec<u32>,
+        staged: Staged,
+    },
 }
 
 /// Where every packed row came from (the handle's tables).
@@ -39,6 +42,17 @@ struct Packed {
     recv_count: Vec<i32>,
     src_info: Vec<i32>,
     src_slot: Vec<i32>,
+}
+
+/// What a peer on another node sent in one packet, read and checked: its rows stay in
+/// the landing area until they are packed to the front.
+struct Landed {
+    p: LlDispatchPacket,
+    /// `[experts]` (row in the packet, token * K + slot) of each copy, in (token, slot)
+    /// order.
+    by_expert: Vec<Vec<(u32, i32)>>,
+    /// `[n, groups]` the tokens' scales (FP8 only).
+    scales: Vec<f32>,
 }
 
 /// Where each copy goes inside its (expert, source) block: copies numbered per expert in
@@ -271,9 +285,9 @@ impl Buffer {
             .store(seq as u64, Ordering::Release);
         let rows = Rows::quantise(x, s.hidden, use_fp8, round_scale);
         let place = Placement::of(topk_idx, s.num_experts);
-        let sinks = self.ll_open_sinks(seq, &areas, &place, rows.row_bytes)?;
+        let sinks = self.ll_open_sinks(seq, &areas, topk_idx, &place, rows.row_bytes)?;
         self.ll_pack(&sinks, &areas, topk_idx, &place, &rows)?;
-        self.ll_signal(sinks, seq, &areas, &place, rows.row_bytes)?;
+        self.ll_signal(sinks, seq, &areas, &place)?;
         Ok(LlPending {
             buffer_id: self.id,
             seq,
@@ -291,13 +305,14 @@ impl Buffer {
         &self,
         seq: u32,
         areas: &LlAreas,
+        topk_idx: &[i64],
         place: &Placement,
         row_bytes: usize,
     ) -> Result<Vec<Option<LlSink<'_>>>> {
         let b = seq as usize % LL_BUFFERS;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
-        let epr = areas.shape.experts_per_rank(r_n);
-        let groups = areas.shape.hidden / 128;
+        let s = areas.shape;
+        let (epr, k) = (s.experts_per_rank(r_n), s.topk);
         let wait = self.ll_wait();
         let ch = Channel::ll_dispatch(b);
         let mut sinks = Vec::with_capacity(r_n);
@@ -314,48 +329,35 @@ impl Buffer {
                         "rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}"
                     )
                 });
-                if self.unless_lost(r, released)?.is_none() {
-                    sinks.push(None);
-                    continue;
-                }
-                // This source's block of every expert: rows `me*M..` of each.
-                sinks.push(Some(LlSink {
-                    region,
-                    x: areas.recv_x,
-                    scales: areas.recv_scales,
-                    codes: areas.recv_src,
-                    first: None,
-                    staged: None,
-                }));
+                let open = self.unless_lost(r, released)?.is_some();
+                sinks.push(open.then_some(LlSink::Peer(region)));
             } else {
                 let staged = self.net()?.stage(ch, r, &wait)?;
-                let counts = place.counts_of(r, epr);
-                let n = counts.iter().sum::<u32>() as usize;
-                let p = LlDispatchPacket::layout(epr, n, row_bytes, groups)
+                let mut row_of = vec![u32::MAX; topk_idx.len() / k.max(1)];
+                let mut n = 0u32;
+                for (t, row) in row_of.iter_mut().enumerate() {
+                    if topk_idx[t * k..(t + 1) * k]
+                        .iter()
+                        .any(|&e| on_rank(e, r, epr))
+                    {
+                        *row = n;
+                        n += 1;
+                    }
+                }
+                let p = LlDispatchPacket::layout(epr, n as usize, k, row_bytes, s.groups())
                     .at_base(staged.area.offset());
-                self.symm.local().put(p.counts, counts)?;
-                let first = counts
-                    .iter()
-                    .scan(0usize, |acc, &c| {
-                        let f = *acc;
-                        *acc += c as usize;
-                        Some(f)
-                    })
-                    .collect();
-                sinks.push(Some(LlSink {
-                    region: self.symm.local(),
-                    x: p.rows,
-                    scales: p.scales,
-                    codes: p.codes,
-                    first: Some(first),
-                    staged: Some(staged),
-                }));
+                let local = self.symm.local();
+                local.put(p.counts, place.counts_of(r, epr))?;
+                local.put(p.tokens, &[n])?;
+                sinks.push(Some(LlSink::Packet { p, row_of, staged }));
             }
         }
         Ok(sinks)
     }
 
-    /// The kernel: every (token, slot) copy into its place, in parallel over tokens.
+    /// The kernel, in parallel over tokens: every (token, slot) copy into its place at a
+    /// same-node peer, and every token once into the packet of each peer on another
+    /// node it goes to.
     fn ll_pack(
         &self,
         sinks: &[Option<LlSink<'_>>],
@@ -369,26 +371,41 @@ impl Buffer {
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
         let (groups, row_bytes) = (h / 128, rows.row_bytes);
         let t_n = topk_idx.len() / k.max(1);
+        let local = self.symm.local();
         self.device.launch(t_n, |range| {
+            let mut slots = vec![-1i32; k];
             for t in range {
-                for slot in 0..k {
-                    let e = topk_idx[t * k + slot];
+                let chosen = &topk_idx[t * k..(t + 1) * k];
+                for (slot, &e) in chosen.iter().enumerate() {
                     if e < 0 {
                         continue;
                     }
                     let (r, le) = (e as usize / epr, e as usize % epr);
-                    let Some(sink) = &sinks[r] else { continue };
-                    let p = place.pos[t * k + slot] as usize;
-                    let row = match &sink.first {
-                        None => le * r_n * m + me * m + p,
-                        Some(first) => first[le] + p,
-                    };
-                    sink.region.put(sink.x.row(row, row_bytes)?, rows.row(t))?;
-                    if let Some(scales) = rows.scales(t) {
-                        sink.region.put(sink.scales.row(row, groups)?, scales)?;
+                    match &sinks[r] {
+                        None => {}
+                        Some(LlSink::Peer(region)) => {
+                            let row = le * r_n * m + me * m + place.pos[t * k + slot] as usize;
+                            region.put(areas.recv_x.row(row, row_bytes)?, rows.row(t))?;
+                            if let Some(scales) = rows.scales(t) {
+                                region.put(areas.recv_scales.row(row, groups)?, scales)?;
+                            }
+                            region.put(areas.recv_src.row(row, 1)?, &[(t * k + slot) as i32])?;
+                        }
+                        // The first slot naming this peer carries the token there.
+                        Some(LlSink::Packet { p, row_of, .. })
+                            if !chosen[..slot].iter().any(|&f| on_rank(f, r, epr)) =>
+                        {
+                            let i = row_of[t] as usize;
+                            slots_on(chosen, r, epr, &mut slots);
+                            local.put(p.rows.row(i, row_bytes)?, rows.row(t))?;
+                            if let Some(scales) = rows.scales(t) {
+                                local.put(p.scales.row(i, groups)?, scales)?;
+                            }
+                            local.put(p.ids.row(i, 1)?, &[t as i32])?;
+                            local.put(p.slots.row(i, k)?, &slots)?;
+                        }
+                        Some(LlSink::Packet { .. }) => {}
                     }
-                    sink.region
-                        .put(sink.codes.row(row, 1)?, &[(t * k + slot) as i32])?;
                 }
             }
             Ok(())
@@ -396,51 +413,27 @@ impl Buffer {
     }
 
     /// After every row (the launch joined every kernel thread): one count per (expert,
-    /// receiver) into a same-node peer, or the packet to a peer on another node, each
-    /// expert's rows written straight into their block there (one write per expert:
-    /// the per-expert batching of the reference).
+    /// receiver) into a same-node peer, or the packet to a peer on another node.
     fn ll_signal(
         &self,
         sinks: Vec<Option<LlSink<'_>>>,
         seq: u32,
         areas: &LlAreas,
         place: &Placement,
-        row_bytes: usize,
     ) -> Result<()> {
-        let s = areas.shape;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
-        let (epr, m) = (s.experts_per_rank(r_n), s.max_tokens);
-        let groups = s.hidden / 128;
-        let total = self.symm.local().len();
+        let epr = areas.shape.experts_per_rank(r_n);
         for (r, sink) in sinks.into_iter().enumerate() {
-            let Some(sink) = sink else { continue };
-            let counts = place.counts_of(r, epr);
-            match (sink.first, sink.staged) {
-                (None, _) => {
-                    for (le, &c) in counts.iter().enumerate() {
-                        sink.region
+            match sink {
+                None => {}
+                Some(LlSink::Peer(region)) => {
+                    for (le, &c) in place.counts_of(r, epr).iter().enumerate() {
+                        region
                             .word(areas.count_of(le, me, r_n)?, 0)?
                             .store(epoch_word(seq, c), Ordering::Release);
                     }
                 }
-                (Some(first), Some(staged)) => {
-                    let n = counts.iter().sum::<u32>() as usize;
-                    let p = LlDispatchPacket::layout(epr, n, row_bytes, groups);
-                    let mut direct = Vec::with_capacity(epr);
-                    for (le, &c) in counts.iter().enumerate().filter(|(_, &c)| c > 0) {
-                        let c = c as usize;
-                        let block = le * r_n * m + me * m;
-                        direct.push(Write::new(
-                            sink.x.rows(first[le]..first[le] + c, row_bytes)?,
-                            areas.recv_x.rows(block..block + c, row_bytes)?,
-                            total,
-                        )?);
-                    }
-                    self.net()?.send(staged, p.len, &direct)?;
-                }
-                (Some(_), None) => {
-                    return Err(EpError::internal("an LL packet was not staged".into()))
-                }
+                Some(LlSink::Packet { p, staged, .. }) => self.net()?.send(staged, p.len, &[])?,
             }
         }
         Ok(())
@@ -470,7 +463,7 @@ impl Buffer {
         let areas = self.ll_areas(b)?;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, m) = (areas.shape.experts_per_rank(r_n), areas.shape.max_tokens);
-        let (mut counts, wait_ns) = self.ll_wait_counts(pending, &areas)?;
+        let (mut counts, landed, wait_ns) = self.ll_wait_counts(pending, &areas)?;
         // Every survivor uses the same mask: what arrived from a source masked anywhere
         // is dropped.
         let masked = match &self.elastic {
@@ -489,7 +482,7 @@ impl Buffer {
                 ));
             }
         }
-        let packed = self.ll_pack_front(&areas, &counts, pending.fp8)?;
+        let packed = self.ll_pack_front(&areas, &counts, &landed, pending.fp8)?;
         Ok((
             LlHandle {
                 buffer_id: self.id,
@@ -509,18 +502,21 @@ impl Buffer {
     }
 
     /// `[E/R, R]` counts from every source not masked (zero from one found gone here),
-    /// and how long each wait took. A source on another node announced a packet: its
-    /// rows went straight into their blocks, and its scales and codes join them here.
-    fn ll_wait_counts(&self, pending: &LlPending, areas: &LlAreas) -> Result<(Vec<u32>, Vec<u64>)> {
-        let (seq, b, use_fp8) = (pending.seq, pending.buffer, pending.fp8);
-        let s = areas.shape;
+    /// the packets of sources on other nodes, and how long each wait took.
+    #[allow(clippy::type_complexity)]
+    fn ll_wait_counts(
+        &self,
+        pending: &LlPending,
+        areas: &LlAreas,
+    ) -> Result<(Vec<u32>, Vec<Option<Landed>>, Vec<u64>)> {
+        let (seq, b) = (pending.seq, pending.buffer);
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
-        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
-        let (groups, row_bytes) = (h / 128, if use_fp8 { h } else { 2 * h });
+        let epr = areas.shape.experts_per_rank(r_n);
         let local = self.symm.local();
         let wait = self.ll_wait();
         let ch = Channel::ll_dispatch(b);
         let mut counts = vec![0u32; epr * r_n];
+        let mut landed: Vec<Option<Landed>> = (0..r_n).map(|_| None).collect();
         let mut wait_ns = vec![0u64; r_n];
         for src in (0..r_n).filter(|&s| !self.masked(s)) {
             let start = Instant::now();
@@ -542,49 +538,58 @@ impl Buffer {
                 let Some(landing) = self.unless_lost(src, landing)? else {
                     continue;
                 };
-                let mut header = vec![0u32; epr];
-                local.get(
-                    LlDispatchPacket::layout(epr, 0, 0, 0)
-                        .counts
-                        .at_base(landing.offset()),
-                    &mut header,
-                )?;
-                let total: usize = header.iter().map(|&c| c as usize).sum();
-                if header.iter().any(|&c| c as usize > m) || total > m * k.min(epr) {
-                    return Err(invalid!(
-                        "rank {src} announced {header:?} rows for rank {me}'s experts; at most {m} each"
-                    ));
+                let l = self.ll_read_packet(src, landing.offset(), areas.shape, pending.fp8)?;
+                for (le, copies) in l.by_expert.iter().enumerate() {
+                    counts[le * r_n + src] = copies.len() as u32;
                 }
-                let p = LlDispatchPacket::layout(epr, total, row_bytes, groups)
-                    .at_base(landing.offset());
-                let mut first = 0;
-                for (le, &c) in header.iter().enumerate() {
-                    let (n, block) = (c as usize, le * r_n * m + src * m);
-                    if use_fp8 {
-                        local.copy(
-                            areas.recv_scales.rows(block..block + n, groups)?,
-                            local,
-                            p.scales.rows(first..first + n, groups)?,
-                        )?;
-                    }
-                    local.copy(
-                        areas.recv_src.slice(block..block + n)?,
-                        local,
-                        p.codes.slice(first..first + n)?,
-                    )?;
-                    counts[le * r_n + src] = c;
-                    first += n;
-                }
+                landed[src] = Some(l);
             }
             wait_ns[src] = start.elapsed().as_nanos() as u64;
         }
-        Ok((counts, wait_ns))
+        Ok((counts, landed, wait_ns))
     }
 
-    /// Packs each expert's blocks to the front, sources ascending (moves only go
-    /// down), the scales into their column-major place, and records where every row
-    /// came from.
-    fn ll_pack_front(&self, areas: &LlAreas, counts: &[u32], use_fp8: bool) -> Result<Packed> {
+    /// Reads and checks the packet from `src` that landed at byte `base`.
+    fn ll_read_packet(&self, src: usize, base: usize, s: Shape, use_fp8: bool) -> Result<Landed> {
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
+        let (groups, row_bytes) = (h / 128, if use_fp8 { h } else { 2 * h });
+        let local = self.symm.local();
+        let bad = |what: String| invalid!("rank {src}'s LL packet for rank {me}: {what}");
+        let head = LlDispatchPacket::layout(epr, 0, 0, 0, 0).at_base(base);
+        let header = local.get_vec(head.counts)?;
+        let n = local.get_vec(head.tokens)?[0] as usize;
+        if n > m {
+            return Err(bad(format!(
+                "{n} tokens, more than the {m} a rank may send"
+            )));
+        }
+        let p = LlDispatchPacket::layout(epr, n, k, row_bytes, groups).at_base(base);
+        let (ids, slots) = (local.get_vec(p.ids)?, local.get_vec(p.slots)?);
+        let by_expert = copies_by_expert(&header, &ids, &slots, m).map_err(bad)?;
+        let scales = if use_fp8 {
+            local.get_vec(p.scales)?
+        } else {
+            Vec::new()
+        };
+        Ok(Landed {
+            p,
+            by_expert,
+            scales,
+        })
+    }
+
+    /// Packs each expert's rows to the front, sources ascending, the scales into their
+    /// column-major place, and records where every row came from. A same-node source's
+    /// block moves down (moves only go down); a packet's rows are copied out of the
+    /// landing area, which never overlaps the rows.
+    fn ll_pack_front(
+        &self,
+        areas: &LlAreas,
+        counts: &[u32],
+        landed: &[Option<Landed>],
+        use_fp8: bool,
+    ) -> Result<Packed> {
         let s = areas.shape;
         let r_n = self.topo.num_ranks;
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
@@ -598,25 +603,50 @@ impl Buffer {
             src_slot: vec![-1i32; epr * rows_per_expert],
         };
         let mut block_scales = Vec::new();
+        let mut codes = Vec::new();
         let mut column = Vec::new();
         for le in 0..epr {
             let mut base = 0usize;
             for src in 0..r_n {
                 let n = counts[le * r_n + src] as usize;
                 let (from, to) = (le * rows_per_expert + src * m, le * rows_per_expert + base);
-                if n > 0 && from != to {
-                    local.copy(
-                        areas.recv_x.rows(to..to + n, row_bytes)?,
-                        local,
-                        areas.recv_x.rows(from..from + n, row_bytes)?,
-                    )?;
+                codes.clear();
+                block_scales.clear();
+                match &landed[src] {
+                    _ if n == 0 => {}
+                    Some(l) => {
+                        for (j, &(i, code)) in l.by_expert[le].iter().enumerate() {
+                            local.copy(
+                                areas.recv_x.row(to + j, row_bytes)?,
+                                local,
+                                l.p.rows.row(i as usize, row_bytes)?,
+                            )?;
+                            let i = i as usize;
+                            block_scales.extend_from_slice(
+                                l.scales.get(i * groups..(i + 1) * groups).unwrap_or(&[]),
+                            );
+                            codes.push(code);
+                        }
+                    }
+                    None => {
+                        if from != to {
+                            local.copy(
+                                areas.recv_x.rows(to..to + n, row_bytes)?,
+                                local,
+                                areas.recv_x.rows(from..from + n, row_bytes)?,
+                            )?;
+                        }
+                        if use_fp8 {
+                            block_scales.resize(n * groups, 0f32);
+                            local.get(
+                                areas.recv_scales.rows(from..from + n, groups)?,
+                                &mut block_scales,
+                            )?;
+                        }
+                        codes = local.get_vec(areas.recv_src.slice(from..from + n)?)?;
+                    }
                 }
                 if use_fp8 && n > 0 {
-                    block_scales.resize(n * groups, 0f32);
-                    local.get(
-                        areas.recv_scales.rows(from..from + n, groups)?,
-                        &mut block_scales,
-                    )?;
                     for g in 0..groups {
                         column.clear();
                         column.extend((0..n).map(|i| block_scales[i * groups + g]));
@@ -624,7 +654,6 @@ impl Buffer {
                         local.put(areas.out_scales.slice(at..at + n)?, &column)?;
                     }
                 }
-                let codes = local.get_vec(areas.recv_src.slice(from..from + n)?)?;
                 for (i, &code) in codes.iter().enumerate() {
                     out.src_info[to + i] = code / k as i32;
                     out.src_slot[to + i] = code % k as i32;
@@ -664,5 +693,128 @@ impl Buffer {
             handle,
             wait_ns,
         })
+    }
+}
+
+/// Whether expert `e` (`-1` for none) is on rank `r`.
+fn on_rank(e: i64, r: usize, epr: usize) -> bool {
+    e >= 0 && e as usize / epr == r
+}
+
+/// A token's slots as a packet to rank `r` carries them: each slot's local expert there,
+/// or `-1`.
+fn slots_on(chosen: &[i64], r: usize, epr: usize, out: &mut [i32]) {
+    for (l, &e) in out.iter_mut().zip(chosen) {
+        *l = if on_rank(e, r, epr) {
+            (e as usize % epr) as i32
+        } else {
+            -1
+        };
+    }
+}
+
+/// The receiver's reading of a packet's tokens: for each of `header.len()` local experts,
+/// (row in the packet, token * K + slot) of each copy, in (token, slot) order, which is
+/// the order the sender numbered them in. `ids` are the tokens' source indices
+/// (ascending, below `m`), `slots` their `[n, K]` local experts. Checks everything a
+/// peer wrote; the error says what is wrong.
+fn copies_by_expert(
+    header: &[u32],
+    ids: &[i32],
+    slots: &[i32],
+    m: usize,
+) -> std::result::Result<Vec<Vec<(u32, i32)>>, String> {
+    let epr = header.len();
+    let k = slots.len().checked_div(ids.len()).unwrap_or(0);
+    if k * ids.len() != slots.len() {
+        return Err(format!("{} slots for {} tokens", slots.len(), ids.len()));
+    }
+    let mut by_expert = vec![Vec::new(); epr];
+    let mut last = -1i64;
+    for (i, &t) in ids.iter().enumerate() {
+        if i64::from(t) <= last || t as usize >= m {
+            return Err(format!("token {t} after {last} (ascending, below {m})"));
+        }
+        last = t.into();
+        for (slot, &le) in slots[i * k..(i + 1) * k].iter().enumerate() {
+            if le < -1 || le >= epr as i32 {
+                return Err(format!("local expert {le} is outside [-1, {epr})"));
+            }
+            if le >= 0 {
+                by_expert[le as usize].push((i as u32, (t as usize * k + slot) as i32));
+            }
+        }
+    }
+    let copies: Vec<u32> = by_expert.iter().map(|c| c.len() as u32).collect();
+    if copies != header {
+        return Err(format!(
+            "it announces {header:?} copies per expert but carries {copies:?}"
+        ));
+    }
+    Ok(by_expert)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// `[T, K]` routings over `ranks` ranks of `epr` experts, `-1` slots and repeats
+    /// included.
+    fn routing() -> impl Strategy<Value = (usize, usize, usize, Vec<i64>)> {
+        (1usize..5, 1usize..4, 1usize..4).prop_flat_map(|(k, epr, ranks)| {
+            let e = (epr * ranks) as i64;
+            let idx = prop::collection::vec(-1..e, 0..12 * k).prop_map(move |mut v| {
+                v.truncate(v.len() / k * k);
+                v
+            });
+            (Just(k), Just(epr), Just(ranks), idx)
+        })
+    }
+
+    proptest! {
+        /// What a sender packs for a peer on another node reads back, expert by expert,
+        /// as the copies in the order the sender numbered them ([`Placement`]).
+        #[test]
+        fn a_packet_reads_back_in_placement_order((k, epr, ranks, topk_idx) in routing()) {
+            let place = Placement::of(&topk_idx, epr * ranks);
+            for r in 0..ranks {
+                let (mut ids, mut slots) = (Vec::new(), Vec::new());
+                for (t, chosen) in topk_idx.chunks(k).enumerate() {
+                    if chosen.iter().any(|&e| on_rank(e, r, epr)) {
+                        let mut row = vec![0; k];
+                        slots_on(chosen, r, epr, &mut row);
+                        ids.push(t as i32);
+                        slots.extend(row);
+                    }
+                }
+                let got = copies_by_expert(place.counts_of(r, epr), &ids, &slots, 12).unwrap();
+                for (le, copies) in got.iter().enumerate() {
+                    for (p, &(i, code)) in copies.iter().enumerate() {
+                        let code = code as usize;
+                        prop_assert_eq!(topk_idx[code], (r * epr + le) as i64);
+                        prop_assert_eq!(place.pos[code] as usize, p);
+                        prop_assert_eq!(ids[i as usize] as usize, code / k);
+                    }
+                }
+            }
+        }
+
+        /// Whatever a peer wrote, reading it fails with a reason or yields copies that
+        /// name only its tokens' rows; it never panics.
+        #[test]
+        fn any_packet_is_read_or_refused(
+            header in prop::collection::vec(0u32..6, 1..4),
+            ids in prop::collection::vec(-2i32..20, 0..6),
+            slots in prop::collection::vec(-3i32..5, 0..24),
+        ) {
+            if let Ok(got) = copies_by_expert(&header, &ids, &slots, 16) {
+                for copies in &got {
+                    for &(i, code) in copies {
+                        prop_assert!((i as usize) < ids.len() && code >= 0);
+                    }
+                }
+            }
+        }
     }
 }

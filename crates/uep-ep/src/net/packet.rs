@@ -285,42 +285,55 @@ impl CombinePacket {
     }
 }
 
-/// A low-latency dispatch of `n` copies to a peer's `experts` local experts, expert by
-/// expert: per-expert counts, scales, `(token * K + slot)` codes, then the rows. The
-/// packet sent ends where the rows begin: each expert's rows are written straight into
-/// their block of the receiver's rows.
+/// A low-latency dispatch to a peer on another node: each token once, however many of
+/// the peer's experts it chose (DeepEP sends one row per (token, expert) copy; the
+/// receiver expands them into its experts' blocks, where it moves rows anyway). The
+/// header first, at fixed offsets: per-expert copy counts and the number of tokens; then
+/// each token's source index, the local expert of each of its top-k slots (`-1` for a
+/// slot not on the peer), its scales and its row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LlDispatchPacket {
     /// `[experts]` copies per local expert.
     pub counts: Area<u32>,
+    /// `[1]` tokens in the packet.
+    pub tokens: Area<u32>,
+    /// `[n]` each token's index at the source, ascending.
+    pub ids: Area<i32>,
+    /// `[n, K]` the peer's local expert of each slot of each token, or `-1`.
+    pub slots: Area<i32>,
     /// `[n, groups]` scales.
     pub scales: Area<f32>,
-    /// `[n]` token * K + slot.
-    pub codes: Area<i32>,
-    /// `[n]` rows (staging only).
+    /// `[n]` rows.
     pub rows: Area<u8>,
-    /// Bytes to send (everything before the rows).
+    /// Bytes to send.
     pub len: usize,
-    /// Bytes of staging used, rows included.
-    pub staged_len: usize,
 }
 
 impl LlDispatchPacket {
-    /// The layout of `n` copies to `experts` experts, rows of `row_bytes`, `groups` scales.
-    pub fn layout(experts: usize, n: usize, row_bytes: usize, groups: usize) -> LlDispatchPacket {
+    /// The layout of `n` tokens for `experts` experts, top-`k`, rows of `row_bytes`,
+    /// `groups` scales. The header's place does not depend on `n`.
+    pub fn layout(
+        experts: usize,
+        n: usize,
+        k: usize,
+        row_bytes: usize,
+        groups: usize,
+    ) -> LlDispatchPacket {
         let mut l = sections();
         let counts = l.take(experts);
+        let tokens = l.take(1);
+        let ids = l.take(n);
+        let slots = l.take(n * k);
         let scales = l.take(n * groups);
-        let codes = l.take(n);
-        let len = l.len();
         let rows = l.take(n * row_bytes);
         LlDispatchPacket {
             counts,
+            tokens,
+            ids,
+            slots,
             scales,
-            codes,
             rows,
-            len,
-            staged_len: l.len(),
+            len: l.len(),
         }
     }
 
@@ -328,8 +341,10 @@ impl LlDispatchPacket {
     pub fn at_base(self, base: usize) -> LlDispatchPacket {
         LlDispatchPacket {
             counts: self.counts.at_base(base),
+            tokens: self.tokens.at_base(base),
+            ids: self.ids.at_base(base),
+            slots: self.slots.at_base(base),
             scales: self.scales.at_base(base),
-            codes: self.codes.at_base(base),
             rows: self.rows.at_base(base),
             ..self
         }
@@ -420,8 +435,9 @@ mod tests {
         let moved = p.at_base(4096);
         assert_eq!(moved.mask.offset(), p.mask.offset() + 4096);
         assert_eq!(moved.len, p.len);
-        let ll = LlDispatchPacket::layout(4, 10, 64, 2);
-        assert_eq!(ll.len, ll.rows.offset());
-        assert_eq!(ll.staged_len, ll.rows.end());
+        let ll = LlDispatchPacket::layout(4, 10, 8, 64, 2);
+        assert_eq!(ll.len, ll.rows.end());
+        let head = LlDispatchPacket::layout(4, 0, 0, 0, 0);
+        assert_eq!((head.counts, head.tokens), (ll.counts, ll.tokens));
     }
 }
