@@ -18,7 +18,7 @@ use crate::area::{Area, Layout, ALIGN};
 use crate::config::{BufferConfig, Shape};
 use crate::net::packet::{
     Channel, CombinePacket, DispatchPacket, LlCombinePacket, LlDispatchPacket, NotifyHead,
-    NotifyPacket, RowFormat, CHANNELS, LL_BUFFERS,
+    NotifyPacket, RowFormat, CHANNELS, LL_BUFFERS, STREAMS,
 };
 
 /// Bytes reserved for the proxy's LL-signal, barrier and atomic counters.
@@ -348,7 +348,7 @@ impl NetAreas {
             staging_cap[Channel::agree(parity).index()] = agree;
             landing_cap[Channel::agree(parity).index()] = agree;
         }
-        let tails = l.take(r);
+        let tails = l.take(r * STREAMS);
         let proxy_counters = l.take(PROXY_COUNTER_BYTES);
         let abort_src = l.take(1);
         let mut staging = [Area::default(); CHANNELS];

@@ -158,12 +158,16 @@ impl Buffer {
             }
             Ok(())
         })?;
-        for (region, _, _, staged) in sinks.into_iter().flatten() {
-            match staged {
-                None => region
+        let mut packets = vec![0; r_n];
+        for (r, sink) in sinks.into_iter().enumerate() {
+            match sink {
+                None => {}
+                Some((region, _, _, None)) => region
                     .word(self.map.control.ll_combine_done, c * r_n + me)?
                     .store(seq as u64, Ordering::Release),
-                Some((staged, len)) => self.net()?.send(staged, len, &[])?,
+                Some((_, _, _, Some((staged, len)))) => {
+                    packets[r] = self.net()?.send(staged, len, &[])?;
+                }
             }
         }
         let mut own = Vec::new();
@@ -182,6 +186,7 @@ impl Buffer {
             topk_weights: topk_weights.to_vec(),
             own,
             y_len: y.len(),
+            packets,
         })
     }
 
@@ -219,8 +224,9 @@ impl Buffer {
                 let word = local.word(self.map.control.ll_combine_done, c * r_n + src)?;
                 let done = wait.at_least(word, seq as u64, Some(self.peer(src)), &what);
                 self.unless_lost(src, done)?;
-            } else {
-                let packet = self.net()?.recv(ch, src, &wait, &what);
+            } else if p.packets[src] > 0 {
+                // Numbered as ours to it (see `LlPending::packets`).
+                let packet = self.net()?.recv_nth(ch, src, p.packets[src], &wait, &what);
                 *landed = self.unless_lost(src, packet)?;
             }
         }

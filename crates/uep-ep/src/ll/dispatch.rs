@@ -287,7 +287,7 @@ impl Buffer {
         let place = Placement::of(topk_idx, s.num_experts);
         let sinks = self.ll_open_sinks(seq, &areas, topk_idx, &place, rows.row_bytes)?;
         self.ll_pack(&sinks, &areas, topk_idx, &place, &rows)?;
-        self.ll_signal(sinks, seq, &areas, &place)?;
+        let packets = self.ll_signal(sinks, seq, &areas, &place)?;
         Ok(LlPending {
             buffer_id: self.id,
             seq,
@@ -295,6 +295,7 @@ impl Buffer {
             num_tokens: t_n,
             fp8: use_fp8,
             topk_hash: fingerprint(topk_idx),
+            packets,
         })
     }
 
@@ -332,7 +333,19 @@ impl Buffer {
                 let open = self.unless_lost(r, released)?.is_some();
                 sinks.push(open.then_some(LlSink::Peer(region)));
             } else {
-                let staged = self.net()?.stage(ch, r, &wait)?;
+                let net = self.net()?;
+                // As above: rank r's packet of step seq - 1 (numbered as ours to it)
+                // says it entered that step.
+                let entered = net.wait_arrived(ch, r, net.last_sent(ch, r), &wait, &|| {
+                    format!(
+                        "rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}"
+                    )
+                });
+                if self.unless_lost(r, entered)?.is_none() {
+                    sinks.push(None);
+                    continue;
+                }
+                let staged = net.stage(ch, r, &wait)?;
                 let mut row_of = vec![u32::MAX; topk_idx.len() / k.max(1)];
                 let mut n = 0u32;
                 for (t, row) in row_of.iter_mut().enumerate() {
@@ -414,15 +427,17 @@ impl Buffer {
 
     /// After every row (the launch joined every kernel thread): one count per (expert,
     /// receiver) into a same-node peer, or the packet to a peer on another node.
+    /// Returns each packet's number in its stream (0 where none was sent).
     fn ll_signal(
         &self,
         sinks: Vec<Option<LlSink<'_>>>,
         seq: u32,
         areas: &LlAreas,
         place: &Placement,
-    ) -> Result<()> {
+    ) -> Result<Vec<u64>> {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let epr = areas.shape.experts_per_rank(r_n);
+        let mut packets = vec![0; r_n];
         for (r, sink) in sinks.into_iter().enumerate() {
             match sink {
                 None => {}
@@ -433,10 +448,12 @@ impl Buffer {
                             .store(epoch_word(seq, c), Ordering::Release);
                     }
                 }
-                Some(LlSink::Packet { p, staged, .. }) => self.net()?.send(staged, p.len, &[])?,
+                Some(LlSink::Packet { p, staged, .. }) => {
+                    packets[r] = self.net()?.send(staged, p.len, &[])?;
+                }
             }
         }
-        Ok(())
+        Ok(packets)
     }
 
     fn ll_recv(&mut self, pending: &LlPending) -> Result<(LlHandle, Vec<u64>)> {
@@ -532,7 +549,13 @@ impl Buffer {
                     }
                 }
             } else {
-                let landing = self.net()?.recv(ch, src, &wait, &|| {
+                // Its packet of this step is numbered as ours to it; none if it was
+                // masked when we sent.
+                let n = pending.packets[src];
+                if n == 0 {
+                    continue;
+                }
+                let landing = self.net()?.recv_nth(ch, src, n, &wait, &|| {
                     format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s rows")
                 });
                 let Some(landing) = self.unless_lost(src, landing)? else {

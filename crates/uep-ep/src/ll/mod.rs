@@ -69,6 +69,9 @@ pub struct LlPending {
     pub(crate) num_tokens: usize,
     pub(crate) fp8: bool,
     pub(crate) topk_hash: u64,
+    /// `[R]`: the number of the packet sent to each rank on another node in its
+    /// stream (0: none); the peer's packet of this step has the same number.
+    pub(crate) packets: Vec<u64>,
 }
 
 /// What a low-latency dispatch returns; slices live until the Buffer's next call.
@@ -99,6 +102,8 @@ pub struct LlCombinePending {
     /// `[(token * K + slot, row of y)]`: this rank's own expert outputs, read from `y`.
     pub(crate) own: Vec<(usize, usize)>,
     pub(crate) y_len: usize,
+    /// `[R]`: packet numbers, as [`LlPending`]'s.
+    pub(crate) packets: Vec<u64>,
 }
 
 impl LlPending {

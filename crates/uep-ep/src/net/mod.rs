@@ -19,8 +19,9 @@
 //! ([`NetPath::stream`]): they travel while it packs the rest, and the packet's one
 //! announcement, later in the same ordered stream, covers them.
 //!
-//! What the EP layer uses of the proxy: one FIFO and one ordered stream per peer,
-//! writes with tail increments, `Quiet` to learn that a staging area may be reused,
+//! What the EP layer uses of the proxy: one FIFO and [`STREAMS`] ordered streams per
+//! peer (normal mode and the agreement; LL dispatch; LL combine), writes with tail
+//! increments, `Quiet` to learn that a staging area may be reused,
 //! and the `NodeLeader` barrier. The proxy's LL partial-completion fence and its
 //! atomics emulation are not used here.
 
@@ -47,10 +48,10 @@ use crate::map::{ControlAreas, NetAreas};
 use crate::topology::Topology;
 use crate::wait::{Peer, Wait};
 
-pub use packet::{Channel, CHANNELS, LL_BUFFERS};
+pub use packet::{Channel, CHANNELS, LL_BUFFERS, STREAMS};
 
-/// The one wire channel: every packet from a peer is announced in one ordered stream.
-const WIRE_CHANNEL: u8 = 0;
+/// The stream of the abort message (which counts nothing).
+const ABORT_STREAM: u8 = 0;
 
 /// Default largest single write of a packet: big enough to stream, small enough that
 /// the proxy interleaves peers and the first bytes move while the last are staged.
@@ -160,8 +161,11 @@ pub struct NetPath {
     quiets: RefCell<Vec<Option<PendingQuiet>>>,
     /// Largest single write (see [`NetConfig::write_bytes`]).
     write_bytes: usize,
-    /// `[src]`: packets received so far (the next [`NetPath::recv`] expects one more).
+    /// `[src][stream]`: packets received so far (the next [`NetPath::recv`] expects
+    /// one more).
     received: Vec<Cell<u64>>,
+    /// `[dst][stream]`: packets sent so far; the last one's number.
+    sent: Vec<Cell<u64>>,
     /// Faults the injectors of all threads have injected so far.
     faults: Arc<AtomicU64>,
     /// Packet bytes handed to the proxy so far.
@@ -245,9 +249,9 @@ impl NetPath {
         let counters = CounterLayout {
             num_ranks,
             tail_base: areas.tails.offset() as u64,
-            num_channels: 1,
+            num_channels: STREAMS,
             // LL fences and atomics are not used by this layer: packets are ordered per
-            // peer by the tail stream alone.
+            // (peer, stream) by the tail counters alone.
             ll_base: areas.proxy_counters.offset() as u64,
             num_local_experts: 0,
             barrier_base: areas.proxy_counters.offset() as u64,
@@ -282,7 +286,8 @@ impl NetPath {
             quiets: RefCell::new(vec![None; CHANNELS * num_ranks]),
             write_bytes: (cfg.write_bytes.max(16) / 16 * 16)
                 .min(uep_wire::MAX_WRITE_LEN as usize / 16 * 16),
-            received: (0..num_ranks).map(|_| Cell::new(0)).collect(),
+            received: (0..num_ranks * STREAMS).map(|_| Cell::new(0)).collect(),
+            sent: (0..num_ranks * STREAMS).map(|_| Cell::new(0)).collect(),
             faults,
             sent_bytes: Cell::new(0),
             abort_sent: Cell::new(false),
@@ -377,9 +382,10 @@ impl NetPath {
 
     /// Send the first `len` bytes of `staged` into the peer's landing area for this
     /// rank, after the `direct` writes, and announce all of it (with whatever was
-    /// [streamed](NetPath::stream) before). Returns at once; the next
-    /// [`NetPath::stage`] of the same area waits for the bytes to leave.
-    pub fn send(&self, staged: Staged, len: usize, direct: &[Write]) -> Result<()> {
+    /// [streamed](NetPath::stream) before). Returns at once, with the packet's number
+    /// in its stream ([`Channel::stream`]); the next [`NetPath::stage`] of the same
+    /// area waits for the bytes to leave.
+    pub fn send(&self, staged: Staged, len: usize, direct: &[Write]) -> Result<u64> {
         let landing = self.areas.landing(staged.ch, self.me)?;
         let packet = Write::new(
             staged.area.prefix(len)?,
@@ -394,17 +400,24 @@ impl NetPath {
             packet.src as u64,
             packet.dst as u64,
             0,
-            WIRE_CHANNEL,
+            staged.ch.stream() as u8,
             1,
         ))?;
         self.push(&staged, t, &fifo, announce)?;
         let slot = self.push(&staged, t, &fifo, cmds::quiet())?;
+        let sent = &self.sent[staged.dst * STREAMS + staged.ch.stream()];
+        sent.set(sent.get() + 1);
         // An idle proxy thread sleeps up to `ProxyConfig::max_park` (1 ms) between
         // looks at its FIFOs: wake it, so the packet leaves now.
         self.proxy.wake_thread(t);
         self.quiets.borrow_mut()[staged.ch.index() * self.num_ranks + staged.dst] =
             Some((fifo, t, slot));
-        Ok(())
+        Ok(sent.get())
+    }
+
+    /// The number of the last packet sent to `dst` in the stream of `ch` (0: none yet).
+    pub fn last_sent(&self, ch: Channel, dst: usize) -> u64 {
+        self.sent[dst * STREAMS + ch.stream()].get()
     }
 
     /// Push `writes` for the peer of `staged`, each cut into writes of at most
@@ -420,7 +433,7 @@ impl NetPath {
                     (w.src + off) as u64,
                     (w.dst + off) as u64,
                     n as u32,
-                    WIRE_CHANNEL,
+                    staged.ch.stream() as u8,
                     0,
                 ))?;
                 self.push(staged, t, &fifo, cmd)?;
@@ -486,8 +499,8 @@ impl NetPath {
         self.proxy.watch_arrivals(self.me % self.threads)
     }
 
-    /// Wait for the next packet from `src` and return the landing area of `ch` it is
-    /// in. `what()` names who waits for what.
+    /// Wait for the next packet from `src` in the stream of `ch` and return the
+    /// landing area of `ch` it is in. `what()` names who waits for what.
     pub fn recv(
         &self,
         ch: Channel,
@@ -495,16 +508,50 @@ impl NetPath {
         wait: &Wait<'_>,
         what: &dyn Fn() -> String,
     ) -> Result<Area<u8>> {
-        let target = self.received[src].get() + 1;
-        let counter = self.region.word(self.areas.tails, src)?;
+        let received = &self.received[src * STREAMS + ch.stream()];
+        let target = received.get() + 1;
+        self.wait_arrived(ch, src, target, wait, what)?;
+        received.set(target);
+        self.areas.landing(ch, src)
+    }
+
+    /// Wait until packet number `n` from `src` in the stream of `ch` (and every one
+    /// before it) has landed, and return the landing area of `ch`: for a packet that
+    /// is not the next one to receive (see [`STREAMS`]).
+    pub fn recv_nth(
+        &self,
+        ch: Channel,
+        src: usize,
+        n: u64,
+        wait: &Wait<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<Area<u8>> {
+        self.wait_arrived(ch, src, n, wait, what)?;
+        self.areas.landing(ch, src)
+    }
+
+    /// Wait until `n` packets from `src` in the stream of `ch` have landed.
+    pub fn wait_arrived(
+        &self,
+        ch: Channel,
+        src: usize,
+        n: u64,
+        wait: &Wait<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let counter = self
+            .region
+            .word(self.areas.tails, src * STREAMS + ch.stream())?;
+        if counter.load(Ordering::Acquire) >= n {
+            return Ok(());
+        }
         let _watch = self.watch_arrivals();
         let peer = Peer {
             rank: src,
             region: None,
         };
-        wait.at_least(counter, target, Some(peer), what)?;
-        self.received[src].set(target);
-        self.areas.landing(ch, src)
+        wait.at_least(counter, n, Some(peer), what)?;
+        Ok(())
     }
 
     /// Meet the other nodes' leaders: the proxy's `NodeLeader` barrier number `seq`,
@@ -577,7 +624,7 @@ impl NetPath {
                     w.src as u64,
                     w.dst as u64,
                     w.len as u32,
-                    WIRE_CHANNEL,
+                    ABORT_STREAM,
                     0,
                 )
                 .map_err(|e| EpError::internal(format!("rank {me}: {e}")))?;

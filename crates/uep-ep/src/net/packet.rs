@@ -40,7 +40,24 @@ pub const LL_BUFFERS: usize = 3;
 /// Number of [`Channel`]s.
 pub const CHANNELS: usize = 3 + 2 * LL_BUFFERS + 2;
 
+/// Ordered packet streams per peer, each with its own tail counter at the receiver.
+/// Normal mode and the agreement receive their packets in the calls that send them, so
+/// the k-th packet of their stream is the one the k-th receive expects. A low-latency
+/// dispatch or combine may be received after later calls (a deferred hook, or a
+/// combine between two dispatches and their receives), so each of those kinds has a
+/// stream of its own, and its receive waits for its packet's number there.
+pub const STREAMS: usize = 3;
+
 impl Channel {
+    /// The ordered stream the channel's packets travel in, `0..STREAMS`.
+    pub fn stream(self) -> usize {
+        match self {
+            Channel::LlDispatch(_) => 1,
+            Channel::LlCombine(_) => 2,
+            _ => 0,
+        }
+    }
+
     /// The channel's index, `0..CHANNELS`.
     pub fn index(self) -> usize {
         match self {

@@ -1,0 +1,111 @@
+//! Deferred low-latency receives across nodes: a rank may hold two dispatches whose
+//! receive it has not called, while a peer on another node runs ahead. What it receives
+//! must still be what was sent for that step.
+
+use std::time::Duration;
+
+use half::bf16;
+use uep_ep::{Buffer, BufferConfig, RecvTokens};
+use uep_harness::ranks::run_ranks;
+
+const HIDDEN: usize = 128;
+const TOKENS: usize = 4;
+
+/// Step `step`'s tokens of rank `rank`: every value names both.
+fn x(rank: usize, step: usize) -> Vec<bf16> {
+    vec![bf16::from_f32((10 * step + rank + 1) as f32); TOKENS * HIDDEN]
+}
+
+/// Rank `src`'s rows of local expert 0 in a received step, as the values they carry.
+fn from(out: &uep_ep::LlDispatchOutput<'_>, src: usize) -> Vec<f32> {
+    let RecvTokens::Bf16(rows) = out.recv_x else {
+        panic!("bf16 expected")
+    };
+    let (begin, n) = out.handle.layout_range[src];
+    (begin as usize..(begin + n) as usize)
+        .map(|r| rows[r * HIDDEN].to_f32())
+        .collect()
+}
+
+#[test]
+fn a_peer_running_ahead_does_not_overwrite_a_step_not_yet_received() {
+    let results = run_ranks(2, |group| {
+        let mut cfg = BufferConfig::new(2, HIDDEN, 1, 0, TOKENS);
+        cfg.ranks_per_node = Some(1);
+        cfg.timeout = Duration::from_secs(30);
+        let mut buf = Buffer::new(group, cfg).expect("buffer");
+        let me = buf.rank();
+        // Every token goes to expert 0, on rank 0.
+        let idx = vec![0i64; TOKENS];
+        let mut got = Vec::new();
+        let send = |buf: &mut Buffer, step| {
+            buf.low_latency_dispatch_send(&x(me, step), &idx, false, false)
+                .expect("send")
+        };
+        let (p0, p1) = (send(&mut buf, 0), send(&mut buf, 1));
+        if me == 0 {
+            // Rank 1 may now receive steps 0 and 1 and send steps 2 and 3.
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        for (step, p) in [(0, p0), (1, p1)] {
+            let out = buf.low_latency_dispatch_recv(p).expect("recv");
+            got.push((step, from(&out, 1)));
+        }
+        let (p2, p3) = (send(&mut buf, 2), send(&mut buf, 3));
+        for (step, p) in [(2, p2), (3, p3)] {
+            let out = buf.low_latency_dispatch_recv(p).expect("recv");
+            got.push((step, from(&out, 1)));
+        }
+        got
+    })
+    .expect("rendezvous");
+    for (step, rows) in &results[0] {
+        let want = vec![(10 * step + 2) as f32; TOKENS];
+        assert_eq!(
+            rows, &want,
+            "rank 0's step {step} holds other rows from rank 1"
+        );
+    }
+}
+
+/// Two dispatches sent, the first received and combined before the second is received:
+/// the combine must wait for the peer's expert outputs, not take the second dispatch's
+/// arrival for them.
+#[test]
+fn a_combine_between_two_deferred_receives_waits_for_its_own_rows() {
+    let results = run_ranks(2, |group| {
+        let mut cfg = BufferConfig::new(2, HIDDEN, 1, 0, TOKENS);
+        cfg.ranks_per_node = Some(1);
+        cfg.timeout = Duration::from_secs(30);
+        let mut buf = Buffer::new(group, cfg).expect("buffer");
+        let me = buf.rank();
+        // Rank 0's tokens go to expert 1 (on rank 1), rank 1's to expert 0: every row
+        // crosses.
+        let idx = vec![1 - me as i64; TOKENS];
+        let w = vec![1f32; TOKENS];
+        let pa = buf
+            .low_latency_dispatch_send(&x(me, 0), &idx, false, false)
+            .expect("send A");
+        let pb = buf
+            .low_latency_dispatch_send(&x(me, 1), &idx, false, false)
+            .expect("send B");
+        let out = buf.low_latency_dispatch_recv(pa).expect("recv A");
+        let RecvTokens::Bf16(rows) = out.recv_x else {
+            panic!("bf16 expected")
+        };
+        let y = rows.to_vec();
+        let handle = out.handle;
+        if me == 1 {
+            std::thread::sleep(Duration::from_millis(1000));
+        }
+        let combined = buf
+            .low_latency_combine(&y, &idx, &w, &handle)
+            .expect("combine A");
+        let _ = buf.low_latency_dispatch_recv(pb).expect("recv B");
+        combined
+    })
+    .expect("rendezvous");
+    for (rank, combined) in results.iter().enumerate() {
+        assert_eq!(combined, &x(rank, 0), "rank {rank}'s combine of A");
+    }
+}
