@@ -40,6 +40,8 @@ pub(crate) struct Seqs {
     pub barrier: u64,
     /// Per LL buffer: a dispatch whose receive (hook) has not run yet.
     pub ll_unreceived: [Option<u32>; LL_BUFFERS],
+    /// Per LL combine area: a combine whose receive has not run yet.
+    pub ll_combine_unreceived: [Option<u32>; LL_BUFFERS],
 }
 
 /// Output banks that can be leased (see [`Bank`]).

@@ -55,6 +55,9 @@ pub struct ControlAreas {
     pub ll_entered: Area<u64>,
     /// `[LL_BUFFERS][src R]` epoch: low-latency combine rows from the source have landed.
     pub ll_combine_done: Area<u64>,
+    /// The last low-latency combine this rank entered (as `ll_entered`, for combine
+    /// areas).
+    pub ll_combine_entered: Area<u64>,
     /// `[2][src R][1 + W]` elastic mode's agreement messages from the ranks of this
     /// node, by round parity: the mask (`W = ceil(R / 64)` words), then the round,
     /// stored last (see [`ControlAreas::agree_slot`]).
@@ -81,6 +84,7 @@ impl ControlAreas {
             relay_done: l.take(r),
             ll_entered: l.take(1),
             ll_combine_done: l.take(LL_BUFFERS * r),
+            ll_combine_entered: l.take(1),
             agree: l.take(2 * r * (1 + mask_words(r))),
             mask_words: mask_words(r),
         }
@@ -452,6 +456,7 @@ mod tests {
         add("relay_done", c.relay_done.byte_range());
         add("ll_entered", c.ll_entered.byte_range());
         add("ll_combine_done", c.ll_combine_done.byte_range());
+        add("ll_combine_entered", c.ll_combine_entered.byte_range());
         add("agree", c.agree.byte_range());
         if let Some(n) = &map.normal {
             add("notify", n.notify.byte_range());

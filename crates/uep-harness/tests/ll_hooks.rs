@@ -109,3 +109,107 @@ fn a_combine_between_two_deferred_receives_waits_for_its_own_rows() {
         assert_eq!(combined, &x(rank, 0), "rank {rank}'s combine of A");
     }
 }
+
+/// Combines whose receives wait, while a peer runs ahead: a peer's combine may not
+/// overwrite the rows of one this rank has not received. Across nodes and inside one.
+#[test]
+fn a_peer_running_ahead_does_not_overwrite_a_combine_not_yet_received() {
+    for ranks_per_node in [1, 2] {
+        let results = run_ranks(2, |group| {
+            let mut cfg = BufferConfig::new(2, HIDDEN, 1, 0, TOKENS);
+            cfg.ranks_per_node = Some(ranks_per_node);
+            cfg.timeout = Duration::from_secs(30);
+            let mut buf = Buffer::new(group, cfg).expect("buffer");
+            let me = buf.rank();
+            // Every token to the other rank's expert.
+            let idx = vec![1 - me as i64; TOKENS];
+            let w = vec![1f32; TOKENS];
+            let out = buf
+                .low_latency_dispatch(&x(me, 0), &idx, false, false)
+                .expect("dispatch");
+            let handle = out.handle;
+            let RecvTokens::Bf16(rows) = out.recv_x else {
+                panic!("bf16 expected")
+            };
+            // Combine c returns every row as the value c + 1.
+            let y: Vec<Vec<bf16>> = (0..4)
+                .map(|c| vec![bf16::from_f32((c + 1) as f32); rows.len()])
+                .collect();
+            let mut got = Vec::new();
+            let mut round = |buf: &mut Buffer, cs: [usize; 2], wait: bool| {
+                let pending: Vec<_> = cs
+                    .iter()
+                    .map(|&c| {
+                        buf.low_latency_combine_send(&y[c], &idx, &w, &handle)
+                            .expect("combine send")
+                    })
+                    .collect();
+                if wait {
+                    // The peer may now receive both and send the next two.
+                    std::thread::sleep(Duration::from_millis(1500));
+                }
+                for (p, &c) in pending.into_iter().zip(&cs) {
+                    let mut out = vec![bf16::ZERO; TOKENS * HIDDEN];
+                    buf.low_latency_combine_recv(p, &y[c], &mut out)
+                        .expect("combine recv");
+                    got.push((c, out[0].to_f32()));
+                }
+            };
+            round(&mut buf, [0, 1], me == 0);
+            round(&mut buf, [2, 3], false);
+            got
+        })
+        .expect("rendezvous");
+        for (c, v) in &results[0] {
+            assert_eq!(
+                *v,
+                (c + 1) as f32,
+                "{ranks_per_node} rank(s) a node: rank 0's combine {c} holds another combine's rows"
+            );
+        }
+    }
+}
+
+/// A third dispatch or combine while two wait for their receive is refused, with the
+/// reason (as any misuse, it leaves the Buffer unusable).
+#[test]
+fn at_most_two_low_latency_calls_wait_for_their_receive() {
+    for combine in [false, true] {
+        let results = run_ranks(2, |group| {
+            let mut cfg = BufferConfig::new(2, HIDDEN, 1, 0, TOKENS);
+            cfg.ranks_per_node = Some(1);
+            cfg.timeout = Duration::from_secs(30);
+            let mut buf = Buffer::new(group, cfg).expect("buffer");
+            let me = buf.rank();
+            let idx = vec![1 - me as i64; TOKENS];
+            let w = vec![1f32; TOKENS];
+            if !combine {
+                for step in 0..2 {
+                    let _ = buf
+                        .low_latency_dispatch_send(&x(me, step), &idx, false, false)
+                        .unwrap();
+                }
+                let third = buf.low_latency_dispatch_send(&x(me, 2), &idx, false, false);
+                return third.expect_err("a third dispatch").to_string();
+            }
+            let out = buf
+                .low_latency_dispatch(&x(me, 0), &idx, false, false)
+                .unwrap();
+            let handle = out.handle;
+            let y = vec![bf16::ONE; 2 * TOKENS * HIDDEN];
+            for _ in 0..2 {
+                let _ = buf.low_latency_combine_send(&y, &idx, &w, &handle).unwrap();
+            }
+            let third = buf.low_latency_combine_send(&y, &idx, &w, &handle);
+            third.expect_err("a third combine").to_string()
+        })
+        .expect("rendezvous");
+        let what = if combine { "combines" } else { "dispatches" };
+        for err in results {
+            assert!(
+                err.contains(&format!("at most two low-latency {what} may wait")),
+                "{err}"
+            );
+        }
+    }
+}

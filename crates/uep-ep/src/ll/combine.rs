@@ -44,8 +44,21 @@ impl Buffer {
     ) -> Result<LlCombinePending> {
         self.collective(|b| {
             b.check_ll_combine(y, topk_idx, topk_weights, handle)?;
-            b.seq.ll_combine = b.seq.ll_combine.wrapping_add(1);
-            b.ll_combine_send(b.seq.ll_combine, y, topk_idx, topk_weights, handle)
+            let seq = b.seq.ll_combine.wrapping_add(1);
+            let c = seq as usize % LL_BUFFERS;
+            // As for dispatches: peers may write combine seq + 1 once this rank entered
+            // seq, into the area of combine seq - 2, which must have been received.
+            let older = (seq as usize + 1) % LL_BUFFERS;
+            let unreceived = &b.seq.ll_combine_unreceived;
+            if let Some(p) = unreceived[older].or(unreceived[c]) {
+                return Err(invalid!(
+                    "low-latency combine {p} was never received: at most two low-latency combines may wait for their receive (call the hook of the older one first)"
+                ));
+            }
+            b.seq.ll_combine = seq;
+            let pending = b.ll_combine_send(seq, y, topk_idx, topk_weights, handle)?;
+            b.seq.ll_combine_unreceived[c] = Some(seq);
+            Ok(pending)
         })
     }
 
@@ -58,7 +71,18 @@ impl Buffer {
         y: &[bf16],
         out: &mut [bf16],
     ) -> Result<()> {
-        self.collective(|b| b.ll_combine_recv(&pending, y, out))
+        self.collective(|b| {
+            let c = pending.seq as usize % LL_BUFFERS;
+            if b.seq.ll_combine_unreceived[c] != Some(pending.seq) {
+                return Err(invalid!(
+                    "low-latency combine {} was received already",
+                    pending.seq
+                ));
+            }
+            b.ll_combine_recv(&pending, y, out)?;
+            b.seq.ll_combine_unreceived[c] = None;
+            Ok(())
+        })
     }
 
     fn check_ll_combine(
@@ -117,15 +141,40 @@ impl Buffer {
         let wait = self.ll_wait();
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
+        // Enter the combine: same-node peers may now write its area.
+        local
+            .word(self.map.control.ll_combine_entered, 0)?
+            .store(seq as u64, Ordering::Release);
+        let what = |src: usize| {
+            move || {
+                format!("rank {me}: LL combine {seq}: waiting for rank {src} to release combine area {c}")
+            }
+        };
         let mut sinks = Vec::with_capacity(r_n);
         for src in 0..r_n {
             if self.masked(src) {
                 // Elastic mode: nothing goes back to a masked rank.
                 sinks.push(None);
             } else if self.topo.is_local(src) {
-                sinks.push(Some((self.peer_region(src)?, areas.combine_x, None, None)));
+                // Area c of rank src was last used by combine seq - 3, received before
+                // src entered seq - 1.
+                let region = self.peer_region(src)?;
+                let word = region.word(self.map.control.ll_combine_entered, 0)?;
+                let entered = wait.at_least(word, seq as u64 - 1, Some(self.peer(src)), &what(src));
+                if self.unless_lost(src, entered)?.is_none() {
+                    sinks.push(None);
+                    continue;
+                }
+                sinks.push(Some((region, areas.combine_x, None, None)));
             } else {
-                let staged = self.net()?.stage(ch, src, &wait)?;
+                // The same, told by its packet of combine seq - 1 (numbered as ours).
+                let net = self.net()?;
+                let entered = net.wait_arrived(ch, src, net.last_sent(ch, src), &wait, &what(src));
+                if self.unless_lost(src, entered)?.is_none() {
+                    sinks.push(None);
+                    continue;
+                }
+                let staged = net.stage(ch, src, &wait)?;
                 let mut first = Vec::with_capacity(epr);
                 let mut n = 0;
                 for le in 0..epr {

@@ -1,30 +1,38 @@
 //! Low-latency (LL) mode: decode-sized batches, fixed layouts, as DeepEP's
 //! `internode_ll` kernels.
 //!
-//! Dispatch ([`dispatch`]) sends each (token, slot) to its expert's rank, no dedup,
-//! optionally cast to FP8 on the way (one f32 scale per 128 channels). The receiver's
+//! Dispatch ([`dispatch`]) sends each (token, slot) to its expert's rank (to a rank on
+//! another node, each token once, expanded there), optionally cast to FP8 on the way
+//! (one f32 scale per 128 channels). The receiver's
 //! layout is fixed and pre-sized, `[E/R, R * M, H]`: source `s` owns rows
 //! `s*M..(s+1)*M` of every local expert, so senders need no offsets from anyone and no
 //! count exchange comes before the data. It runs in two halves, so that the receive
 //! can be deferred (DeepEP's `return_recv_hook`):
 //!
 //! * **send**: enter the step → quantise → pack each copy into its place at the
-//!   receiver (a same-node peer's rows, or a packet for another node) → signal one
-//!   count per (expert, receiver);
+//!   receiver (a same-node peer's rows, or each token once into a packet for another
+//!   node) → signal one count per (expert, receiver), or send the packet;
 //! * **receive**: wait for every source's counts → pack each expert's rows to the front
 //!   (sources ascending, `(token, slot)` order inside a source), with the scales
 //!   column-major as DeepEP returns them.
 //!
-//! Step `s` uses buffer `s % LL_BUFFERS`. A sender writes a same-node peer's buffer for
-//! step `s` once the peer has entered step `s - 1`; a peer on another node can write it
-//! as early (it has all of this rank's step `s - 1` packets by then). With three
-//! buffers, the outputs of step `s - 1` therefore stay valid while step `s` runs, and
-//! at most two dispatches may wait for their receive.
+//! Step `s` uses buffer `s % LL_BUFFERS`. A sender writes a peer's buffer for step `s`
+//! only once the peer has entered step `s - 1`: on this node it reads the peer's
+//! `ll_entered` word; a peer on another node has said so with its packet of step
+//! `s - 1` (each step sends one to every peer on another node, so its number in the LL
+//! dispatch stream is the same as ours to it). Entering `s - 1` needs step `s - 3`
+//! received, and at most two dispatches may wait for their receive, so the buffer is
+//! free and the outputs of step `s - 1` stay valid while step `s` runs.
 //!
 //! Combine ([`combine`]) returns each expert output row to its source's
 //! `[token, slot]` row; the source computes `sum_k w_k * y_k` in f32, in slot order,
-//! and rounds once. Combine `c` uses combine area `c % LL_BUFFERS`, so one handle may be
-//! combined more than once.
+//! and rounds once. Combine `c` uses combine area `c % LL_BUFFERS` under the same
+//! rules (its own `ll_combine_entered` word and stream; at most two combines may wait
+//! for their receive), so one handle may be combined more than once.
+//!
+//! Receives may be deferred past later calls (DeepEP's hooks; a combine between two
+//! dispatches and their receives), so a receive waits for its own packet's number in
+//! its stream, never just for the next packet.
 
 mod combine;
 mod dispatch;
