@@ -771,7 +771,7 @@ fn copies_by_expert(
     let copies: Vec<u32> = by_expert.iter().map(|c| c.len() as u32).collect();
     if copies != header {
         return Err(format!(
-            "it announces {header:?} copies per expert but carries {copies:?}"
+            "its counts announced {header:?} copies per expert but it carries {copies:?}"
         ));
     }
     Ok(by_expert)
