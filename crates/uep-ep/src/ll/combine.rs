@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use half::bf16;
 
-use super::{fingerprint, LlCombinePending, LlHandle};
+use super::{check_window, fingerprint, LlCombinePending, LlHandle};
 use crate::area::Mem;
 use crate::buffer::Buffer;
 use crate::error::Result;
@@ -45,19 +45,10 @@ impl Buffer {
         self.collective(|b| {
             b.check_ll_combine(y, topk_idx, topk_weights, handle)?;
             let seq = b.seq.ll_combine.wrapping_add(1);
-            let c = seq as usize % LL_BUFFERS;
-            // As for dispatches: peers may write combine seq + 1 once this rank entered
-            // seq, into the area of combine seq - 2, which must have been received.
-            let older = (seq as usize + 1) % LL_BUFFERS;
-            let unreceived = &b.seq.ll_combine_unreceived;
-            if let Some(p) = unreceived[older].or(unreceived[c]) {
-                return Err(invalid!(
-                    "low-latency combine {p} was never received: at most two low-latency combines may wait for their receive (call the hook of the older one first)"
-                ));
-            }
+            check_window(&b.seq.ll_combine_unreceived, seq, ("combine", "combines"))?;
             b.seq.ll_combine = seq;
             let pending = b.ll_combine_send(seq, y, topk_idx, topk_weights, handle)?;
-            b.seq.ll_combine_unreceived[c] = Some(seq);
+            b.seq.ll_combine_unreceived[seq as usize % LL_BUFFERS] = Some(seq);
             Ok(pending)
         })
     }
@@ -152,28 +143,17 @@ impl Buffer {
         };
         let mut sinks = Vec::with_capacity(r_n);
         for src in 0..r_n {
-            if self.masked(src) {
-                // Elastic mode: nothing goes back to a masked rank.
+            // Area c of rank src was last used by combine seq - 3. Elastic mode: nothing
+            // goes back to a masked rank.
+            let entered = self.map.control.ll_combine_entered;
+            if self.masked(src)
+                || !self.ll_peer_released(src, seq, entered, ch, &wait, &what(src))?
+            {
                 sinks.push(None);
             } else if self.topo.is_local(src) {
-                // Area c of rank src was last used by combine seq - 3, received before
-                // src entered seq - 1.
-                let region = self.peer_region(src)?;
-                let word = region.word(self.map.control.ll_combine_entered, 0)?;
-                let entered = wait.at_least(word, seq as u64 - 1, Some(self.peer(src)), &what(src));
-                if self.unless_lost(src, entered)?.is_none() {
-                    sinks.push(None);
-                    continue;
-                }
-                sinks.push(Some((region, areas.combine_x, None, None)));
+                sinks.push(Some((self.peer_region(src)?, areas.combine_x, None, None)));
             } else {
-                // The same, told by its packet of combine seq - 1 (numbered as ours).
                 let net = self.net()?;
-                let entered = net.wait_arrived(ch, src, net.last_sent(ch, src), &wait, &what(src));
-                if self.unless_lost(src, entered)?.is_none() {
-                    sinks.push(None);
-                    continue;
-                }
                 let staged = net.stage(ch, src, &wait)?;
                 let mut first = Vec::with_capacity(epr);
                 let mut n = 0;

@@ -9,7 +9,7 @@ use std::time::Instant;
 use half::bf16;
 use uep_shm::Region;
 
-use super::{fingerprint, LlDispatchOutput, LlHandle, LlPending};
+use super::{check_window, fingerprint, LlDispatchOutput, LlHandle, LlPending};
 use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::config::Shape;
@@ -246,18 +246,12 @@ impl Buffer {
         self.check_ll_dispatch(shape, x, topk_idx, use_fp8)?;
         let seq = self.seq.ll.wrapping_add(1);
         let b = seq as usize % LL_BUFFERS;
-        // Peers may write step seq + 1 once this rank entered seq, into the buffer of
-        // step seq - 2: that step must have been received.
-        let older = (seq as usize + 1) % LL_BUFFERS;
-        if let Some(p) = self.seq.ll_unreceived[older].or(self.seq.ll_unreceived[b]) {
-            return Err(invalid!(
-                "low-latency dispatch {p} was never received: at most two low-latency dispatches may wait for their receive (call the hook of the older one first)"
-            ));
-        }
+        check_window(&self.seq.ll_unreceived, seq, ("dispatch", "dispatches"))?;
         self.seq.ll = seq;
-        // ... and the outputs of step seq - 2 that someone still holds leave that bank.
+        // The outputs of step seq - 2 that someone still holds leave that bank: peers
+        // may write it once this rank entered seq.
         if let Some(banks) = &mut self.banks.ll {
-            banks[older].reclaim()?;
+            banks[(seq as usize + 1) % LL_BUFFERS].reclaim()?;
         }
         let pending = self.ll_send_step(seq, x, topk_idx, use_fp8, round_scale)?;
         self.seq.ll_unreceived[b] = Some(seq);
@@ -316,35 +310,21 @@ impl Buffer {
         let (epr, k) = (s.experts_per_rank(r_n), s.topk);
         let wait = self.ll_wait();
         let ch = Channel::ll_dispatch(b);
+        let released = |r: usize| {
+            move || {
+                format!("rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}")
+            }
+        };
         let mut sinks = Vec::with_capacity(r_n);
         for r in 0..r_n {
-            if self.masked(r) {
+            // Buffer b of rank r was last used by step seq - 3.
+            let entered = self.map.control.ll_entered;
+            if self.masked(r) || !self.ll_peer_released(r, seq, entered, ch, &wait, &released(r))? {
                 sinks.push(None);
             } else if self.topo.is_local(r) {
-                let region = self.peer_region(r)?;
-                // Buffer b of rank r was last used by step seq - 3; r moves past it when
-                // it enters seq - 1.
-                let word = region.word(self.map.control.ll_entered, 0)?;
-                let released = wait.at_least(word, seq as u64 - 1, Some(self.peer(r)), &|| {
-                    format!(
-                        "rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}"
-                    )
-                });
-                let open = self.unless_lost(r, released)?.is_some();
-                sinks.push(open.then_some(LlSink::Peer(region)));
+                sinks.push(Some(LlSink::Peer(self.peer_region(r)?)));
             } else {
                 let net = self.net()?;
-                // As above: rank r's packet of step seq - 1 (numbered as ours to it)
-                // says it entered that step.
-                let entered = net.wait_arrived(ch, r, net.last_sent(ch, r), &wait, &|| {
-                    format!(
-                        "rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}"
-                    )
-                });
-                if self.unless_lost(r, entered)?.is_none() {
-                    sinks.push(None);
-                    continue;
-                }
                 let staged = net.stage(ch, r, &wait)?;
                 let mut row_of = vec![u32::MAX; topk_idx.len() / k.max(1)];
                 let mut n = 0u32;

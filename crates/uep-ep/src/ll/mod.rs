@@ -37,7 +37,13 @@
 mod combine;
 mod dispatch;
 
+use crate::area::{Area, Mem};
+use crate::buffer::Buffer;
+use crate::error::Result;
+use crate::invalid;
+use crate::net::packet::{Channel, LL_BUFFERS};
 use crate::tokens::RecvTokens;
+use crate::wait::Wait;
 
 /// Where every packed LL row came from; combine needs it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -118,6 +124,52 @@ impl LlPending {
     /// The low-latency buffer the dispatch uses.
     pub fn buffer_index(&self) -> usize {
         self.buffer
+    }
+}
+
+/// Checks that low-latency call `seq` (a dispatch step, or a combine) may start while
+/// the calls in `unreceived` (one slot per buffer) wait for their receive: at most
+/// two, and the one that last used `seq`'s buffer received. Peers may write call
+/// `seq + 1` once this rank entered `seq`, into the buffer of `seq - 2`, so that one
+/// must have been received too.
+pub(crate) fn check_window(
+    unreceived: &[Option<u32>; LL_BUFFERS],
+    seq: u32,
+    (what, plural): (&str, &str),
+) -> Result<()> {
+    let (b, older) = (seq as usize % LL_BUFFERS, (seq as usize + 1) % LL_BUFFERS);
+    match unreceived[older].or(unreceived[b]) {
+        Some(p) => Err(invalid!(
+            "low-latency {what} {p} was never received: at most two low-latency {plural} may wait for their receive (call the hook of the older one first)"
+        )),
+        None => Ok(()),
+    }
+}
+
+impl Buffer {
+    /// Waits until rank `r` has entered call `seq - 1` of a kind of low-latency call, so
+    /// that the buffer call `seq` writes there is free (it received the call that last
+    /// used it): on this node its `entered` word says so, across nodes its packet of
+    /// call `seq - 1` on `ch` (numbered as ours to it). `false`: `r` is gone (elastic
+    /// mode) and gets nothing.
+    pub(crate) fn ll_peer_released(
+        &self,
+        r: usize,
+        seq: u32,
+        entered: Area<u64>,
+        ch: Channel,
+        wait: &Wait<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<bool> {
+        let released = if self.topo.is_local(r) {
+            let word = self.peer_region(r)?.word(entered, 0)?;
+            wait.at_least(word, u64::from(seq) - 1, Some(self.peer(r)), what)
+                .map(drop)
+        } else {
+            let net = self.net()?;
+            net.wait_arrived(ch, r, net.last_sent(ch, r), wait, what)
+        };
+        Ok(self.unless_lost(r, released)?.is_some())
     }
 }
 
