@@ -5,11 +5,23 @@
 use std::time::Duration;
 
 use half::bf16;
+use uep_bootstrap::Group;
 use uep_ep::{Buffer, BufferConfig, RecvTokens};
 use uep_harness::ranks::run_ranks;
 
 const HIDDEN: usize = 128;
 const TOKENS: usize = 4;
+
+/// A low-latency Buffer of 2 experts, top-1, for `TOKENS` tokens, with
+/// `ranks_per_node` ranks a node; and this rank.
+fn buffer(group: Group, ranks_per_node: usize) -> (Buffer, usize) {
+    let mut cfg = BufferConfig::new(2, HIDDEN, 1, 0, TOKENS);
+    cfg.ranks_per_node = Some(ranks_per_node);
+    cfg.timeout = Duration::from_secs(30);
+    let buf = Buffer::new(group, cfg).expect("buffer");
+    let me = buf.rank();
+    (buf, me)
+}
 
 /// Step `step`'s tokens of rank `rank`: every value names both.
 fn x(rank: usize, step: usize) -> Vec<bf16> {
@@ -30,11 +42,7 @@ fn from(out: &uep_ep::LlDispatchOutput<'_>, src: usize) -> Vec<f32> {
 #[test]
 fn a_peer_running_ahead_does_not_overwrite_a_step_not_yet_received() {
     let results = run_ranks(2, |group| {
-        let mut cfg = BufferConfig::new(2, HIDDEN, 1, 0, TOKENS);
-        cfg.ranks_per_node = Some(1);
-        cfg.timeout = Duration::from_secs(30);
-        let mut buf = Buffer::new(group, cfg).expect("buffer");
-        let me = buf.rank();
+        let (mut buf, me) = buffer(group, 1);
         // Every token goes to expert 0, on rank 0.
         let idx = vec![0i64; TOKENS];
         let mut got = Vec::new();
@@ -74,11 +82,7 @@ fn a_peer_running_ahead_does_not_overwrite_a_step_not_yet_received() {
 #[test]
 fn a_combine_between_two_deferred_receives_waits_for_its_own_rows() {
     let results = run_ranks(2, |group| {
-        let mut cfg = BufferConfig::new(2, HIDDEN, 1, 0, TOKENS);
-        cfg.ranks_per_node = Some(1);
-        cfg.timeout = Duration::from_secs(30);
-        let mut buf = Buffer::new(group, cfg).expect("buffer");
-        let me = buf.rank();
+        let (mut buf, me) = buffer(group, 1);
         // Rank 0's tokens go to expert 1 (on rank 1), rank 1's to expert 0: every row
         // crosses.
         let idx = vec![1 - me as i64; TOKENS];
@@ -116,11 +120,7 @@ fn a_combine_between_two_deferred_receives_waits_for_its_own_rows() {
 fn a_peer_running_ahead_does_not_overwrite_a_combine_not_yet_received() {
     for ranks_per_node in [1, 2] {
         let results = run_ranks(2, |group| {
-            let mut cfg = BufferConfig::new(2, HIDDEN, 1, 0, TOKENS);
-            cfg.ranks_per_node = Some(ranks_per_node);
-            cfg.timeout = Duration::from_secs(30);
-            let mut buf = Buffer::new(group, cfg).expect("buffer");
-            let me = buf.rank();
+            let (mut buf, me) = buffer(group, ranks_per_node);
             // Every token to the other rank's expert.
             let idx = vec![1 - me as i64; TOKENS];
             let w = vec![1f32; TOKENS];
@@ -177,11 +177,7 @@ fn a_peer_running_ahead_does_not_overwrite_a_combine_not_yet_received() {
 fn at_most_two_low_latency_calls_wait_for_their_receive() {
     for combine in [false, true] {
         let results = run_ranks(2, |group| {
-            let mut cfg = BufferConfig::new(2, HIDDEN, 1, 0, TOKENS);
-            cfg.ranks_per_node = Some(1);
-            cfg.timeout = Duration::from_secs(30);
-            let mut buf = Buffer::new(group, cfg).expect("buffer");
-            let me = buf.rank();
+            let (mut buf, me) = buffer(group, 1);
             let idx = vec![1 - me as i64; TOKENS];
             let w = vec![1f32; TOKENS];
             if !combine {

@@ -510,9 +510,9 @@ impl NetPath {
     ) -> Result<Area<u8>> {
         let received = &self.received[src * STREAMS + ch.stream()];
         let target = received.get() + 1;
-        self.wait_arrived(ch, src, target, wait, what)?;
+        let landing = self.recv_nth(ch, src, target, wait, what)?;
         received.set(target);
-        self.areas.landing(ch, src)
+        Ok(landing)
     }
 
     /// Wait until packet number `n` from `src` in the stream of `ch` (and every one
