@@ -17,6 +17,19 @@ def test_a_killed_rank_is_masked_and_the_others_go_on(nodes):
         assert "rank 3" in results[r]["reasons"][3], results[r]
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_rank_killed_within_a_combine_counts_until_the_mask_says_otherwise(nodes):
+    # Its expert outputs reach the survivors, its agreement message does not: the
+    # combine may count them, and then the mask read right after it must not name it
+    # (each step's check reads the mask after the call).
+    env = {"UEP_RANKS_PER_NODE": str(4 // nodes), "UEP_TIMEOUT_S": "60"}
+    results = launch("elastic", 4, env=env, killed=(3,), victims=(3,), kill_step=4,
+                     die_in_combine=True)
+    for r in range(3):
+        assert results[r]["masked"] == [3], results[r]
+        assert results[r]["first_masked"] in (4, 5), results[r]
+
+
 def test_a_killed_node_is_masked_and_the_other_goes_on():
     env = {"UEP_RANKS_PER_NODE": "2", "UEP_TIMEOUT_S": "60"}
     results = launch("elastic", 4, env=env, killed=(2, 3), victims=(2, 3), kill_step=5)

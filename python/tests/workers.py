@@ -647,10 +647,13 @@ def events_and_flags(ctx: Ctx) -> Dict[str, Any]:
 
 
 def elastic(ctx: Ctx, victims: Tuple[int, ...], kill_step: int, steps: int = 12,
-            num_tokens: int = 16, hidden: int = 256, num_experts: int = 16, num_topk: int = 4) -> Dict[str, Any]:
-    """Elastic low-latency mode: ``victims`` SIGKILL themselves at ``kill_step``; the
-    survivors go on, every step checked exactly against the reference without the
-    masked ranks (their tokens count 0, their experts contribute nothing), and
+            num_tokens: int = 16, hidden: int = 256, num_experts: int = 16, num_topk: int = 4,
+            die_in_combine: bool = False) -> Dict[str, Any]:
+    """Elastic low-latency mode: ``victims`` SIGKILL themselves at ``kill_step`` (with
+    ``die_in_combine``, between that step's combine send and its receive: their expert
+    outputs are out, their agreement message is not); the survivors go on, every step
+    checked exactly against the reference without the ranks the mask read right after
+    the call names (their tokens count 0, their experts contribute nothing), and
     ``active_ranks`` and the mask say who is gone."""
     import signal
     rank, R = ctx.rank, ctx.world
@@ -668,7 +671,8 @@ def elastic(ctx: Ctx, victims: Tuple[int, ...], kill_step: int, steps: int = 12,
 
     first_masked = None
     for step in range(steps):
-        if rank in victims and step == kill_step:
+        dies = rank in victims and step == kill_step
+        if dies and not die_in_combine:
             os.kill(os.getpid(), signal.SIGKILL)
         x, idx, w = inputs(rank, step)
         active = torch.ones(R, dtype=torch.int32)
@@ -690,6 +694,10 @@ def elastic(ctx: Ctx, victims: Tuple[int, ...], kill_step: int, steps: int = 12,
                 want[le] += int((sidx == rank * epr + le).sum())
         assert torch.equal(count, want), (step, count, want, masked)
         y = recv  # identity experts
+        if dies:
+            buffer.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+            time.sleep(0.2)  # let the proxy post the rows to another node
+            os.kill(os.getpid(), signal.SIGKILL)
         out, _, _ = buffer.low_latency_combine(y, idx, w, handle, active_ranks=active)
         buffer.low_latency_query_mask_buffer(status)
         masked = {r for r in range(R) if status[r]}

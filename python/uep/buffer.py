@@ -230,8 +230,10 @@ class Buffer:
         self._shrink().mask_update(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Write 1 into ``mask_status`` (``[num_ranks]`` int32) for every masked rank, 0
-        for the others."""
+        """Write 1 into ``mask_status`` (``[num_ranks]`` int32) for every rank the last
+        low-latency call left out (and those masked by the caller since), 0 for the
+        others. A rank that died during a call's agreement round counted in that call;
+        it shows from the next call on."""
         status = self._shrink().mask_query()
         if tuple(mask_status.shape) != (self.group_size,):
             raise UepError(f"invalid argument: mask_status must have shape ({self.group_size},)")

@@ -14,7 +14,10 @@
 //!   union. A rank that died after its data reached some survivors but not others is
 //!   in the mask of those it missed, so in everyone's union; one that dies during the
 //!   round itself had delivered all its data, so it counts in this call everywhere and
-//!   is masked from the next. The union is the same on every survivor as long as no
+//!   is masked from the next. The mask a caller reads
+//!   ([`Buffer::low_latency_mask`]) is the one the last call used: such a rank enters
+//!   it when the next call begins (DeepEP's tests check each call's output against the
+//!   mask read right after it). The union is the same on every survivor as long as no
 //!   two deaths interleave with one call's round (a whole node killed at once counts
 //!   as one). A rank that finds itself in a peer's mask fails: it was excluded.
 //! * **Partitions.** A rank that finds half of the job or more unreachable (not dead:
@@ -48,6 +51,10 @@ pub(crate) struct Elastic {
     gone: Vec<bool>,
     /// `[rank]`: found unreachable (for the partition rule).
     unreachable: Vec<bool>,
+    /// `[rank]`: found gone during the last agreement round, which did not use it:
+    /// masked for every later wait, but left out of what the caller reads until the
+    /// next call begins (module docs).
+    deferred: Vec<bool>,
     /// Agreement rounds so far (the same count on every survivor).
     round: u64,
     /// The mask the last low-latency combine used.
@@ -61,6 +68,7 @@ impl Elastic {
             why: vec![None; num_ranks],
             gone: vec![false; num_ranks],
             unreachable: vec![false; num_ranks],
+            deferred: vec![false; num_ranks],
             round: 0,
             last_combine: vec![false; num_ranks],
         }
@@ -92,11 +100,27 @@ impl Buffer {
     }
 
     /// `[rank]`: whether the rank is masked (DeepEP's
-    /// `low_latency_query_mask_buffer`); all `false` on a Buffer that is not elastic.
+    /// `low_latency_query_mask_buffer`): the mask the last low-latency call used, and
+    /// the caller's own changes since; all `false` on a Buffer that is not elastic.
+    /// A rank found gone during a call's agreement round counted in that call, so it
+    /// appears here once the next call begins.
     pub fn low_latency_mask(&self) -> Vec<bool> {
         match &self.elastic {
-            Some(e) => e.borrow().masked.clone(),
+            Some(e) => {
+                let e = e.borrow();
+                (e.masked.iter().zip(&e.deferred))
+                    .map(|(&m, &d)| m && !d)
+                    .collect()
+            }
             None => vec![false; self.topo.num_ranks],
+        }
+    }
+
+    /// A low-latency call (or agreement round) begins: the ranks found gone in the last
+    /// round are in the mask it uses, so the caller sees them from now on.
+    pub(crate) fn ll_call_begins(&self) {
+        if let Some(e) = &self.elastic {
+            e.borrow_mut().deferred.fill(false);
         }
     }
 
@@ -130,6 +154,7 @@ impl Buffer {
         let mut e = e.borrow_mut();
         if mask {
             e.masked[rank] = true;
+            e.deferred[rank] = false;
             e.why[rank].get_or_insert_with(|| format!("masked by rank {me}'s caller"));
         } else if !e.gone[rank] {
             e.masked[rank] = false;
@@ -240,6 +265,7 @@ impl Buffer {
     /// this call uses; ranks found gone during the round are masked from the next call.
     pub(crate) fn agree(&self, call: &str) -> Result<Vec<bool>> {
         let el = self.elastic_state()?;
+        self.ll_call_begins();
         let (me, n) = (self.topo.rank, self.topo.num_ranks);
         let (round, mine, gone) = {
             let mut e = el.borrow_mut();
@@ -311,6 +337,8 @@ impl Buffer {
                 e.masked[r] = true;
                 e.why[r] = Some("masked by the other survivors".into());
             }
+            // Masked during the round (not in the union): this call counts it.
+            e.deferred[r] = e.masked[r] && !m;
         }
         Ok(union)
     }

@@ -46,6 +46,7 @@ impl Buffer {
             b.check_ll_combine(y, topk_idx, topk_weights, handle)?;
             let seq = b.seq.ll_combine.wrapping_add(1);
             check_window(&b.seq.ll_combine_unreceived, seq, ("combine", "combines"))?;
+            b.ll_call_begins();
             b.seq.ll_combine = seq;
             let pending = b.ll_combine_send(seq, y, topk_idx, topk_weights, handle)?;
             b.seq.ll_combine_unreceived[seq as usize % LL_BUFFERS] = Some(seq);

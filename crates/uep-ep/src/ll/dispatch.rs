@@ -247,6 +247,7 @@ impl Buffer {
         let seq = self.seq.ll.wrapping_add(1);
         let b = seq as usize % LL_BUFFERS;
         check_window(&self.seq.ll_unreceived, seq, ("dispatch", "dispatches"))?;
+        self.ll_call_begins();
         self.seq.ll = seq;
         // The outputs of step seq - 2 that someone still holds leave that bank: peers
         // may write it once this rank entered seq.
