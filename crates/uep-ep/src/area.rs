@@ -186,6 +186,9 @@ impl Layout {
 pub trait Mem {
     /// Copy `src` into the first `src.len()` values of `area`.
     fn put<T: Pod>(&self, area: Area<T>, src: &[T]) -> Result<()>;
+    /// [`Mem::put`] with streaming stores (`uep_shm::copy_streaming`): for rows that
+    /// are read much later than the cache would keep them (see [`STREAM_ABOVE`]).
+    fn put_streaming<T: Pod>(&self, area: Area<T>, src: &[T]) -> Result<()>;
     /// Copy the first `dst.len()` values of `area` out.
     fn get<T: Pod>(&self, area: Area<T>, dst: &mut [T]) -> Result<()>;
     /// The whole of `area`, copied out.
@@ -195,6 +198,13 @@ pub trait Mem {
     /// The 64-bit word `i` of `area`, for atomic access.
     fn word(&self, area: Area<u64>, i: usize) -> Result<&AtomicU64>;
 }
+
+/// A call writes its rows into the node's ranks with streaming stores when it writes
+/// more than this many bytes there: beyond a fraction of a server's last-level cache the
+/// rows reach memory before anyone reads them anyway, and a plain store would first
+/// read each destination line in. Below it, the rows stay in the cache for the expert
+/// that reads them next. (Measured in docs/performance.md.)
+pub(crate) const STREAM_ABOVE: usize = 16 << 20;
 
 fn too_long<T>(area: Area<T>, n: usize) -> EpError {
     EpError::internal(format!("{n} values do not fit {area:?}"))
@@ -206,6 +216,13 @@ impl Mem for Region {
             return Err(too_long(area, src.len()));
         }
         Ok(self.write(area.offset(), bytemuck::cast_slice(src))?)
+    }
+
+    fn put_streaming<T: Pod>(&self, area: Area<T>, src: &[T]) -> Result<()> {
+        if src.len() > area.len() {
+            return Err(too_long(area, src.len()));
+        }
+        Ok(self.write_streaming(area.offset(), bytemuck::cast_slice(src))?)
     }
 
     fn get<T: Pod>(&self, area: Area<T>, dst: &mut [T]) -> Result<()> {

@@ -27,6 +27,9 @@ use std::time::{Duration, Instant};
 
 use memmap2::{MmapOptions, MmapRaw};
 
+mod stream;
+pub use stream::copy_streaming;
+
 /// Where POSIX shared memory lives on Linux.
 pub const SHM_DIR: &str = "/dev/shm";
 /// Prefix of every segment name uep creates (what `uep clean` looks for).
@@ -433,6 +436,24 @@ impl Region {
         Ok(())
     }
 
+    /// [`Region::write`] with streaming stores ([`copy_streaming`]): for rows that the
+    /// peer reads much later than the cache would keep them.
+    pub fn write_streaming(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len(), 1)?;
+        // SAFETY: the destination is in bounds (checked). If `src` lies in this same
+        // mapping, the ranges may overlap: then a memmove.
+        let (dst, s) = (unsafe { self.ptr.add(offset) }, src.as_ptr());
+        let (d0, s0, n) = (dst as usize, s as usize, src.len());
+        if d0 >= s0 + n || s0 >= d0 + n {
+            // SAFETY: in bounds (checked) and disjoint (just checked).
+            unsafe { stream::copy_streaming_raw(dst, s, src.len()) };
+        } else {
+            // SAFETY: in bounds (checked); memmove semantics for the overlap.
+            unsafe { std::ptr::copy(s, dst, src.len()) };
+        }
+        Ok(())
+    }
+
     /// Copy `dst.len()` bytes at `offset` out of the region.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len(), 1)?;
@@ -764,6 +785,27 @@ mod tests {
         let anon = Region::anonymous(100).unwrap();
         assert!(anon.same_memory(&anon.clone()) && !anon.same_memory(&region));
         assert_eq!(anon.atomic_u64(8).unwrap().load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn streaming_writes_copy_exactly_even_from_the_region_itself() {
+        let region = Region::anonymous(3 * 4096).unwrap();
+        let bytes: Vec<u8> = (0..3 * 4096).map(|i| (i * 13 + 1) as u8).collect();
+        region.write(0, &bytes).unwrap();
+        // Disjoint (streaming stores), then overlapping both ways (memmove).
+        for (from, to, len) in [(0, 8192 + 3, 4000), (0, 100, 5000), (100, 0, 5000)] {
+            let mut want = vec![0u8; region.len()];
+            region.read(0, &mut want).unwrap();
+            want.copy_within(from..from + len, to);
+            // SAFETY: in bounds of the live mapping, which `region` keeps alive; the
+            // write below may overlap it, which write_streaming must handle.
+            let src = unsafe { std::slice::from_raw_parts(region.as_ptr().add(from), len) };
+            region.write_streaming(to, src).unwrap();
+            let mut got = vec![0u8; region.len()];
+            region.read(0, &mut got).unwrap();
+            assert!(got == want, "{from} -> {to}, {len} bytes");
+        }
+        assert!(region.write_streaming(3 * 4096 - 10, &[0; 11]).is_err());
     }
 
     #[test]

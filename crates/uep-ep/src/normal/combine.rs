@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use half::bf16;
 
 use super::{CombineArgs, CombineOutput, NormalHandle};
-use crate::area::Mem;
+use crate::area::{Mem, STREAM_ABOVE};
 use crate::buffer::Buffer;
 use crate::error::Result;
 use crate::invalid;
@@ -182,6 +182,11 @@ impl Buffer {
             });
         }
         let stays = |s: usize| s == me || (!topo.is_local(s) && topo.relay(s, topo.node) == me);
+        let out_rows: usize = (0..r_n)
+            .filter(|&s| !stays(s))
+            .map(|s| handle.rows_from(me, s).len())
+            .sum();
+        let streaming = out_rows * h * 2 > STREAM_ABOVE;
         self.device.launch(handle.num_recv_tokens, |range| {
             for i in range {
                 let (s, t) = (src_rank[i] as usize, handle.recv_src_idx[i] as usize);
@@ -189,7 +194,12 @@ impl Buffer {
                     continue;
                 }
                 let (region, xs, ws) = &sinks[s];
-                region.put(xs.row(t, h)?.cast::<bf16>(), &x[i * h..(i + 1) * h])?;
+                let (row, src) = (xs.row(t, h)?.cast::<bf16>(), &x[i * h..(i + 1) * h]);
+                if streaming {
+                    region.put_streaming(row, src)?;
+                } else {
+                    region.put(row, src)?;
+                }
                 if let Some(w) = args.topk_weights {
                     region.put(ws.row(t, k)?, &w[i * k..(i + 1) * k])?;
                 }

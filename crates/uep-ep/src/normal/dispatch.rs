@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use uep_shm::Region;
 
 use super::{column_sum, localize, DispatchArgs, DispatchOutput, NormalHandle, Relayed};
-use crate::area::{Area, Mem};
+use crate::area::{Area, Mem, STREAM_ABOVE};
 use crate::buffer::Buffer;
 use crate::config::Shape;
 use crate::error::{EpError, Result};
@@ -114,6 +114,8 @@ struct Plan<'a> {
     fp8: bool,
     with_topk: bool,
     with_weights: bool,
+    /// Rows into the node's ranks go with streaming stores ([`STREAM_ABOVE`]).
+    streaming: bool,
 }
 
 /// Whether rows starting at row `at` of a bank are 16-byte aligned (x and scales), as a
@@ -492,6 +494,10 @@ impl Buffer {
         }
         let (sinks, staged) =
             self.open_row_sinks(seq, areas, &dests, &totals, &out_base, fmt, wait)?;
+        let node_rows: usize = (dests.iter().zip(&totals))
+            .filter(|(d, _)| matches!(d, Dest::Rank(r) if *r != me))
+            .map(|(_, &(n, _))| n)
+            .sum();
         Ok(Plan {
             dests,
             hit,
@@ -507,6 +513,7 @@ impl Buffer {
             fp8,
             with_topk,
             with_weights,
+            streaming: node_rows * fmt.row_bytes > STREAM_ABOVE,
         })
     }
 
@@ -630,7 +637,11 @@ impl Buffer {
                         (sink.x.row(j, rb)?, sink.scales.row(j, groups)?)
                     };
                     pos[d].0 += 1;
-                    sink.region.put(x_at, x.row(t, h))?;
+                    if plan.streaming && matches!(dest, Dest::Rank(_)) {
+                        sink.region.put_streaming(x_at, x.row(t, h))?;
+                    } else {
+                        sink.region.put(x_at, x.row(t, h))?;
+                    }
                     if plan.fp8 {
                         sink.region.put(scales_at, x.row_scales(t, h))?;
                     }
