@@ -461,7 +461,11 @@ impl Buffer {
         let areas = self.ll_areas(b)?;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, m) = (areas.shape.experts_per_rank(r_n), areas.shape.max_tokens);
-        let (mut counts, landed, wait_ns) = self.ll_wait_counts(pending, &areas)?;
+        let Arrivals {
+            mut counts,
+            landed,
+            wait_ns,
+        } = self.ll_wait_counts(pending, &areas)?;
         // Every survivor uses the same mask: what arrived from a source masked anywhere
         // is dropped.
         let masked = match &self.elastic {
@@ -499,14 +503,8 @@ impl Buffer {
         ))
     }
 
-    /// `[E/R, R]` counts from every source not masked (zero from one found gone here),
-    /// the packets of sources on other nodes, and how long each wait took.
-    #[allow(clippy::type_complexity)]
-    fn ll_wait_counts(
-        &self,
-        pending: &LlPending,
-        areas: &LlAreas,
-    ) -> Result<(Vec<u32>, Vec<Option<Landed>>, Vec<u64>)> {
+    /// What arrived from every source not masked (see [`Arrivals`]).
+    fn ll_wait_counts(&self, pending: &LlPending, areas: &LlAreas) -> Result<Arrivals> {
         let (seq, b) = (pending.seq, pending.buffer);
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let epr = areas.shape.experts_per_rank(r_n);
@@ -550,7 +548,11 @@ impl Buffer {
             }
             wait_ns[src] = start.elapsed().as_nanos() as u64;
         }
-        Ok((counts, landed, wait_ns))
+        Ok(Arrivals {
+            counts,
+            landed,
+            wait_ns,
+        })
     }
 
     /// Reads and checks the packet from `src` that landed at byte `base`.
@@ -698,6 +700,16 @@ impl Buffer {
             wait_ns,
         })
     }
+}
+
+/// What an LL receive's first phase found.
+struct Arrivals {
+    /// `[E/R, R]` rows from each source (zero from one found gone here).
+    counts: Vec<u32>,
+    /// `[R]` the packet of each source on another node.
+    landed: Vec<Option<Landed>>,
+    /// `[R]` how long the wait for each source took.
+    wait_ns: Vec<u64>,
 }
 
 /// Whether expert `e` (`-1` for none) is on rank `r`.
