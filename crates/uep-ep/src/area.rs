@@ -203,7 +203,8 @@ pub trait Mem {
 /// more than this many bytes there: beyond a fraction of a server's last-level cache the
 /// rows reach memory before anyone reads them anyway, and a plain store would first
 /// read each destination line in. Below it, the rows stay in the cache for the expert
-/// that reads them next. (Measured in docs/performance.md.)
+/// that reads them next. The gain above it is measured in docs/performance.md; the
+/// value itself is a judgement (half of the CI machine's 32 MiB L3), not a measurement.
 pub(crate) const STREAM_ABOVE: usize = 16 << 20;
 
 fn too_long<T>(area: Area<T>, n: usize) -> EpError {

@@ -1,8 +1,8 @@
 //! Copies with non-temporal (streaming) stores, for large outputs that nobody reads
 //! soon: the bytes go to memory without first reading the destination's cache lines
 //! in (a plain store's read-for-ownership), which is a third of a copy's memory
-//! traffic. What combine writes (the rows into a peer's slots, the reduced output) is
-//! read by someone else, or much later, so it gains nothing from the cache.
+//! traffic. Normal dispatch and combine use it for large calls' rows into the node's
+//! other ranks, which those ranks read only after the whole call.
 
 /// Below this many bytes a plain copy is as fast (and the fence costs more).
 const MIN_STREAM: usize = 1024;
