@@ -604,6 +604,16 @@ impl Outcome {
     }
 }
 
+/// `kill -9 pid`; whether the signal was delivered.
+fn send_kill(pid: u32) -> bool {
+    Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("run kill")
+        .success()
+}
+
 impl Job {
     fn dir(&self) -> &Path {
         &self.out.0
@@ -638,12 +648,24 @@ impl Job {
     /// SIGKILL `rank`; returns when it was sent (unix ms).
     fn kill(&self, rank: usize) -> u128 {
         let pid = self.pid(rank);
-        let status = Command::new("kill")
-            .args(["-9", &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -9 {pid} failed");
+        assert!(send_kill(pid), "kill -9 {pid} failed");
         unix_ms()
+    }
+
+    /// SIGKILL every rank of `victims` (a whole node), the first first; returns when
+    /// that was sent (unix ms). A later victim may already have ended on its own (it
+    /// fails at once on its node-mate's death), so only the first must still be there.
+    fn kill_all(&self, victims: &[usize]) -> u128 {
+        let killed_at = self.kill(victims[0]);
+        for &v in &victims[1..] {
+            let pid = self.pid(v);
+            // `kill` fails only when no such process exists: it already ended and was
+            // reaped, which is the outcome the signal was for.
+            if !send_kill(pid) {
+                eprintln!("rank {v} (pid {pid}) had ended before its SIGKILL");
+            }
+        }
+        killed_at
     }
 
     /// Wait for the job; return every rank's outcome (`None` where no result was
@@ -996,10 +1018,7 @@ fn dead_across_nodes(scenario: &'static str, ranks: usize, nodes: usize, victims
     let job = launch_on(scenario, ranks, nodes, victims[0], deadline);
     job.wait_ready(0..ranks);
     thread::sleep(KILL_AFTER);
-    let mut killed_at = 0;
-    for &v in victims {
-        killed_at = job.kill(v);
-    }
+    let killed_at = job.kill_all(victims);
     let done = job.finish();
     let named: Vec<String> = victims.iter().map(|v| format!("rank {v}")).collect();
     for r in (0..ranks).filter(|r| !victims.contains(r)) {
