@@ -368,11 +368,14 @@ def low_latency(ctx: Ctx, num_tokens: int = 16, hidden: int = 512, num_topk: int
                                     assert (recv_x[begin:begin + count, :-128] - (j - 128)).sum().item() == 0
                             checked += 1
                         for zero_copy in (False, True):
+                            x_arg = simulated
                             if zero_copy:
                                 buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = simulated
+                                # The rows go from the buffer: x is not read (zeros here).
+                                x_arg = torch.zeros_like(simulated)
                             out = torch.empty((N, H), dtype=torch.bfloat16)
                             combined_x, event, hook = buffer.low_latency_combine(
-                                simulated, topk_idx, topk_weights, handle, async_finish=not return_recv_hook,
+                                x_arg, topk_idx, topk_weights, handle, async_finish=not return_recv_hook,
                                 zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out)
                             hook() if return_recv_hook else event.current_stream_wait()
                             assert combined_x.data_ptr() == out.data_ptr()
@@ -545,6 +548,13 @@ def bad_input(ctx: Ctx, what: str, first_call: bool) -> Dict[str, Any]:
         elif what == "ll_hidden":
             hh = 200 if bad else 256
             buffer.low_latency_dispatch(torch.randn((n, hh), dtype=torch.bfloat16), idx, n, 8, use_fp8=False)
+        elif what == "ll_out_in_buffer":
+            # A zero-copy combine whose output is the combine buffer it sends from.
+            recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, 8, use_fp8=False)
+            staged = buffer.get_next_low_latency_combine_buffer(handle)
+            staged[:, :, :] = recv_x
+            out = staged.view(-1, h)[:n] if bad else None
+            buffer.low_latency_combine(recv_x, idx, w, handle, zero_copy=True, out=out)
         else:
             raise ValueError(what)
     except deep_ep.UepError as e:

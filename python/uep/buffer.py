@@ -149,7 +149,6 @@ class Buffer:
                                     num_nvl_bytes + num_rdma_bytes, timeout, threads,
                                     int(per_node) if per_node else None, bool(enable_shrink))
         _, _, self._ranks_per_node, self._num_nodes = self.runtime.topology()
-        self._combine_buffer: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ statics
 
@@ -541,13 +540,14 @@ class Buffer:
         return recv_x, recv_count, handle, _event(async_finish, recv_x, recv_count), _noop
 
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> torch.Tensor:
-        """A ``[E/R, R*num_max, H]`` bf16 tensor to write expert outputs into, for
-        ``low_latency_combine(..., zero_copy=True)``."""
-        src_info, _, num_max, hidden, num_experts = handle
-        shape = (num_experts // self.group_size, self.group_size * num_max, hidden)
-        if self._combine_buffer is None or tuple(self._combine_buffer.shape) != shape:
-            self._combine_buffer = torch.empty(shape, dtype=torch.bfloat16)
-        return self._combine_buffer
+        """The next combine's send buffer, a ``[E/R, R*num_max, H]`` bf16 view of the
+        Buffer's registered memory: write the expert outputs into it, then call
+        ``low_latency_combine(..., zero_copy=True)``, which sends them from there with
+        no staging copy. As in DeepEP, write it only before that combine; the next
+        call returns the other of the two buffers."""
+        if getattr(handle, "_uep", None) is None:
+            self._fail("get_next_low_latency_combine_buffer needs the handle of a received low-latency dispatch")
+        return torch.from_dlpack(self._rt().ll_combine_buffer())
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: Tuple, use_logfmt: bool = False, zero_copy: bool = False,
@@ -557,8 +557,9 @@ class Buffer:
                             *, active_ranks: Optional[torch.Tensor] = None):
         """Low-latency combine: each expert output back to its token, weighted:
         ``combined_x[t] = sum_k w[t,k] * y_{idx[t,k]}`` in f32, rounded once. Returns
-        ``(combined_x, event, hook)``. ``zero_copy`` reads the expert outputs from
-        ``get_next_low_latency_combine_buffer``; ``use_logfmt`` is accepted, and the
+        ``(combined_x, event, hook)``. ``zero_copy`` sends the expert outputs from
+        ``get_next_low_latency_combine_buffer`` (``x`` is ignored) with no staging copy;
+        ``use_logfmt`` is accepted, and the
         outputs travel as bf16, which is at least as exact. ``active_ranks`` as in
         ``low_latency_dispatch``."""
         rt = self._rt()
@@ -566,23 +567,35 @@ class Buffer:
         uh = getattr(handle, "_uep", None)
         if uh is None:
             self._fail("low_latency_combine needs the handle of a received low-latency dispatch (call its hook first)")
+        _, _, num_max, hidden, num_experts = handle
+
+        def fail(msg: str) -> None:
+            # Named as a low-latency call of this shape, so the peers' waits end at once.
+            self._fail(msg, "ll", num_experts, hidden, topk_idx.shape[-1], num_max)
         if use_logfmt and zero_copy:
-            self._fail("use_logfmt and zero_copy exclude each other")
+            fail("use_logfmt and zero_copy exclude each other")
         if async_finish and return_recv_hook:
-            self._fail("async_finish and return_recv_hook exclude each other")
-        src = self._combine_buffer if zero_copy else x
-        if src is None or src.dtype != torch.bfloat16 or src.dim() != 3:
-            self._fail("low-latency combine input must be a 3-D bf16 tensor [E/R, R*num_max, H]")
-        src = src.contiguous()
-        n, hidden = uh.num_tokens, src.shape[2]
+            fail("async_finish and return_recv_hook exclude each other")
+        if zero_copy:
+            src = None
+        else:
+            if x is None or x.dtype != torch.bfloat16 or x.dim() != 3:
+                fail("low-latency combine input must be a 3-D bf16 tensor [E/R, R*num_max, H]")
+            src = x.contiguous()
+        n = uh.num_tokens
         if out is None:
             out = torch.empty((n, hidden), dtype=torch.bfloat16)
         elif out.dtype != torch.bfloat16 or tuple(out.shape) != (n, hidden) or not out.is_contiguous():
-            self._fail(f"out must be a contiguous bf16 tensor of shape ({n}, {hidden})")
-        pending = rt.ll_combine_send(_capsule(src), _capsule(topk_idx), _capsule(topk_weights), uh)
+            fail(f"out must be a contiguous bf16 tensor of shape ({n}, {hidden})")
+        else:
+            start, end = rt.memory_span()
+            if out.numel() and start < out.data_ptr() + out.numel() * 2 and out.data_ptr() < end:
+                fail("out lies in the Buffer's own memory (the combine buffer?): pass a tensor of its own")
+        src_cap = None if src is None else _capsule(src)
+        pending = rt.ll_combine_send(src_cap, _capsule(topk_idx), _capsule(topk_weights), uh)
 
         def hook() -> None:
-            rt.ll_combine_recv(pending, _capsule(src), _capsule(out))
+            rt.ll_combine_recv(pending, None if src is None else _capsule(src), _capsule(out))
             self._report_active_ranks(active_ranks)
         if return_recv_hook:
             return out, EventOverlap(None), hook

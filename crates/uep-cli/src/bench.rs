@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use uep_bootstrap::{EnvSource, Group, LaunchSpec, WorldInfo};
-use uep_ep::{Buffer, BufferConfig, CombineArgs, DispatchArgs};
+use uep_ep::{Buffer, BufferConfig, CombineArgs, DispatchArgs, LlCombineInput};
 use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
 use uep_harness::check::Mismatches;
 use uep_harness::workload::{self, JobShape, RankInput, Routing, TokenData, WorkloadSpec};
@@ -157,6 +157,11 @@ pub struct BenchArgs {
     /// of spinning, then yielding, then sleeping.
     #[arg(long)]
     pub spin_waits: bool,
+    /// Low-latency combine from rows of the caller's own, copied into the packets for
+    /// other nodes, instead of from the combine buffer the experts wrote (DeepEP's
+    /// `zero_copy`, the default).
+    #[arg(long)]
+    pub ll_combine_copy: bool,
     /// Draw new tokens and routing for every step (verifying every step), instead of
     /// repeating one set.
     #[arg(long, conflicts_with_all = ["cached", "inputs"])]
@@ -755,12 +760,26 @@ impl Run<'_> {
                 _ => None,
             };
             let rows_per_expert = world * max_ll;
+            // The experts write their outputs where the combine reads them: the combine
+            // buffer (zero copy, as DeepEP's fast path), or rows of the caller's own.
+            let mut out = out;
+            let zero_copy = !args.ll_combine_copy;
+            let dst = match (zero_copy, out.combine_buffer.take()) {
+                (true, Some(buffer)) => buffer,
+                (true, None) => anyhow::bail!("no low-latency combine buffer after the dispatch"),
+                (false, _) => &mut y[..],
+            };
             for (le, &n) in out.recv_count.iter().enumerate() {
                 let begin = le * rows_per_expert;
                 let layout = ScaleLayout::ColumnMajor { rows_per_expert };
-                identity_expert(out.recv_x, begin..begin + n as usize, h, layout, &mut y)?;
+                identity_expert(out.recv_x, begin..begin + n as usize, h, layout, dst)?;
             }
             let handle = out.handle;
+            let input = if zero_copy {
+                LlCombineInput::ZeroCopy
+            } else {
+                LlCombineInput::Rows(&y)
+            };
             if step >= args.warmup as u64 {
                 wire[0] += buffer.net_bytes_sent() - sent;
             }
@@ -771,7 +790,7 @@ impl Run<'_> {
             let sent = buffer.net_bytes_sent();
             let start = Instant::now();
             let combined =
-                buffer.low_latency_combine(&y, &mine.topk_idx, &mine.topk_weights, &handle)?;
+                buffer.low_latency_combine(input, &mine.topk_idx, &mine.topk_weights, &handle)?;
             t_combine.record(start.elapsed());
             if step >= args.warmup as u64 {
                 wire[1] += buffer.net_bytes_sent() - sent;

@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use half::bf16;
-use uep_ep::{Buffer, DispatchArgs};
+use uep_ep::{Buffer, DispatchArgs, LlCombineInput};
 use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
 use uep_harness::check::{self, Mismatches};
 use uep_harness::workload::{without_ranks, JobShape, RankInput, TokenData};
@@ -192,13 +192,28 @@ fn ll_step(
     let dispatched = case(&out.handle.masked)?;
     check::ll_dispatch(bad, &out, &dispatched.expected, h);
     let rows_per_expert = world * max_ll;
+    // Every other step the experts write into the combine buffer and the combine sends
+    // from there (zero copy), so faults meet both paths.
+    let zero_copy = step % 2 == 1;
+    let mut out = out;
+    let y = match (zero_copy, out.combine_buffer.take()) {
+        (true, Some(buffer)) => buffer,
+        (true, None) => anyhow::bail!("step {step}: no combine buffer after the dispatch"),
+        (false, _) => &mut *ll_y,
+    };
     for (le, &n) in out.recv_count.iter().enumerate() {
         let begin = le * rows_per_expert;
         let layout = ScaleLayout::ColumnMajor { rows_per_expert };
-        identity_expert(out.recv_x, begin..begin + n as usize, h, layout, ll_y)?;
+        identity_expert(out.recv_x, begin..begin + n as usize, h, layout, y)?;
     }
     let handle = out.handle;
-    let combined = buffer.low_latency_combine(ll_y, &mine.topk_idx, &mine.topk_weights, &handle)?;
+    let input = if zero_copy {
+        LlCombineInput::ZeroCopy
+    } else {
+        LlCombineInput::Rows(ll_y)
+    };
+    let combined =
+        buffer.low_latency_combine(input, &mine.topk_idx, &mine.topk_weights, &handle)?;
     // A rank masked between dispatch and combine leaves the combine without its experts.
     let combine_mask = buffer.low_latency_last_combine_mask();
     let expected = if buffer.is_elastic() && combine_mask != handle.masked {

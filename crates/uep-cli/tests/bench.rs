@@ -233,8 +233,10 @@ fn multi_node_through_libfabric_tcp() {
             dispatch["net_bytes_per_rank"].as_u64().unwrap() > 0,
             "{dispatch}"
         );
+        // LL combine sends from the combine buffer (zero copy) by default; from the
+        // caller's rows, copied into the packets, here.
         let mut args = net_small("4", nodes);
-        args.extend(["--fp8", "--round-scale"]);
+        args.extend(["--fp8", "--round-scale", "--ll-combine-copy"]);
         bench(&args);
         let mut args = net_small("4", nodes);
         args.extend(["--mode", "normal", "--cached", "--num-worst-tokens", "256"]);
@@ -339,7 +341,15 @@ fn multi_node_exact_under_injected_faults() {
         bench(&args);
         let mut args = net_small("4", "2");
         args.extend([
-            "--faults", seed, "--fresh", "--iters", "6", "--warmup", "0", "--fp8",
+            "--faults",
+            seed,
+            "--fresh",
+            "--iters",
+            "6",
+            "--warmup",
+            "0",
+            "--fp8",
+            "--ll-combine-copy",
         ]);
         bench(&args);
     }

@@ -252,6 +252,19 @@ impl Buffer {
         self.net.as_ref().map_or(0, NetPath::sent_bytes)
     }
 
+    /// Keeps this rank's registered memory mapped while held, even past the Buffer:
+    /// for a binding that hands a view of it (the combine buffer) to code that keeps it.
+    pub fn memory_keepalive(&self) -> std::sync::Arc<dyn std::any::Any + Send + Sync> {
+        self.symm.local().keepalive()
+    }
+
+    /// The addresses of this rank's registered memory, for a binding to check that a
+    /// caller's output does not overlap what the Buffer reads (the combine buffer).
+    pub fn memory_span(&self) -> std::ops::Range<usize> {
+        let local = self.symm.local();
+        local.as_ptr() as usize..local.as_ptr() as usize + local.len()
+    }
+
     /// Faults injected into this rank's network path so far (see `NetConfig::faults`).
     pub fn faults_injected(&self) -> u64 {
         self.net.as_ref().map_or(0, NetPath::faults_injected)

@@ -41,7 +41,7 @@ pub use buffer::Buffer;
 pub use config::{ranks_per_node_from_env, timeout_from_env, BufferConfig, Shape, DEFAULT_TIMEOUT};
 pub use error::{EpError, Result};
 pub use layout::{get_dispatch_layout, DispatchLayout};
-pub use ll::{LlCombinePending, LlDispatchOutput, LlHandle, LlPending};
+pub use ll::{LlCombineInput, LlCombinePending, LlDispatchOutput, LlHandle, LlPending};
 pub use net::NetConfig;
 pub use normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, NormalHandle};
 pub use symm::Lease;

@@ -250,6 +250,10 @@ pub struct LlAreas {
     pub count: Area<u64>,
     /// `[M, K]` bf16 rows: expert outputs for my (token, slot) pairs.
     pub combine_x: Area<u16>,
+    /// `[E/R, R*M, H]` bf16 expert outputs, written by the caller before a zero-copy
+    /// combine (DeepEP's next combine buffer) and sent from here, with no staging copy.
+    /// Only this rank writes it; the proxy reads it.
+    pub combine_send: Area<u16>,
 }
 
 impl LlAreas {
@@ -272,6 +276,7 @@ impl LlAreas {
             recv_src: l.take(rows),
             count: l.take(epr * r),
             combine_x: l.take(m * s.topk * h),
+            combine_send: l.take(rows * h),
         }
     }
 
@@ -485,6 +490,7 @@ mod tests {
             add(&format!("ll{b}.recv_src"), a.recv_src.byte_range());
             add(&format!("ll{b}.count"), a.count.byte_range());
             add(&format!("ll{b}.combine_x"), a.combine_x.byte_range());
+            add(&format!("ll{b}.combine_send"), a.combine_send.byte_range());
         }
         if let Some(n) = &map.net {
             add("tails", n.tails.byte_range());

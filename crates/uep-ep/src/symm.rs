@@ -87,6 +87,22 @@ impl Symmetric {
         Ok(unsafe { self.own.region().slice::<T>(area.offset(), area.len())? })
     }
 
+    /// Borrow `area` of this rank's region mutably.
+    ///
+    /// # Safety
+    /// Nobody else (no peer, no proxy thread, no transport, no other slice) may read or
+    /// write `area` while the slice lives.
+    #[allow(unsafe_code, clippy::mut_from_ref)]
+    pub unsafe fn view_mut<T: Pod>(&self, area: Area<T>) -> Result<&mut [T]> {
+        // SAFETY: exclusive (the caller's contract); bounds and alignment are checked by
+        // `slice_mut`.
+        Ok(unsafe {
+            self.own
+                .region()
+                .slice_mut::<T>(area.offset(), area.len())?
+        })
+    }
+
     /// A new mapping of `bank`, for outputs that outlive the call.
     fn map_bank(&self, bank: BankArea) -> Result<View> {
         Ok(self.own.view(bank.bytes.offset(), bank.bytes.len())?)

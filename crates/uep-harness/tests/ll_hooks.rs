@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use half::bf16;
 use uep_bootstrap::Group;
-use uep_ep::{Buffer, BufferConfig, RecvTokens};
+use uep_ep::{Buffer, BufferConfig, LlCombineInput, RecvTokens};
 use uep_harness::ranks::run_ranks;
 
 const HIDDEN: usize = 128;
@@ -209,5 +209,106 @@ fn at_most_two_low_latency_calls_wait_for_their_receive() {
                 "{err}"
             );
         }
+    }
+}
+
+/// Zero-copy combines (rows sent from the combine buffer, no staging copy) while a
+/// receive waits: the next dispatch hands out the next buffer, and scribbling on it
+/// does not reach the combine still waiting, which reads this rank's own rows from its
+/// own buffer. Across nodes and inside one; every token's row comes back exactly.
+#[test]
+fn a_zero_copy_combine_sends_from_its_own_buffer() {
+    for ranks_per_node in [1, 2] {
+        let results = run_ranks(2, |group| {
+            let (mut buf, me) = buffer(group, ranks_per_node);
+            // Tokens alternate between the experts: some rows stay, some cross.
+            let idx: Vec<i64> = (0..TOKENS as i64).map(|t| t % 2).collect();
+            let w = vec![1f32; TOKENS];
+            let rows = |out: &uep_ep::LlDispatchOutput<'_>| match out.recv_x {
+                RecvTokens::Bf16(rows) => rows.to_vec(),
+                _ => panic!("bf16 expected"),
+            };
+            // A: the identity expert writes every received row into the combine buffer.
+            let mut a = buf
+                .low_latency_dispatch(&x(me, 0), &idx, false, false)
+                .expect("dispatch A");
+            let y_a = rows(&a);
+            let buffer_a = a.combine_buffer.take().expect("a combine buffer");
+            buffer_a.copy_from_slice(&y_a);
+            let at_a = buffer_a.as_ptr() as usize;
+            let handle_a = a.handle;
+            let pending_a = buf
+                .low_latency_combine_send(LlCombineInput::ZeroCopy, &idx, &w, &handle_a)
+                .expect("combine A send");
+            // B, dispatched while A waits for its receive: its buffer is another one.
+            let mut b = buf
+                .low_latency_dispatch(&x(me, 1), &idx, false, false)
+                .expect("dispatch B");
+            let y_b = rows(&b);
+            let scribble = b.combine_buffer.take().expect("the next buffer");
+            let at_b = scribble.as_ptr() as usize;
+            scribble.fill(bf16::NAN);
+            let handle_b = b.handle;
+            let mut combined_a = vec![bf16::ZERO; TOKENS * HIDDEN];
+            buf.low_latency_combine_recv(pending_a, LlCombineInput::ZeroCopy, &mut combined_a)
+                .expect("combine A recv");
+            // The same buffer again, from the Buffer itself.
+            let buffer_b = buf.low_latency_combine_buffer().expect("the next buffer");
+            assert_eq!(buffer_b.as_ptr() as usize, at_b);
+            buffer_b.copy_from_slice(&y_b);
+            let combined_b = buf
+                .low_latency_combine(LlCombineInput::ZeroCopy, &idx, &w, &handle_b)
+                .expect("combine B");
+            (at_a != at_b, combined_a, combined_b)
+        })
+        .expect("rendezvous");
+        for (rank, (distinct, a, b)) in results.iter().enumerate() {
+            assert!(
+                distinct,
+                "rank {rank}: combine B was handed combine A's buffer"
+            );
+            assert_eq!(
+                a,
+                &x(rank, 0),
+                "{ranks_per_node} a node: rank {rank}'s combine A"
+            );
+            assert_eq!(
+                b,
+                &x(rank, 1),
+                "{ranks_per_node} a node: rank {rank}'s combine B"
+            );
+        }
+    }
+}
+
+/// The receive half of a zero-copy combine must be told so too: given rows instead, it
+/// is refused with the reason.
+#[test]
+fn a_combine_is_received_with_the_input_it_was_sent_with() {
+    let results = run_ranks(2, |group| {
+        let (mut buf, me) = buffer(group, 1);
+        let idx = vec![1 - me as i64; TOKENS];
+        let w = vec![1f32; TOKENS];
+        let out = buf
+            .low_latency_dispatch(&x(me, 0), &idx, false, false)
+            .expect("dispatch");
+        let y = match out.recv_x {
+            RecvTokens::Bf16(rows) => rows.to_vec(),
+            _ => panic!("bf16 expected"),
+        };
+        let handle = out.handle;
+        let mut combined = vec![bf16::ZERO; TOKENS * HIDDEN];
+        // The peer that refuses first aborts: the other may learn it in its send.
+        match buf.low_latency_combine_send(LlCombineInput::ZeroCopy, &idx, &w, &handle) {
+            Ok(pending) => buf
+                .low_latency_combine_recv(pending, &y, &mut combined)
+                .expect_err("received with rows")
+                .to_string(),
+            Err(e) => e.to_string(),
+        }
+    })
+    .expect("rendezvous");
+    for err in results {
+        assert!(err.contains("pass the send half's input"), "{err}");
     }
 }

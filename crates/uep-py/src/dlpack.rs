@@ -469,6 +469,46 @@ pub fn export_lease<'py>(
     }
 }
 
+/// Hand `buffer`'s next low-latency combine buffer (`[E/R, R*M, H]` bf16) to Python:
+/// the expert outputs written there are sent by a zero-copy combine without a staging
+/// copy. The tensor keeps the Buffer's memory mapped; as with DeepEP's
+/// `get_next_low_latency_combine_buffer`, Python writes it only before the combine.
+pub fn export_combine_buffer<'py>(
+    py: Python<'py>,
+    buffer: &mut uep_ep::Buffer,
+) -> PyResult<Bound<'py, PyCapsule>> {
+    let shape = buffer
+        .config()
+        .ll
+        .map(|s| {
+            let r = buffer.num_ranks();
+            [s.experts_per_rank(r), r * s.max_tokens, s.hidden]
+        })
+        .ok_or_else(|| crate::UepError::new_err("this Buffer has no low-latency buffers"))?;
+    let keep = buffer.memory_keepalive();
+    let rows = buffer
+        .low_latency_combine_buffer()
+        .map_err(|e| crate::UepError::new_err(e.to_string()))?;
+    if rows.len() != shape.iter().product::<usize>() {
+        return Err(crate::UepError::new_err(format!(
+            "internal error: the combine buffer has {} values, not {shape:?}",
+            rows.len()
+        )));
+    }
+    // SAFETY: the rows lie in the Buffer's registered memory, which `keep` keeps mapped
+    // for as long as the tensor lives, and hold exactly `shape` bf16 values.
+    unsafe {
+        export(
+            py,
+            rows.as_mut_ptr().cast(),
+            &shape,
+            None,
+            DType::BF16,
+            Box::new(keep),
+        )
+    }
+}
+
 /// Memory for outputs that Rust writes and Python keeps: reused once Python lets go.
 ///
 /// A large output allocated afresh every call is faulted in afresh every call (the

@@ -27,8 +27,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
 use uep_bootstrap::ControlPlane;
 use uep_ep::{
-    Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchLayout, EpError, LlCombinePending,
-    LlHandle, LlPending, NormalHandle, Shape, Tokens, Topology,
+    Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchLayout, EpError, LlCombineInput,
+    LlCombinePending, LlHandle, LlPending, NormalHandle, Shape, Tokens, Topology,
 };
 
 use crate::control::PyControlPlane;
@@ -849,11 +849,29 @@ impl Runtime {
         (counts, handle, src_info, layout_range, wait_ns).into_pyobject(py)
     }
 
-    /// The send half of a low-latency combine of `x` (`[E/R, R*M, H]` bf16).
+    /// `(start, end)`: the addresses of the Buffer's registered memory (an output there
+    /// would overlap what a call reads).
+    fn memory_span(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        let mut st = self.lock(py);
+        let span = Self::buffer(&mut st)?.memory_span();
+        Ok((span.start, span.end))
+    }
+
+    /// The next low-latency combine buffer, `[E/R, R*M, H]` bf16, as a DLPack capsule:
+    /// expert outputs written there go with `ll_combine_send(None, ...)`.
+    fn ll_combine_buffer<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let mut st = self.lock(py);
+        let buffer = Self::buffer(&mut st)?;
+        crate::dlpack::export_combine_buffer(py, buffer)
+    }
+
+    /// The send half of a low-latency combine of `x` (`[E/R, R*M, H]` bf16), or, when
+    /// `x` is `None`, of the combine buffer (zero copy).
+    #[pyo3(signature = (x, topk_idx, topk_weights, handle))]
     fn ll_combine_send<'py>(
         &self,
         py: Python<'py>,
-        x: &Bound<'py, PyAny>,
+        x: Option<&Bound<'py, PyAny>>,
         topk_idx: &Bound<'py, PyAny>,
         topk_weights: &Bound<'py, PyAny>,
         handle: PyRef<'py, LlHandlePy>,
@@ -861,7 +879,7 @@ impl Runtime {
         let mut st = self.lock(py);
         let parsed = (|| -> PyResult<_> {
             Ok((
-                In::new(x, "x", DType::BF16)?,
+                x.map(|x| In::new(x, "x", DType::BF16)).transpose()?,
                 In::new(topk_idx, "topk_idx", DType::I64)?,
                 In::new(topk_weights, "topk_weights", DType::F32)?,
             ))
@@ -870,10 +888,14 @@ impl Runtime {
         let (x, idx, w) = parsed.map_err(|e| self.reject(py, &mut st, &e.to_string()))?;
         let generation = st.generation;
         let buffer = Self::buffer(&mut st)?;
-        let (x, idx, w) = (x.slice::<bf16>(), idx.slice::<i64>(), w.slice::<f32>());
+        let input = match &x {
+            Some(x) => LlCombineInput::Rows(x.slice::<bf16>()),
+            None => LlCombineInput::ZeroCopy,
+        };
+        let (idx, w) = (idx.slice::<i64>(), w.slice::<f32>());
         let handle = &handle.inner;
         let pending = py
-            .detach(|| buffer.low_latency_combine_send(x, idx, w, handle))
+            .detach(|| buffer.low_latency_combine_send(input, idx, w, handle))
             .map_err(ep_err)?;
         Ok(LlCombinePendingPy {
             inner: Mutex::new(Some(pending)),
@@ -882,12 +904,13 @@ impl Runtime {
     }
 
     /// The receive half of a low-latency combine, into `out` (`[T, H]` bf16); `x` is
-    /// the send half's.
+    /// the send half's (`None` for the combine buffer).
+    #[pyo3(signature = (pending, x, out))]
     fn ll_combine_recv<'py>(
         &self,
         py: Python<'py>,
         pending: PyRef<'py, LlCombinePendingPy>,
-        x: &Bound<'py, PyAny>,
+        x: Option<&Bound<'py, PyAny>>,
         out: &Bound<'py, PyAny>,
     ) -> PyResult<()> {
         let mut st = self.lock(py);
@@ -898,12 +921,21 @@ impl Runtime {
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .ok_or_else(|| uep_err("invalid argument: this low-latency combine was received already (its hook ran)"))?;
-        let x = In::new(x, "x", DType::BF16)?;
+        let x = x.map(|x| In::new(x, "x", DType::BF16)).transpose()?;
         let out = In::new(out, "out", DType::BF16)?;
-        let dst = out.slice_mut::<bf16>(&[&x])?;
         let buffer = Self::buffer(&mut st)?;
-        let x = x.slice::<bf16>();
-        py.detach(|| buffer.low_latency_combine_recv(p, x, dst))
+        let (span, memory) = (out.span(), buffer.memory_span());
+        if span.start < memory.end && memory.start < span.end {
+            return Err(uep_err(
+                "invalid argument: out lies in the Buffer's own memory (the combine buffer?): pass a tensor of its own",
+            ));
+        }
+        let dst = out.slice_mut::<bf16>(&x.iter().collect::<Vec<_>>())?;
+        let input = match &x {
+            Some(x) => LlCombineInput::Rows(x.slice::<bf16>()),
+            None => LlCombineInput::ZeroCopy,
+        };
+        py.detach(|| buffer.low_latency_combine_recv(p, input, dst))
             .map_err(ep_err)
     }
 

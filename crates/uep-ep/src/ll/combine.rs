@@ -7,25 +7,29 @@ use std::sync::atomic::Ordering;
 
 use half::bf16;
 
-use super::{check_window, fingerprint, LlCombinePending, LlHandle};
-use crate::area::Mem;
+use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle};
+use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::error::Result;
 use crate::invalid;
 use crate::net::packet::{Channel, LlCombinePacket, LL_BUFFERS};
+use crate::net::Write;
 use crate::quant::reduce_rows;
 
 impl Buffer {
     /// Low-latency combine: expert outputs `y` (`[E/R, R*M, H]` bf16, laid out like the
     /// dispatch's `recv_x`) back to their tokens, weighted by `topk_weights` (`[T, K]`),
     /// with the same `topk_idx` as the dispatch of `handle`. Returns `[T, H]`. Collective.
-    pub fn low_latency_combine(
+    /// `y` may also be [`LlCombineInput::ZeroCopy`]: the rows were written into the
+    /// combine buffer and go from there.
+    pub fn low_latency_combine<'y>(
         &mut self,
-        y: &[bf16],
+        y: impl Into<LlCombineInput<'y>>,
         topk_idx: &[i64],
         topk_weights: &[f32],
         handle: &LlHandle,
     ) -> Result<Vec<bf16>> {
+        let y = y.into();
         let h = self.ll_areas(0).map_or(0, |a| a.shape.hidden);
         let mut out = vec![bf16::ZERO; handle.num_tokens * h];
         let pending = self.low_latency_combine_send(y, topk_idx, topk_weights, handle)?;
@@ -35,13 +39,14 @@ impl Buffer {
 
     /// The send half of [`Buffer::low_latency_combine`]: every expert output row on its
     /// way to its source. Finish with [`Buffer::low_latency_combine_recv`] and the same `y`.
-    pub fn low_latency_combine_send(
+    pub fn low_latency_combine_send<'y>(
         &mut self,
-        y: &[bf16],
+        y: impl Into<LlCombineInput<'y>>,
         topk_idx: &[i64],
         topk_weights: &[f32],
         handle: &LlHandle,
     ) -> Result<LlCombinePending> {
+        let y = y.into();
         self.collective(|b| {
             b.check_ll_combine(y, topk_idx, topk_weights, handle)?;
             let seq = b.seq.ll_combine.wrapping_add(1);
@@ -57,12 +62,13 @@ impl Buffer {
     /// The receive half of a low-latency combine: waits for every expert output of this
     /// rank's tokens and writes `sum_k w_k * y_k` into `out` (`[T, H]`). `y` must be the
     /// one passed to the send half (this rank's own expert outputs are read from it).
-    pub fn low_latency_combine_recv(
+    pub fn low_latency_combine_recv<'y>(
         &mut self,
         pending: LlCombinePending,
-        y: &[bf16],
+        y: impl Into<LlCombineInput<'y>>,
         out: &mut [bf16],
     ) -> Result<()> {
+        let y = y.into();
         self.collective(|b| {
             let c = pending.seq as usize % LL_BUFFERS;
             if b.seq.ll_combine_unreceived[c] != Some(pending.seq) {
@@ -71,15 +77,76 @@ impl Buffer {
                     pending.seq
                 ));
             }
+            if pending.zero_copy != matches!(y, LlCombineInput::ZeroCopy) {
+                return Err(invalid!(
+                    "low-latency combine receive: pass the send half's input (zero-copy or rows) again"
+                ));
+            }
+            let y = b.ll_combine_rows(y, pending.seq)?;
             b.ll_combine_recv(&pending, y, out)?;
             b.seq.ll_combine_unreceived[c] = None;
             Ok(())
         })
     }
 
+    /// The next combine's buffer (`[E/R, R*M, H]` bf16), for the caller to write expert
+    /// outputs into before a [`LlCombineInput::ZeroCopy`] combine (DeepEP's
+    /// `get_next_low_latency_combine_buffer`). Waits until what the combine that last
+    /// used it sent from it has left. Only this rank writes the buffer, and only
+    /// through this slice.
+    pub fn low_latency_combine_buffer(&mut self) -> Result<&mut [bf16]> {
+        let area = self.ll_next_combine_area()?.ok_or_else(|| {
+            invalid!(
+                "the next low-latency combine buffer is still read by a combine that was never received (call its hook first)"
+            )
+        })?;
+        // SAFETY: only this rank writes the combine buffer, through slices like this one,
+        // each borrowing the Buffer mutably; the proxy reads it only for a combine sent
+        // from it, and everything such a combine sent has left (waited above).
+        let rows: &mut [u16] = unsafe { self.symm.view_mut(area)? };
+        Ok(bytemuck::cast_slice_mut(rows))
+    }
+
+    /// The area of the next combine's buffer once it may be written again, or `None`
+    /// while a combine that last used it waits for its receive (which reads this rank's
+    /// own rows from it).
+    pub(crate) fn ll_next_combine_area(&self) -> Result<Option<Area<u16>>> {
+        let c = self.seq.ll_combine.wrapping_add(1) as usize % LL_BUFFERS;
+        if self.seq.ll_combine_unreceived[c].is_some() {
+            return Ok(None);
+        }
+        let areas = self.ll_areas(c)?;
+        if let Some(net) = &self.net {
+            let wait = self.ll_wait();
+            let remote = (0..self.topo.num_ranks).filter(|&r| !self.topo.is_local(r));
+            // A masked rank's writes may never finish; nothing is read for it any more.
+            for r in remote.filter(|&r| !self.masked(r)) {
+                net.wait_sent(Channel::ll_combine(c), r, &wait)?;
+            }
+        }
+        Ok(Some(areas.combine_send))
+    }
+
+    /// The expert outputs `input` names for combine `seq`: the caller's rows, or the
+    /// combine buffer of `seq`'s area.
+    fn ll_combine_rows<'a>(&'a self, input: LlCombineInput<'a>, seq: u32) -> Result<&'a [bf16]> {
+        match input {
+            LlCombineInput::Rows(y) => Ok(y),
+            LlCombineInput::ZeroCopy => {
+                let area = self.ll_areas(seq as usize % LL_BUFFERS)?.combine_send;
+                // SAFETY: only this rank writes the combine buffer, through the slices
+                // `low_latency_combine_buffer` and a dispatch's output hand out, each
+                // borrowing the Buffer mutably: none is alive during this `&mut self`
+                // call, and the proxy only reads it.
+                let rows: &[u16] = unsafe { self.symm.view(area)? };
+                Ok(bytemuck::cast_slice(rows))
+            }
+        }
+    }
+
     fn check_ll_combine(
         &self,
-        y: &[bf16],
+        input: LlCombineInput<'_>,
         topk_idx: &[i64],
         topk_weights: &[f32],
         handle: &LlHandle,
@@ -92,6 +159,8 @@ impl Buffer {
                 "the handle was made by another Buffer (or another rank)"
             ));
         }
+        let seq = self.seq.ll_combine.wrapping_add(1);
+        let y = self.ll_combine_rows(input, seq)?;
         if y.len() != epr * r_n * m * h {
             return Err(invalid!(
                 "combine input has {} values, expected [E/R = {epr}, R*M = {}, hidden = {h}]",
@@ -120,11 +189,13 @@ impl Buffer {
     fn ll_combine_send(
         &self,
         seq: u32,
-        y: &[bf16],
+        input: LlCombineInput<'_>,
         topk_idx: &[i64],
         topk_weights: &[f32],
         handle: &LlHandle,
     ) -> Result<LlCombinePending> {
+        let zero_copy = matches!(input, LlCombineInput::ZeroCopy);
+        let y = self.ll_combine_rows(input, seq)?;
         let c = seq as usize % LL_BUFFERS;
         let areas = self.ll_areas(c)?;
         let s = areas.shape;
@@ -169,10 +240,14 @@ impl Buffer {
         self.device.launch(epr, |experts| {
             for le in experts {
                 for (src, sink) in sinks.iter().enumerate() {
-                    // Our own rows are read straight from `y` by the reduction.
+                    // Our own rows are read straight from `y` by the reduction; a zero-copy
+                    // combine sends the rows for another node from where they are.
                     let (Some((region, rows, first, _)), false) = (sink, src == me) else {
                         continue;
                     };
+                    if zero_copy && first.is_some() {
+                        continue;
+                    }
                     let (begin, n) = handle.layout_range[le * r_n + src];
                     for j in begin as usize..(begin + n) as usize {
                         let row = le * r_n * m + j;
@@ -195,6 +270,31 @@ impl Buffer {
                 Some((region, _, _, None)) => region
                     .word(self.map.control.ll_combine_done, c * r_n + me)?
                     .store(seq as u64, Ordering::Release),
+                Some((_, rows, Some(first), Some((staged, len)))) if zero_copy => {
+                    // The packet is the rows alone: each expert's block from the combine
+                    // buffer straight to its place in the landing area, then the
+                    // announcement.
+                    let net = self.net()?;
+                    let landing = net.areas().landing(ch, me)?;
+                    let mut writes = Vec::with_capacity(epr);
+                    for (le, &first) in first.iter().enumerate() {
+                        let (begin, n) = handle.layout_range[le * r_n + r];
+                        if n == 0 {
+                            continue;
+                        }
+                        let from = le * r_n * m + begin as usize;
+                        // The block's place in the packet, at the peer's landing area.
+                        let to = rows.rows(first..first + n as usize, h)?;
+                        let to = Area::<u16>::new(to.offset() - staged.area.offset(), to.len());
+                        writes.push(Write::new(
+                            areas.combine_send.rows(from..from + n as usize, h)?.cast(),
+                            to.at_base(landing.offset()).cast(),
+                            local.len(),
+                        )?);
+                    }
+                    debug_assert_eq!(len, writes.iter().map(Write::len).sum::<usize>());
+                    packets[r] = net.send(staged, 0, &writes)?;
+                }
                 Some((_, _, _, Some((staged, len)))) => {
                     packets[r] = self.net()?.send(staged, len, &[])?;
                 }
@@ -216,6 +316,7 @@ impl Buffer {
             topk_weights: topk_weights.to_vec(),
             own,
             y_len: y.len(),
+            zero_copy,
             packets,
         })
     }

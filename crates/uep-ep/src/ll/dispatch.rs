@@ -693,11 +693,21 @@ impl Buffer {
         // needs this rank to enter a later step first (`&mut self`).
         let (x, scales) = unsafe { (self.symm.view(x)?, self.symm.view(scales)?) };
         let recv_x = RecvTokens::from_bytes(handle.fp8, x, scales);
+        let combine_buffer = match self.ll_next_combine_area()? {
+            // SAFETY: as in `Buffer::low_latency_combine_buffer`: the output borrows the
+            // Buffer mutably (`ll_output` runs only at the end of a `&mut self` receive),
+            // so this is the one slice of the buffer, and nothing sent from it is left.
+            Some(area) => Some(bytemuck::cast_slice_mut(unsafe {
+                self.symm.view_mut(area)?
+            })),
+            None => None,
+        };
         Ok(LlDispatchOutput {
             recv_x,
             recv_count: handle.recv_count.clone(),
             handle,
             wait_ns,
+            combine_buffer,
         })
     }
 }

@@ -37,6 +37,8 @@
 mod combine;
 mod dispatch;
 
+use half::bf16;
+
 use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::error::Result;
@@ -88,6 +90,31 @@ pub struct LlPending {
     pub(crate) packets: Vec<u64>,
 }
 
+/// Where a low-latency combine reads this rank's expert outputs from.
+#[derive(Clone, Copy, Debug)]
+pub enum LlCombineInput<'a> {
+    /// `[E/R, R*M, H]` bf16 rows laid out like the dispatch's `recv_x`, anywhere in
+    /// memory: rows for a rank on another node are copied into its packet first.
+    Rows(&'a [bf16]),
+    /// The rows were written into the next combine buffer
+    /// ([`Buffer::low_latency_combine_buffer`], or a dispatch's
+    /// [`LlDispatchOutput::combine_buffer`]) and are sent from there with no staging
+    /// copy: DeepEP's `zero_copy`.
+    ZeroCopy,
+}
+
+impl<'a> From<&'a [bf16]> for LlCombineInput<'a> {
+    fn from(y: &'a [bf16]) -> Self {
+        LlCombineInput::Rows(y)
+    }
+}
+
+impl<'a> From<&'a Vec<bf16>> for LlCombineInput<'a> {
+    fn from(y: &'a Vec<bf16>) -> Self {
+        LlCombineInput::Rows(y)
+    }
+}
+
 /// What a low-latency dispatch returns; slices live until the Buffer's next call.
 #[derive(Debug)]
 pub struct LlDispatchOutput<'b> {
@@ -100,6 +127,11 @@ pub struct LlDispatchOutput<'b> {
     pub handle: LlHandle,
     /// `[R]`: nanoseconds the receive waited for each source's rows.
     pub wait_ns: Vec<u64>,
+    /// `[E/R, R*M, H]` bf16: where the expert outputs go for a
+    /// [`LlCombineInput::ZeroCopy`] combine (the next combine's buffer, as
+    /// [`Buffer::low_latency_combine_buffer`] returns it). `None` only while a combine
+    /// that last used it waits for its receive.
+    pub combine_buffer: Option<&'b mut [bf16]>,
 }
 
 /// A low-latency combine whose send half ran: pass it to
@@ -116,6 +148,8 @@ pub struct LlCombinePending {
     /// `[(token * K + slot, row of y)]`: this rank's own expert outputs, read from `y`.
     pub(crate) own: Vec<(usize, usize)>,
     pub(crate) y_len: usize,
+    /// Whether the rows were sent from the combine buffer ([`LlCombineInput::ZeroCopy`]).
+    pub(crate) zero_copy: bool,
     /// `[R]`: packet numbers, as [`LlPending`]'s.
     pub(crate) packets: Vec<u64>,
 }

@@ -321,6 +321,18 @@ impl NetPath {
     /// The staging area of (`ch`, `dst`), once the packet last sent from it has left.
     pub fn stage(&self, ch: Channel, dst: usize, wait: &Wait<'_>) -> Result<Staged> {
         let area = self.areas.staging(ch, dst)?;
+        self.wait_sent(ch, dst, wait)?;
+        Ok(Staged {
+            ch,
+            dst,
+            deadline: wait.deadline,
+            area,
+        })
+    }
+
+    /// Wait until the last packet sent on `ch` to `dst`, and every write before it
+    /// (its staging area, and the direct writes' sources), has left this rank's memory.
+    pub fn wait_sent(&self, ch: Channel, dst: usize, wait: &Wait<'_>) -> Result<()> {
         let pending = self.quiets.borrow_mut()[ch.index() * self.num_ranks + dst].take();
         if let Some((fifo, i, slot)) = pending {
             let what = || {
@@ -340,12 +352,7 @@ impl NetPath {
                 });
             }
         }
-        Ok(Staged {
-            ch,
-            dst,
-            deadline: wait.deadline,
-            area,
-        })
+        Ok(())
     }
 
     /// Wait until the proxy has popped `slot` of `fifo` (a Quiet or Barrier pops only
