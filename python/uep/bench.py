@@ -135,7 +135,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -
     for step in range(args.warmup + args.iters):
         recv, _, ll_handle, _, _ = timed("ll_dispatch", step, lambda: buffer.low_latency_dispatch(
             ll_x, ll_idx, M, E, use_fp8=False))
-        out, _, _ = timed("ll_combine", step, lambda: buffer.low_latency_combine(recv, ll_idx, ll_w, ll_handle))
+        # The identity expert writes its outputs into the combine buffer, which the
+        # combine sends from (zero copy, as `uep bench`).
+        buffer.get_next_low_latency_combine_buffer(ll_handle)[:] = recv
+        out, _, _ = timed("ll_combine", step, lambda: buffer.low_latency_combine(
+            recv, ll_idx, ll_w, ll_handle, zero_copy=True))
         if step == last:
             acc = torch.zeros((M, H))
             for k in range(K):
