@@ -58,6 +58,12 @@ pub struct ControlAreas {
     /// The last low-latency combine this rank entered (as `ll_entered`, for combine
     /// areas).
     pub ll_combine_entered: Area<u64>,
+    /// `[LL_BUFFERS]`: the last combine of each area whose rows for this node this rank
+    /// left in its combine buffer for the sources to read (zero copy; 0: it copied).
+    pub ll_combine_zero_copy: Area<u64>,
+    /// `[LL_BUFFERS]`: the last combine of each area this rank received (reduced):
+    /// same-node peers rewrite a combine buffer it read from only after this says so.
+    pub ll_combine_received: Area<u64>,
     /// `[2][src R][1 + W]` elastic mode's agreement messages from the ranks of this
     /// node, by round parity: the mask (`W = ceil(R / 64)` words), then the round,
     /// stored last (see [`ControlAreas::agree_slot`]).
@@ -85,6 +91,8 @@ impl ControlAreas {
             ll_entered: l.take(1),
             ll_combine_done: l.take(LL_BUFFERS * r),
             ll_combine_entered: l.take(1),
+            ll_combine_zero_copy: l.take(LL_BUFFERS),
+            ll_combine_received: l.take(LL_BUFFERS),
             agree: l.take(2 * r * (1 + mask_words(r))),
             mask_words: mask_words(r),
         }
@@ -252,8 +260,12 @@ pub struct LlAreas {
     pub combine_x: Area<u16>,
     /// `[E/R, R*M, H]` bf16 expert outputs, written by the caller before a zero-copy
     /// combine (DeepEP's next combine buffer) and sent from here, with no staging copy.
-    /// Only this rank writes it; the proxy reads it.
+    /// Only this rank writes it; the proxy and the node's ranks read it.
     pub combine_send: Area<u16>,
+    /// `[E/R][src R]`: where each source's block starts among an expert's rows of the
+    /// combine buffer (the handle's `layout_range`), for a same-node source that reads
+    /// its rows from there.
+    pub combine_begin: Area<u32>,
 }
 
 impl LlAreas {
@@ -277,6 +289,7 @@ impl LlAreas {
             count: l.take(epr * r),
             combine_x: l.take(m * s.topk * h),
             combine_send: l.take(rows * h),
+            combine_begin: l.take(epr * r),
         }
     }
 
@@ -462,6 +475,8 @@ mod tests {
         add("ll_entered", c.ll_entered.byte_range());
         add("ll_combine_done", c.ll_combine_done.byte_range());
         add("ll_combine_entered", c.ll_combine_entered.byte_range());
+        add("ll_combine_zero_copy", c.ll_combine_zero_copy.byte_range());
+        add("ll_combine_received", c.ll_combine_received.byte_range());
         add("agree", c.agree.byte_range());
         if let Some(n) = &map.normal {
             add("notify", n.notify.byte_range());
@@ -491,6 +506,10 @@ mod tests {
             add(&format!("ll{b}.count"), a.count.byte_range());
             add(&format!("ll{b}.combine_x"), a.combine_x.byte_range());
             add(&format!("ll{b}.combine_send"), a.combine_send.byte_range());
+            add(
+                &format!("ll{b}.combine_begin"),
+                a.combine_begin.byte_range(),
+            );
         }
         if let Some(n) = &map.net {
             add("tails", n.tails.byte_range());

@@ -115,10 +115,12 @@ fn a_combine_between_two_deferred_receives_waits_for_its_own_rows() {
 }
 
 /// Combines whose receives wait, while a peer runs ahead: a peer's combine may not
-/// overwrite the rows of one this rank has not received. Across nodes and inside one.
+/// overwrite the rows of one this rank has not received. Across nodes and inside one;
+/// from rows of the caller's and zero-copy (where, inside a node, this rank reads its
+/// rows from the peer's combine buffer, which the peer may not refill too early).
 #[test]
 fn a_peer_running_ahead_does_not_overwrite_a_combine_not_yet_received() {
-    for ranks_per_node in [1, 2] {
+    for (ranks_per_node, zero_copy) in [(1, false), (2, false), (1, true), (2, true)] {
         let results = run_ranks(2, |group| {
             let (mut buf, me) = buffer(group, ranks_per_node);
             // Every token to the other rank's expert.
@@ -137,10 +139,18 @@ fn a_peer_running_ahead_does_not_overwrite_a_combine_not_yet_received() {
                 .collect();
             let mut got = Vec::new();
             let mut round = |buf: &mut Buffer, cs: [usize; 2], wait: bool| {
+                let input = |c: usize| match zero_copy {
+                    true => LlCombineInput::ZeroCopy,
+                    false => LlCombineInput::Rows(&y[c]),
+                };
                 let pending: Vec<_> = cs
                     .iter()
                     .map(|&c| {
-                        buf.low_latency_combine_send(&y[c], &idx, &w, &handle)
+                        if zero_copy {
+                            let next = buf.low_latency_combine_buffer().expect("combine buffer");
+                            next.copy_from_slice(&y[c]);
+                        }
+                        buf.low_latency_combine_send(input(c), &idx, &w, &handle)
                             .expect("combine send")
                     })
                     .collect();
@@ -150,7 +160,7 @@ fn a_peer_running_ahead_does_not_overwrite_a_combine_not_yet_received() {
                 }
                 for (p, &c) in pending.into_iter().zip(&cs) {
                     let mut out = vec![bf16::ZERO; TOKENS * HIDDEN];
-                    buf.low_latency_combine_recv(p, &y[c], &mut out)
+                    buf.low_latency_combine_recv(p, input(c), &mut out)
                         .expect("combine recv");
                     got.push((c, out[0].to_f32()));
                 }
@@ -164,7 +174,7 @@ fn a_peer_running_ahead_does_not_overwrite_a_combine_not_yet_received() {
             assert_eq!(
                 *v,
                 (c + 1) as f32,
-                "{ranks_per_node} rank(s) a node: rank 0's combine {c} holds another combine's rows"
+                "{ranks_per_node} rank(s) a node, zero copy {zero_copy}: rank 0's combine {c} holds another combine's rows"
             );
         }
     }

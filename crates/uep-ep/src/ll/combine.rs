@@ -10,7 +10,7 @@ use half::bf16;
 use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle};
 use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
-use crate::error::Result;
+use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::net::packet::{Channel, LlCombinePacket, LL_BUFFERS};
 use crate::net::Write;
@@ -91,8 +91,9 @@ impl Buffer {
 
     /// The next combine's buffer (`[E/R, R*M, H]` bf16), for the caller to write expert
     /// outputs into before a [`LlCombineInput::ZeroCopy`] combine (DeepEP's
-    /// `get_next_low_latency_combine_buffer`). Waits until what the combine that last
-    /// used it sent from it has left. Only this rank writes the buffer, and only
+    /// `get_next_low_latency_combine_buffer`). Waits until the combine that last used
+    /// it is done with it: what it sent from there has left, and the node's ranks that
+    /// read their rows there received it. Only this rank writes the buffer, and only
     /// through this slice.
     pub fn low_latency_combine_buffer(&mut self) -> Result<&mut [bf16]> {
         let area = self.ll_next_combine_area()?.ok_or_else(|| {
@@ -101,26 +102,42 @@ impl Buffer {
             )
         })?;
         // SAFETY: only this rank writes the combine buffer, through slices like this one,
-        // each borrowing the Buffer mutably; the proxy reads it only for a combine sent
-        // from it, and everything such a combine sent has left (waited above).
+        // each borrowing the Buffer mutably; the proxy and the node's ranks read it only
+        // for a combine sent from it, and that one is done with it (waited above).
         let rows: &mut [u16] = unsafe { self.symm.view_mut(area)? };
         Ok(bytemuck::cast_slice_mut(rows))
     }
 
-    /// The area of the next combine's buffer once it may be written again, or `None`
-    /// while a combine that last used it waits for its receive (which reads this rank's
-    /// own rows from it).
+    /// The area of the next combine's buffer once it may be written again (its last
+    /// combine's writes have left, and every live rank of the node received that
+    /// combine), or `None` while that combine waits for this rank's own receive (which
+    /// reads this rank's own rows from it).
     pub(crate) fn ll_next_combine_area(&self) -> Result<Option<Area<u16>>> {
         let c = self.seq.ll_combine.wrapping_add(1) as usize % LL_BUFFERS;
         if self.seq.ll_combine_unreceived[c].is_some() {
             return Ok(None);
         }
         let areas = self.ll_areas(c)?;
-        if let Some(net) = &self.net {
-            let wait = self.ll_wait();
-            let remote = (0..self.topo.num_ranks).filter(|&r| !self.topo.is_local(r));
-            // A masked rank's writes may never finish; nothing is read for it any more.
-            for r in remote.filter(|&r| !self.masked(r)) {
+        let wait = self.ll_wait();
+        // Nothing is read for a masked rank any more (its writes may never finish).
+        let live = (0..self.topo.num_ranks).filter(|&r| r != self.topo.rank && !self.masked(r));
+        // The combine that last used the buffer.
+        let last = u64::from(self.seq.ll_combine.wrapping_add(1)).saturating_sub(LL_BUFFERS as u64);
+        for r in live {
+            if self.topo.is_local(r) {
+                // A same-node source may be reading its rows from the buffer still.
+                let word = self
+                    .peer_region(r)?
+                    .word(self.map.control.ll_combine_received, c)?;
+                let what = || {
+                    format!(
+                        "rank {}: waiting for rank {r} to receive LL combine {last} before reusing combine buffer {c}",
+                        self.topo.rank
+                    )
+                };
+                let received = wait.at_least(word, last, Some(self.peer(r)), &what);
+                self.unless_lost(r, received)?;
+            } else if let Some(net) = &self.net {
                 net.wait_sent(Channel::ll_combine(c), r, &wait)?;
             }
         }
@@ -185,7 +202,9 @@ impl Buffer {
 
     /// Send: each expert output row to its source's `[token, slot]` row on this node, or,
     /// for a source on another node, into a packet in (expert, row) order, which the
-    /// source replays; then publish.
+    /// source replays; then publish. Zero copy: no row moves here; the node's sources
+    /// read theirs from the combine buffer (with each block's start, published before
+    /// the epoch), and the packet's rows are written from it.
     fn ll_combine_send(
         &self,
         seq: u32,
@@ -237,32 +256,41 @@ impl Buffer {
                 sinks.push(Some((local, p.rows, Some(first), Some((staged, p.len)))));
             }
         }
-        self.device.launch(epr, |experts| {
-            for le in experts {
-                for (src, sink) in sinks.iter().enumerate() {
-                    // Our own rows are read straight from `y` by the reduction; a zero-copy
-                    // combine sends the rows for another node from where they are.
-                    let (Some((region, rows, first, _)), false) = (sink, src == me) else {
-                        continue;
-                    };
-                    if zero_copy && first.is_some() {
-                        continue;
-                    }
-                    let (begin, n) = handle.layout_range[le * r_n + src];
-                    for j in begin as usize..(begin + n) as usize {
-                        let row = le * r_n * m + j;
-                        let at = match first {
-                            None => {
-                                handle.src_info[row] as usize * k + handle.src_slot[row] as usize
-                            }
-                            Some(first) => first[le] + j - begin as usize,
+        // A zero-copy combine moves no row here: the node's sources read theirs from the
+        // combine buffer (told where each block starts), the other nodes' go from it.
+        let zero_copy_word = local.word(self.map.control.ll_combine_zero_copy, c)?;
+        if zero_copy {
+            let begins: Vec<u32> = handle.layout_range.iter().map(|&(b, _)| b as u32).collect();
+            local.put(areas.combine_begin, &begins)?;
+            zero_copy_word.store(seq as u64, Ordering::Relaxed);
+        } else {
+            zero_copy_word.store(0, Ordering::Relaxed);
+        }
+        self.device
+            .launch(if zero_copy { 0 } else { epr }, |experts| {
+                for le in experts {
+                    for (src, sink) in sinks.iter().enumerate() {
+                        // Our own rows are read straight from `y` by the reduction.
+                        let (Some((region, rows, first, _)), false) = (sink, src == me) else {
+                            continue;
                         };
-                        region.put(rows.row(at, h)?.cast::<bf16>(), &y[row * h..(row + 1) * h])?;
+                        let (begin, n) = handle.layout_range[le * r_n + src];
+                        for j in begin as usize..(begin + n) as usize {
+                            let row = le * r_n * m + j;
+                            let at = match first {
+                                None => {
+                                    handle.src_info[row] as usize * k
+                                        + handle.src_slot[row] as usize
+                                }
+                                Some(first) => first[le] + j - begin as usize,
+                            };
+                            region
+                                .put(rows.row(at, h)?.cast::<bf16>(), &y[row * h..(row + 1) * h])?;
+                        }
                     }
                 }
-            }
-            Ok(())
-        })?;
+                Ok(())
+            })?;
         let mut packets = vec![0; r_n];
         for (r, sink) in sinks.into_iter().enumerate() {
             match sink {
@@ -344,6 +372,8 @@ impl Buffer {
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
         let mut landed = vec![None; r_n];
+        // `[src]`: a same-node source that left our rows in its combine buffer.
+        let mut in_place = vec![false; r_n];
         for (src, landed) in landed.iter_mut().enumerate() {
             if self.masked(src) {
                 continue;
@@ -354,7 +384,11 @@ impl Buffer {
             if self.topo.is_local(src) {
                 let word = local.word(self.map.control.ll_combine_done, c * r_n + src)?;
                 let done = wait.at_least(word, seq as u64, Some(self.peer(src)), &what);
-                self.unless_lost(src, done)?;
+                if self.unless_lost(src, done)?.is_some() && src != me {
+                    let region = self.peer_region(src)?;
+                    let zero_copy = region.word(self.map.control.ll_combine_zero_copy, c)?;
+                    in_place[src] = zero_copy.load(Ordering::Acquire) == u64::from(seq);
+                }
             } else if p.packets[src] > 0 {
                 // Numbered as ours to it (see `LlPending::packets`).
                 let packet = self.net()?.recv_nth(ch, src, p.packets[src], &wait, &what);
@@ -398,6 +432,29 @@ impl Buffer {
                 }
             }
         }
+        for src in (0..r_n).filter(|&r| in_place[r] && !masked[r]) {
+            let region = self.peer_region(src)?;
+            let begins = region.get_vec(areas.combine_begin)?;
+            // SAFETY: the source published this combine (its epoch, acquired above, after
+            // its rows and block offsets); it writes its combine buffer again only once
+            // this rank says it received this combine (`ll_combine_received`, below).
+            let ys: &[u16] =
+                unsafe { region.slice(areas.combine_send.offset(), areas.combine_send.len())? };
+            let block = self.topo.num_ranks * s.max_tokens;
+            for le in 0..epr {
+                // Our copies to expert `e` are its rows from `begin` on, in (token, slot)
+                // order, as the dispatch packed them.
+                let (e, begin) = ((src * epr + le) as i64, begins[le * r_n + me] as usize);
+                let mine = p.topk_idx.iter().enumerate().filter(|(_, &v)| v == e);
+                for (row, (i, _)) in (le * block + begin..).zip(mine) {
+                    from[i] = ys.get(row * h..(row + 1) * h).ok_or_else(|| {
+                        EpError::internal(format!(
+                            "rank {src}'s combine buffer has no row {row} for rank {me}"
+                        ))
+                    })?;
+                }
+            }
+        }
         let (idx, w) = (&p.topk_idx, &p.topk_weights);
         self.device.launch_rows(out, h, |first, out| {
             let mut parts = Vec::with_capacity(k);
@@ -410,6 +467,11 @@ impl Buffer {
                 reduce_rows(&parts, true, out_row);
             }
             Ok(())
-        })
+        })?;
+        // Same-node sources may rewrite the combine buffers read above.
+        local
+            .word(self.map.control.ll_combine_received, c)?
+            .store(u64::from(seq), Ordering::Release);
+        Ok(())
     }
 }

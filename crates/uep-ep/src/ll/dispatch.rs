@@ -696,7 +696,7 @@ impl Buffer {
         let combine_buffer = match self.ll_next_combine_area()? {
             // SAFETY: as in `Buffer::low_latency_combine_buffer`: the output borrows the
             // Buffer mutably (`ll_output` runs only at the end of a `&mut self` receive),
-            // so this is the one slice of the buffer, and nothing sent from it is left.
+            // so this is the one slice of the buffer, and its last combine is done with it.
             Some(area) => Some(bytemuck::cast_slice_mut(unsafe {
                 self.symm.view_mut(area)?
             })),
