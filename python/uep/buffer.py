@@ -545,9 +545,10 @@ class Buffer:
         ``low_latency_combine(..., zero_copy=True)``, which sends them from there with
         no staging copy. As in DeepEP, write it only before that combine; the next
         call returns the other of the two buffers."""
-        if getattr(handle, "_uep", None) is None:
+        uh = getattr(handle, "_uep", None)
+        if uh is None:
             self._fail("get_next_low_latency_combine_buffer needs the handle of a received low-latency dispatch")
-        return torch.from_dlpack(self._rt().ll_combine_buffer())
+        return torch.from_dlpack(self._rt().ll_combine_buffer(uh))
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: Tuple, use_logfmt: bool = False, zero_copy: bool = False,

@@ -859,8 +859,13 @@ impl Runtime {
 
     /// The next low-latency combine buffer, `[E/R, R*M, H]` bf16, as a DLPack capsule:
     /// expert outputs written there go with `ll_combine_send(None, ...)`.
-    fn ll_combine_buffer<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+    fn ll_combine_buffer<'py>(
+        &self,
+        py: Python<'py>,
+        handle: PyRef<'py, LlHandlePy>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
         let mut st = self.lock(py);
+        Self::check_generation(&st, handle.generation, "handle")?;
         let buffer = Self::buffer(&mut st)?;
         crate::dlpack::export_combine_buffer(py, buffer)
     }
