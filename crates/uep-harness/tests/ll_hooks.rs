@@ -28,11 +28,17 @@ fn x(rank: usize, step: usize) -> Vec<bf16> {
     vec![bf16::from_f32((10 * step + rank + 1) as f32); TOKENS * HIDDEN]
 }
 
-/// Rank `src`'s rows of local expert 0 in a received step, as the values they carry.
-fn from(out: &uep_ep::LlDispatchOutput<'_>, src: usize) -> Vec<f32> {
+/// The received rows of a bf16 step.
+fn bf16_rows<'b>(out: &uep_ep::LlDispatchOutput<'b>) -> &'b [bf16] {
     let RecvTokens::Bf16(rows) = out.recv_x else {
         panic!("bf16 expected")
     };
+    rows
+}
+
+/// Rank `src`'s rows of local expert 0 in a received step, as the values they carry.
+fn from(out: &uep_ep::LlDispatchOutput<'_>, src: usize) -> Vec<f32> {
+    let rows = bf16_rows(out);
     let (begin, n) = out.handle.layout_range[src];
     (begin as usize..(begin + n) as usize)
         .map(|r| rows[r * HIDDEN].to_f32())
@@ -94,10 +100,7 @@ fn a_combine_between_two_deferred_receives_waits_for_its_own_rows() {
             .low_latency_dispatch_send(&x(me, 1), &idx, false, false)
             .expect("send B");
         let out = buf.low_latency_dispatch_recv(pa).expect("recv A");
-        let RecvTokens::Bf16(rows) = out.recv_x else {
-            panic!("bf16 expected")
-        };
-        let y = rows.to_vec();
+        let y = bf16_rows(&out).to_vec();
         let handle = out.handle;
         if me == 1 {
             std::thread::sleep(Duration::from_millis(1000));
@@ -129,10 +132,8 @@ fn a_peer_running_ahead_does_not_overwrite_a_combine_not_yet_received() {
             let out = buf
                 .low_latency_dispatch(&x(me, 0), &idx, false, false)
                 .expect("dispatch");
+            let rows = bf16_rows(&out);
             let handle = out.handle;
-            let RecvTokens::Bf16(rows) = out.recv_x else {
-                panic!("bf16 expected")
-            };
             // Combine c returns every row as the value c + 1.
             let y: Vec<Vec<bf16>> = (0..4)
                 .map(|c| vec![bf16::from_f32((c + 1) as f32); rows.len()])
@@ -234,15 +235,11 @@ fn a_zero_copy_combine_sends_from_its_own_buffer() {
             // Tokens alternate between the experts: some rows stay, some cross.
             let idx: Vec<i64> = (0..TOKENS as i64).map(|t| t % 2).collect();
             let w = vec![1f32; TOKENS];
-            let rows = |out: &uep_ep::LlDispatchOutput<'_>| match out.recv_x {
-                RecvTokens::Bf16(rows) => rows.to_vec(),
-                _ => panic!("bf16 expected"),
-            };
             // A: the identity expert writes every received row into the combine buffer.
             let mut a = buf
                 .low_latency_dispatch(&x(me, 0), &idx, false, false)
                 .expect("dispatch A");
-            let y_a = rows(&a);
+            let y_a = bf16_rows(&a).to_vec();
             let buffer_a = a.combine_buffer.take().expect("a combine buffer");
             buffer_a.copy_from_slice(&y_a);
             let at_a = buffer_a.as_ptr() as usize;
@@ -254,7 +251,7 @@ fn a_zero_copy_combine_sends_from_its_own_buffer() {
             let mut b = buf
                 .low_latency_dispatch(&x(me, 1), &idx, false, false)
                 .expect("dispatch B");
-            let y_b = rows(&b);
+            let y_b = bf16_rows(&b).to_vec();
             let scribble = b.combine_buffer.take().expect("the next buffer");
             let at_b = scribble.as_ptr() as usize;
             scribble.fill(bf16::NAN);
@@ -302,10 +299,7 @@ fn a_combine_is_received_with_the_input_it_was_sent_with() {
         let out = buf
             .low_latency_dispatch(&x(me, 0), &idx, false, false)
             .expect("dispatch");
-        let y = match out.recv_x {
-            RecvTokens::Bf16(rows) => rows.to_vec(),
-            _ => panic!("bf16 expected"),
-        };
+        let y = bf16_rows(&out).to_vec();
         let handle = out.handle;
         let mut combined = vec![bf16::ZERO; TOKENS * HIDDEN];
         // The peer that refuses first aborts: the other may learn it in its send.
