@@ -399,6 +399,54 @@ fn ordering_emulation_is_load_bearing() {
 }
 
 #[test]
+#[ignore = "long tier (./dev test runs it): a fault sweep"]
+fn ll_fence_is_load_bearing() {
+    // Low-latency calls across nodes rely on the proxy's partial-completion fence alone
+    // (no ordered announcement). With writes cut small (several per block) and count
+    // signals applied on arrival, some step reads rows that have not landed.
+    let ll = |seed: &str, emulate: bool| {
+        let mut args = net_small("4", "2");
+        args.extend([
+            "--mode",
+            "ll",
+            "--ll-tokens",
+            "64",
+            "--hidden",
+            "1024",
+            "--net-write-bytes",
+            "256",
+            "--faults",
+            seed,
+            "--fresh",
+            "--iters",
+            "12",
+            "--warmup",
+            "0",
+        ]);
+        if !emulate {
+            args.push("--no-ordering-emulation");
+        }
+        bench_outcome(&args)
+    };
+    let mut broke = None;
+    for seed in 1..=8 {
+        let seed = seed.to_string();
+        let (ok, text) = ll(&seed, false);
+        if !ok {
+            assert!(
+                text.contains("MISMATCH ll_") || text.contains("'s LL packet for rank"),
+                "seed {seed} failed without an LL mismatch or a torn LL packet:\n{text}"
+            );
+            broke = Some(seed);
+            break;
+        }
+    }
+    let seed = broke.expect("no seed in 1..=8 broke an LL step without the fence");
+    let (ok, text) = ll(&seed, true);
+    assert!(ok, "seed {seed} with the fence:\n{text}");
+}
+
+#[test]
 #[ignore = "long tier (./dev test runs it): a soak"]
 fn soak_over_faults_stays_exact_with_stable_memory() {
     let mut args = net_small("4", "2");

@@ -12,8 +12,9 @@
 //! * [`quant`]: the FP8 e4m3 per-128-channel quantiser and the f32 reductions.
 //!
 //! Peers on the same node are written directly; peers on other nodes through the
-//! network path ([`net`]): packets staged here, posted as one-sided writes by the CPU
-//! proxy, announced in order. Every wait goes through one primitive ([`wait`]) that also
+//! network path ([`net`]): packets posted as one-sided writes by the CPU proxy, whose
+//! receiving side says when they have landed (in order for normal mode, per expert for
+//! low-latency calls). Every wait goes through one primitive ([`wait`]) that also
 //! watches for aborts, dead peers and a failed proxy, and every call fails the job for
 //! every rank at once rather than leaving one waiting. `docs/architecture.md` tells the
 //! whole story.

@@ -9,7 +9,7 @@
 //! | [`ControlAreas`] | pid, abort word and messages, barrier, per-source epochs | ranks |
 //! | [`NormalAreas`] | notify slots, received rows (a page-aligned *bank*), combine rows, relay rows | normal shape |
 //! | [`LlAreas`] ×3 | received rows and scales (a bank), count signals, combine rows | low-latency shape |
-//! | [`NetAreas`] | tails, proxy counters, staging and landing per channel and peer | both, several nodes only |
+//! | [`NetAreas`] | tails, barrier and fence counters, staging and landing per channel and peer | both, several nodes only |
 //!
 //! A *bank* is a page-aligned block of output rows that can be mapped again on its own
 //! and handed out as a tensor without copying (see `symm::Bank`).
@@ -18,11 +18,8 @@ use crate::area::{Area, Layout, ALIGN};
 use crate::config::{BufferConfig, Shape};
 use crate::net::packet::{
     Channel, CombinePacket, DispatchPacket, LlCombinePacket, LlDispatchPacket, NotifyHead,
-    NotifyPacket, RowFormat, CHANNELS, LL_BUFFERS, STREAMS,
+    NotifyPacket, RowFormat, CHANNELS, LL_BUFFERS,
 };
-
-/// Bytes reserved for the proxy's LL-signal, barrier and atomic counters.
-pub const PROXY_COUNTER_BYTES: usize = 64 * 1024;
 
 /// Room for the reason a failing rank leaves in its peers' regions.
 pub const ABORT_MSG_BYTES: usize = 496;
@@ -308,10 +305,17 @@ impl LlAreas {
 /// Areas for peers on other nodes, reached through the proxy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct NetAreas {
-    /// `[src R]` packets announced per peer, applied in order by the proxy.
+    /// `[src R]` packets announced per peer in its ordered stream, applied in order by
+    /// the proxy.
     pub tails: Area<u64>,
-    /// Counters of the proxy's other emulations.
-    pub proxy_counters: Area<u8>,
+    /// `[src R]` the proxy's `NodeLeader` barrier counters.
+    pub barriers: Area<u64>,
+    /// `[kind 2][LL buffer][local expert][src R]` the proxy's partial-completion fence
+    /// counters (`(signals applied << 32) | writes counted`), kind 0 LL dispatch, 1 LL
+    /// combine; empty without low-latency mode.
+    pub fences: Area<u64>,
+    /// Local experts per rank in the fence (0 without low-latency mode).
+    pub fence_experts: usize,
     /// The abort word this rank writes into the regions of ranks on other nodes when
     /// it fails (a one-sided write needs its source in registered memory).
     pub abort_src: Area<u64>,
@@ -370,8 +374,10 @@ impl NetAreas {
             staging_cap[Channel::agree(parity).index()] = agree;
             landing_cap[Channel::agree(parity).index()] = agree;
         }
-        let tails = l.take(r * STREAMS);
-        let proxy_counters = l.take(PROXY_COUNTER_BYTES);
+        let tails = l.take(r);
+        let barriers = l.take(r);
+        let fence_experts = ll.map_or(0, |s| s.experts_per_rank(r));
+        let fences = l.take(2 * LL_BUFFERS * fence_experts * r);
         let abort_src = l.take(1);
         let mut staging = [Area::default(); CHANNELS];
         let mut landing = [Area::default(); CHANNELS];
@@ -381,7 +387,9 @@ impl NetAreas {
         }
         NetAreas {
             tails,
-            proxy_counters,
+            barriers,
+            fences,
+            fence_experts,
             abort_src,
             staging,
             landing,
@@ -513,7 +521,8 @@ mod tests {
         }
         if let Some(n) = &map.net {
             add("tails", n.tails.byte_range());
-            add("proxy_counters", n.proxy_counters.byte_range());
+            add("barriers", n.barriers.byte_range());
+            add("fences", n.fences.byte_range());
             add("abort_src", n.abort_src.byte_range());
             for ch in 0..CHANNELS {
                 add(&format!("staging{ch}"), n.staging[ch].byte_range());

@@ -17,7 +17,7 @@
 //! | piggyback value     | tail increment (`0..=`[`MAX_WRITE_COUNT`] = 255) | 0                        | count bits 0..=7                          |
 //! | flags.combine       | must be 0 (WriteImm has no combine bit) | must be 0 (LlImm has no combine bit) | must be 0                         |
 //! | flags.ll_buffer     | must be 0                         | `LlImm.buffer`                          | `LlImm.buffer`                            |
-//! | len                 | any (0 = signal only)             | any (0 still counts as one arrival)     | must be 0                                 |
+//! | len                 | any (0 = signal only)             | any (0 still counts as one arrival)     | any (its own data is not among the count) |
 //! | immediate sent      | [`WriteImm`](uep_wire::WriteImm) `{stream: src * num_channels + channel, seq, count: tail increment}` | [`LlImm`](uep_wire::LlImm) `Arrival` | [`LlImm`](uep_wire::LlImm) `Count(count)` |
 //!
 //! The channel (below the layout's `num_channels`, at most 256 by this
@@ -79,7 +79,6 @@ pub(crate) enum Signal {
 pub(crate) fn classify(
     flags: CmdFlags,
     piggyback: Option<Piggyback>,
-    len: u32,
 ) -> std::result::Result<Signal, String> {
     let Some(p) = piggyback else {
         return Err(
@@ -141,12 +140,9 @@ pub(crate) fn classify(
             expert,
         });
     }
-    if len != 0 {
-        return Err(format!(
-            "an LL count signal must be a zero-length Write (len is {len}); the fence does not \
-             cover the signal's own data"
-        ));
-    }
+    // A count signal may carry data (the last piece of what it counts): a write's
+    // immediate is delivered only after its own data is placed, so only the *other*
+    // writes need the fence.
     Ok(Signal::LlCount {
         buffer: flags.ll_buffer,
         expert,
@@ -239,20 +235,8 @@ pub fn ll_write(
     buffer: u8,
     local_expert: u16,
 ) -> Result<TransferCmd> {
-    check(
-        "local_expert",
-        local_expert.into(),
-        MAX_LOCAL_EXPERTS as u64 - 1,
-    )?;
-    write(
-        ll_flags(buffer)?,
-        dst_rank,
-        src_off,
-        dst_off,
-        len,
-        LL_BIT | local_expert,
-        0,
-    )
+    let to = (dst_rank, src_off, dst_off, len);
+    ll(to, buffer, local_expert, None)
 }
 
 /// An LL count signal (a zero-length write): "I sent `count` (at most 1023)
@@ -260,14 +244,57 @@ pub fn ll_write(
 /// `(k << 32) | count` in its LL counter once `count` arrivals have been
 /// seen, `k` numbering the signals applied (1, 2, ...).
 pub fn ll_count(dst_rank: usize, buffer: u8, local_expert: u16, count: u16) -> Result<TransferCmd> {
+    ll((dst_rank, 0, 0, 0), buffer, local_expert, Some(count))
+}
+
+/// An LL count signal that carries data: `len` bytes from `src_off` to
+/// `dst_off`, as the last piece of a block, and "I sent `count` (at most
+/// 1023) *other* data writes for (`buffer`, `local_expert`)". Its own data
+/// needs no fence (it is placed before its immediate is delivered), so a
+/// block that fits one write costs one message, signal included.
+pub fn ll_write_count(
+    dst_rank: usize,
+    src_off: u64,
+    dst_off: u64,
+    len: u32,
+    buffer: u8,
+    local_expert: u16,
+    count: u16,
+) -> Result<TransferCmd> {
+    let to = (dst_rank, src_off, dst_off, len);
+    ll(to, buffer, local_expert, Some(count))
+}
+
+/// An LL write to (`dst_rank`, `src_off`, `dst_off`, `len`): a data arrival, or
+/// a count signal of `count`.
+fn ll(
+    (dst_rank, src_off, dst_off, len): (usize, u64, u64, u32),
+    buffer: u8,
+    local_expert: u16,
+    count: Option<u16>,
+) -> Result<TransferCmd> {
     check(
         "local_expert",
         local_expert.into(),
         MAX_LOCAL_EXPERTS as u64 - 1,
     )?;
-    check("LL count", count.into(), MAX_LL_COUNT.into())?;
-    let slot = LL_BIT | LL_COUNT_BIT | local_expert | (count >> 8) << LL_COUNT_HI_SHIFT;
-    write(ll_flags(buffer)?, dst_rank, 0, 0, 0, slot, count as u8)
+    let (slot, value) = match count {
+        None => (LL_BIT | local_expert, 0),
+        Some(n) => {
+            check("LL count", n.into(), MAX_LL_COUNT.into())?;
+            let hi = (n >> 8) << LL_COUNT_HI_SHIFT;
+            (LL_BIT | LL_COUNT_BIT | local_expert | hi, n as u8)
+        }
+    };
+    write(
+        ll_flags(buffer)?,
+        dst_rank,
+        src_off,
+        dst_off,
+        len,
+        slot,
+        value,
+    )
 }
 
 /// An emulated atomic add of `value` to `dst_rank`'s generic counter `slot`
@@ -338,7 +365,7 @@ mod tests {
             let (flags, d, s, o, l, p) = parts(cmd);
             prop_assert_eq!((d as usize, s, o, l), (dst, src_off * 16, dst_off * 16, len));
             prop_assert_eq!(
-                classify(flags, p, l),
+                classify(flags, p),
                 Ok(Signal::Normal { channel, tail_inc: inc })
             );
         }
@@ -347,12 +374,17 @@ mod tests {
         fn ll_roundtrip(dst in 0usize..256, buffer in 0u8..2, expert in 0u16..1024,
                         count in 0u16..=1023, len in 0u32..1 << 24) {
             let cmd = ll_write(dst, 32, 64, len, buffer, expert).unwrap();
-            let (flags, _, _, _, l, p) = parts(cmd);
-            prop_assert_eq!(classify(flags, p, l), Ok(Signal::LlArrival { buffer, expert }));
+            let (flags, d, s, o, l, p) = parts(cmd);
+            prop_assert_eq!((d as usize, s, o, l), (dst, 32, 64, len));
+            prop_assert_eq!(classify(flags, p), Ok(Signal::LlArrival { buffer, expert }));
             let cmd = ll_count(dst, buffer, expert, count).unwrap();
             let (flags, d, _, _, l, p) = parts(cmd);
             prop_assert_eq!((d as usize, l), (dst, 0));
-            prop_assert_eq!(classify(flags, p, l), Ok(Signal::LlCount { buffer, expert, count }));
+            prop_assert_eq!(classify(flags, p), Ok(Signal::LlCount { buffer, expert, count }));
+            let cmd = ll_write_count(dst, 32, 64, len, buffer, expert, count).unwrap();
+            let (flags, d, s, o, l, p) = parts(cmd);
+            prop_assert_eq!((d as usize, s, o, l), (dst, 32, 64, len));
+            prop_assert_eq!(classify(flags, p), Ok(Signal::LlCount { buffer, expert, count }));
         }
 
         /// Any piggyback either classifies and re-encodes to itself through
@@ -362,12 +394,13 @@ mod tests {
                                    len in 0u32..3) {
             let flags = CmdFlags { combine, ll_buffer: buf };
             let p = Some(Piggyback { slot, value });
-            if let Ok(sig) = classify(flags, p, len) {
+            if let Ok(sig) = classify(flags, p) {
                 let cmd = match sig {
                     Signal::Normal { channel, tail_inc } =>
                         normal_write(0, 0, 0, len, channel, tail_inc).unwrap(),
                     Signal::LlArrival { buffer, expert } => ll_write(0, 0, 0, len, buffer, expert).unwrap(),
-                    Signal::LlCount { buffer, expert, count } => ll_count(0, buffer, expert, count).unwrap(),
+                    Signal::LlCount { buffer, expert, count } =>
+                        ll_write_count(0, 0, 0, len, buffer, expert, count).unwrap(),
                 };
                 let (_, _, _, _, _, p2) = parts(cmd);
                 prop_assert_eq!(p2, p);
@@ -424,29 +457,28 @@ mod tests {
     #[test]
     fn classify_rejects_what_it_cannot_map() {
         let f = CmdFlags::default();
-        assert!(classify(f, None, 0).unwrap_err().contains("piggyback"));
+        assert!(classify(f, None).unwrap_err().contains("piggyback"));
         let p = |slot, value| Some(Piggyback { slot, value });
-        assert!(classify(f, p(0x0100, 0), 0).is_err(), "normal reserved bit");
-        assert!(classify(f, p(0x4000, 0), 0).is_err(), "normal reserved bit");
-        assert!(classify(f, p(0xA000, 0), 0).is_err(), "LL reserved bit");
-        assert!(classify(f, p(0x8000, 1), 0).is_err(), "arrival with count");
-        assert!(classify(f, p(0x8400, 1), 16).is_err(), "count with data");
+        assert!(classify(f, p(0x0100, 0)).is_err(), "normal reserved bit");
+        assert!(classify(f, p(0x4000, 0)).is_err(), "normal reserved bit");
+        assert!(classify(f, p(0xA000, 0)).is_err(), "LL reserved bit");
+        assert!(classify(f, p(0x8000, 1)).is_err(), "arrival with count");
         let llb = CmdFlags {
             combine: false,
             ll_buffer: 1,
         };
-        assert!(classify(llb, p(3, 1), 0).is_err(), "normal with LL buffer");
+        assert!(classify(llb, p(3, 1)).is_err(), "normal with LL buffer");
         let comb = CmdFlags {
             combine: true,
             ll_buffer: 0,
         };
-        assert!(classify(comb, p(0x8000, 0), 0).is_err(), "LL with combine");
+        assert!(classify(comb, p(0x8000, 0)).is_err(), "LL with combine");
         assert!(
-            classify(comb, p(3, 9), 0).unwrap_err().contains("combine"),
+            classify(comb, p(3, 9)).unwrap_err().contains("combine"),
             "normal with combine"
         );
         assert_eq!(
-            classify(f, p(200, 255), 0),
+            classify(f, p(200, 255)),
             Ok(Signal::Normal {
                 channel: 200,
                 tail_inc: 255

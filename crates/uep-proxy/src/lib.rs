@@ -46,7 +46,9 @@
 //!   reorder window;
 //! * LL count signals: once N arrivals of (buffer, expert, source) were
 //!   seen, store `(k << 32) | N` (Release), k = 1, 2, ... per signal, and
-//!   consume N arrivals; an early signal waits;
+//!   consume N arrivals; an early signal waits. A signal may carry data of
+//!   its own (the last piece of what it counts): that data is placed before
+//!   its immediate arrives, so N counts only the other writes;
 //! * atomics: `fetch_add` of the value; barriers: raise the source's
 //!   counter to the (unwrapped) barrier seq.
 //!

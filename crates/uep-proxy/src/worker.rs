@@ -717,8 +717,7 @@ impl Worker {
         if self.to_lost(dst) {
             return Ok(Step::Done);
         }
-        let signal =
-            classify(flags, piggyback, len).map_err(|why| self.reject(f, slot, cmd, why))?;
+        let signal = classify(flags, piggyback).map_err(|why| self.reject(f, slot, cmd, why))?;
         let end = src_off.checked_add(len.into());
         if end.is_none_or(|e| e > self.region.len() as u64) {
             return Err(self.reject(
@@ -1030,14 +1029,13 @@ impl Worker {
         let Command::Write {
             flags,
             dst_rank,
-            len,
             piggyback,
             ..
         } = *cmd
         else {
             return None;
         };
-        let Ok(Signal::Normal { channel, .. }) = classify(flags, piggyback, len) else {
+        let Ok(Signal::Normal { channel, .. }) = classify(flags, piggyback) else {
             return None;
         };
         if usize::from(channel) >= self.counters.num_channels {

@@ -112,8 +112,10 @@ fn normal_tail_never_runs_ahead_of_data() {
 
 /// Ranks 0 and 1 send LL data writes to rank 2 for (buffer, expert), then a
 /// count signal; several rounds over both buffers. As soon as rank 2's
-/// counter shows the round's (k, N), the N rows must be there.
-fn ll_rounds(seed: Option<u64>, emulate: bool, rounds: usize, n_max: usize, row: usize) -> usize {
+/// counter shows the round's (k, N), the N rows must be there. With `carry`,
+/// the signal carries the last row itself (and counts the others).
+fn ll_rounds(seed: Option<u64>, emulate: bool, carry: bool, rounds: usize, n_max: usize) -> usize {
+    let row = 4096;
     let mut cfg = config(1);
     cfg.emulate_ordering = emulate;
     cfg.max_writes_in_flight_per_fifo = 32;
@@ -138,20 +140,32 @@ fn ll_rounds(seed: Option<u64>, emulate: bool, rounds: usize, n_max: usize, row:
         for src in 0..2 {
             let fifo = c.proxies[src].fifo(0, 0).unwrap();
             let mut rows = Vec::new();
+            let (b, e) = (buffer as u8, expert as u16);
             for i in 0..n(src) {
                 let data = pattern((round * 1000 + src * 100 + i) as u64, row);
                 let o = off(round, src, i);
                 c.region(src).write(o as usize, &data).unwrap();
-                let cmd = cmds::ll_write(2, o, o, row as u32, buffer as u8, expert as u16).unwrap();
-                fifo.push(cmd, deadline).unwrap();
+                let cmd = if carry && i + 1 == n(src) {
+                    cmds::ll_write_count(2, o, o, row as u32, b, e, i as u16)
+                } else {
+                    cmds::ll_write(2, o, o, row as u32, b, e)
+                };
+                fifo.push(cmd.unwrap(), deadline).unwrap();
                 rows.push((o, data));
             }
-            let cmd = cmds::ll_count(2, buffer as u8, expert as u16, n(src) as u16).unwrap();
-            fifo.push(cmd, deadline).unwrap();
+            if !carry || n(src) == 0 {
+                let cmd = cmds::ll_count(2, b, e, n(src) as u16).unwrap();
+                fifo.push(cmd, deadline).unwrap();
+            }
             c.proxies[src].wake();
             let kk = k.entry((buffer, expert, src)).or_insert(0);
             *kk += 1;
-            let want = *kk << 32 | n(src) as u64;
+            let counted = if carry {
+                n(src).saturating_sub(1)
+            } else {
+                n(src)
+            };
+            let want = *kk << 32 | counted as u64;
             expect.push((l.ll_signal(buffer, expert, src).unwrap(), want, rows));
         }
         let start = Instant::now();
@@ -190,13 +204,15 @@ fn ll_rounds(seed: Option<u64>, emulate: bool, rounds: usize, n_max: usize, row:
 
 #[test]
 fn ll_count_signal_waits_for_its_data() {
-    assert_eq!(ll_rounds(None, true, 6, 12, 4096), 0);
-    for seed in 1..=4 {
-        assert_eq!(
-            ll_rounds(Some(seed), true, 6, 12, 4096),
-            0,
-            "seed {seed}: an LL counter appeared before its data"
-        );
+    for carry in [false, true] {
+        assert_eq!(ll_rounds(None, true, carry, 6, 12), 0);
+        for seed in 1..=4 {
+            assert_eq!(
+                ll_rounds(Some(seed), true, carry, 6, 12),
+                0,
+                "seed {seed}: an LL counter appeared before its data (signal carries data: {carry})"
+            );
+        }
     }
 }
 
@@ -212,9 +228,12 @@ fn without_emulation_counters_run_ahead() {
         tail_seed.is_some(),
         "no seed in 1..=10 showed a tail ahead of its data without emulation"
     );
-    let ll_seed = (1..=10).find(|&seed| ll_rounds(Some(seed), false, 6, 12, 4096) > 0);
-    assert!(
-        ll_seed.is_some(),
-        "no seed in 1..=10 showed an LL counter ahead of its data without emulation"
-    );
+    for carry in [false, true] {
+        let ll_seed = (1..=10).find(|&seed| ll_rounds(Some(seed), false, carry, 6, 12) > 0);
+        assert!(
+            ll_seed.is_some(),
+            "no seed in 1..=10 showed an LL counter ahead of its data without emulation \
+             (signal carries data: {carry})"
+        );
+    }
 }

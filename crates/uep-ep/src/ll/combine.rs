@@ -242,7 +242,7 @@ impl Buffer {
             {
                 sinks.push(None);
             } else if self.topo.is_local(src) {
-                sinks.push(Some((self.peer_region(src)?, areas.combine_x, None, None)));
+                sinks.push(Some((self.peer_region(src)?, areas.combine_x, None)));
             } else {
                 let net = self.net()?;
                 let staged = net.stage(ch, src, &wait)?;
@@ -253,7 +253,7 @@ impl Buffer {
                     n += handle.layout_range[le * r_n + src].1 as usize;
                 }
                 let p = LlCombinePacket::layout(n, h).at_base(staged.area.offset());
-                sinks.push(Some((local, p.rows, Some(first), Some((staged, p.len)))));
+                sinks.push(Some((local, p.rows, Some((first, staged)))));
             }
         }
         // A zero-copy combine moves no row here: the node's sources read theirs from the
@@ -271,18 +271,18 @@ impl Buffer {
                 for le in experts {
                     for (src, sink) in sinks.iter().enumerate() {
                         // Our own rows are read straight from `y` by the reduction.
-                        let (Some((region, rows, first, _)), false) = (sink, src == me) else {
+                        let (Some((region, rows, remote)), false) = (sink, src == me) else {
                             continue;
                         };
                         let (begin, n) = handle.layout_range[le * r_n + src];
                         for j in begin as usize..(begin + n) as usize {
                             let row = le * r_n * m + j;
-                            let at = match first {
+                            let at = match remote {
                                 None => {
                                     handle.src_info[row] as usize * k
                                         + handle.src_slot[row] as usize
                                 }
-                                Some(first) => first[le] + j - begin as usize,
+                                Some((first, _)) => first[le] + j - begin as usize,
                             };
                             region
                                 .put(rows.row(at, h)?.cast::<bf16>(), &y[row * h..(row + 1) * h])?;
@@ -295,36 +295,37 @@ impl Buffer {
         for (r, sink) in sinks.into_iter().enumerate() {
             match sink {
                 None => {}
-                Some((region, _, _, None)) => region
+                Some((region, _, None)) => region
                     .word(self.map.control.ll_combine_done, c * r_n + me)?
                     .store(seq as u64, Ordering::Release),
-                Some((_, rows, Some(first), Some((staged, len)))) if zero_copy => {
-                    // The packet is the rows alone: each expert's block from the combine
-                    // buffer straight to its place in the landing area, then the
+                Some((_, rows, Some((first, staged)))) => {
+                    // One block per local expert, from where its rows are (the combine
+                    // buffer, or the staged packet) to its place in the landing area,
+                    // each fenced on its own: no staging copy and no ordered
                     // announcement.
                     let net = self.net()?;
                     let landing = net.areas().landing(ch, me)?;
-                    let mut writes = Vec::with_capacity(epr);
+                    let mut blocks = Vec::with_capacity(epr);
                     for (le, &first) in first.iter().enumerate() {
                         let (begin, n) = handle.layout_range[le * r_n + r];
                         if n == 0 {
+                            blocks.push(None);
                             continue;
                         }
-                        let from = le * r_n * m + begin as usize;
-                        // The block's place in the packet, at the peer's landing area.
-                        let to = rows.rows(first..first + n as usize, h)?;
-                        let to = Area::<u16>::new(to.offset() - staged.area.offset(), to.len());
-                        writes.push(Write::new(
-                            areas.combine_send.rows(from..from + n as usize, h)?.cast(),
-                            to.at_base(landing.offset()).cast(),
-                            local.len(),
-                        )?);
+                        let staged_rows = rows.rows(first..first + n as usize, h)?;
+                        let from = if zero_copy {
+                            let row = le * r_n * m + begin as usize;
+                            areas.combine_send.rows(row..row + n as usize, h)?
+                        } else {
+                            staged_rows
+                        };
+                        let to = Area::<u16>::new(
+                            staged_rows.offset() - staged.area.offset() + landing.offset(),
+                            staged_rows.len(),
+                        );
+                        blocks.push(Some(Write::new(from.cast(), to.cast(), local.len())?));
                     }
-                    debug_assert_eq!(len, writes.iter().map(Write::len).sum::<usize>());
-                    packets[r] = net.send(staged, 0, &writes)?;
-                }
-                Some((_, _, _, Some((staged, len)))) => {
-                    packets[r] = self.net()?.send(staged, len, &[])?;
+                    packets[r] = net.send_fenced(staged, &blocks)?;
                 }
             }
         }
@@ -371,6 +372,11 @@ impl Buffer {
         let wait = self.ll_wait();
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
+        // `[E]`: this rank's copies routed to each expert.
+        let mut per_expert = vec![0usize; r_n * epr];
+        for &e in p.topk_idx.iter().filter(|&&e| e >= 0) {
+            per_expert[e as usize] += 1;
+        }
         let mut landed = vec![None; r_n];
         // `[src]`: a same-node source that left our rows in its combine buffer.
         let mut in_place = vec![false; r_n];
@@ -390,9 +396,22 @@ impl Buffer {
                     in_place[src] = zero_copy.load(Ordering::Acquire) == u64::from(seq);
                 }
             } else if p.packets[src] > 0 {
-                // Numbered as ours to it (see `LlPending::packets`).
-                let packet = self.net()?.recv_nth(ch, src, p.packets[src], &wait, &what);
-                *landed = self.unless_lost(src, packet)?;
+                // Numbered as ours to it (see `LlPending::packets`); only the experts
+                // that hold copies of our tokens sent rows, and each block is usable
+                // once its own count signal is applied.
+                let net = self.net()?;
+                let experts = src * epr..(src + 1) * epr;
+                let arrived = experts
+                    .filter(|&e| per_expert[e] > 0)
+                    .try_for_each(|e| {
+                        let le = e - src * epr;
+                        let what = || {
+                            format!("rank {me}: LL combine {seq}: waiting for rank {src}'s outputs of its expert {le} (fence of combine buffer {c})")
+                        };
+                        net.wait_fenced(ch, src, le, p.packets[src], &wait, &what)
+                    })
+                    .and_then(|()| net.areas().landing(ch, src));
+                *landed = self.unless_lost(src, arrived)?;
             }
         }
         // Elastic mode: every survivor leaves out the same experts' outputs.
@@ -404,8 +423,8 @@ impl Buffer {
             }
             None => vec![false; r_n],
         };
-        // SAFETY: every source published its rows for this combine (its epoch, or its
-        // announced packet); they write this combine area again only for combine
+        // SAFETY: every source published its rows for this combine (its epoch, or the
+        // count signals of its blocks); they write this combine area again only for combine
         // seq + LL_BUFFERS, which follows this rank's next combine.
         let rows: &[u16] = unsafe { self.symm.view(areas.combine_x.rows(0..t_n * k, h)?)? };
         let y_bits: &[u16] = bytemuck::cast_slice(y);
@@ -420,7 +439,8 @@ impl Buffer {
             let experts = (src * epr) as i64..((src + 1) * epr) as i64;
             let n = p.topk_idx.iter().filter(|e| experts.contains(e)).count();
             let packet = LlCombinePacket::layout(n, h).at_base(at.offset());
-            // SAFETY: the packet was announced; the source writes this landing area again
+            // SAFETY: every block of ours in the packet was signalled (waited above); the
+            // source writes this landing area again
             // only with its next combine packet of this area, after this rank's next
             // combines.
             let landed: &[u16] = unsafe { self.symm.view(packet.rows)? };

@@ -408,7 +408,8 @@ impl Buffer {
 
     /// After every row (the launch joined every kernel thread): one count per (expert,
     /// receiver) into a same-node peer, or the packet to a peer on another node.
-    /// Returns each packet's number in its stream (0 where none was sent).
+    /// Returns each packet's number among the fenced sends of its buffer to that peer
+    /// (0 where none was sent).
     fn ll_signal(
         &self,
         sinks: Vec<Option<LlSink<'_>>>,
@@ -430,7 +431,11 @@ impl Buffer {
                     }
                 }
                 Some(LlSink::Packet { p, staged, .. }) => {
-                    packets[r] = self.net()?.send(staged, p.len, &[])?;
+                    // One fence key per (buffer, source): the packet carries each token
+                    // once for all its experts here, and is unpacked whole.
+                    let net = self.net()?;
+                    let packet = net.packet_write(&staged, p.len)?;
+                    packets[r] = net.send_fenced(staged, &[Some(packet)])?;
                 }
             }
         }
@@ -534,9 +539,12 @@ impl Buffer {
                 if n == 0 {
                     continue;
                 }
-                let landing = self.net()?.recv_nth(ch, src, n, &wait, &|| {
-                    format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s rows")
-                });
+                let net = self.net()?;
+                let landing = net
+                    .wait_fenced(ch, src, 0, n, &wait, &|| {
+                        format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s rows (fence of buffer {b})")
+                    })
+                    .and_then(|()| net.areas().landing(ch, src));
                 let Some(landing) = self.unless_lost(src, landing)? else {
                     continue;
                 };

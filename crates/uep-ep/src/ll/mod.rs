@@ -19,20 +19,25 @@
 //! Step `s` uses buffer `s % LL_BUFFERS`. A sender writes a peer's buffer for step `s`
 //! only once the peer has entered step `s - 1`: on this node it reads the peer's
 //! `ll_entered` word; a peer on another node has said so with its packet of step
-//! `s - 1` (each step sends one to every peer on another node, so its number in the LL
-//! dispatch stream is the same as ours to it). Entering `s - 1` needs step `s - 3`
+//! `s - 1` (each step sends one to every peer on another node, so its number among
+//! the sends of its buffer is the same as ours to it). Entering `s - 1` needs step `s - 3`
 //! received, and at most two dispatches may wait for their receive, so the buffer is
 //! free and the outputs of step `s - 1` stay valid while step `s` runs.
 //!
 //! Combine ([`combine`]) returns each expert output row to its source's
 //! `[token, slot]` row; the source computes `sum_k w_k * y_k` in f32, in slot order,
 //! and rounds once. Combine `c` uses combine area `c % LL_BUFFERS` under the same
-//! rules (its own `ll_combine_entered` word and stream; at most two combines may wait
-//! for their receive), so one handle may be combined more than once.
+//! rules (its own `ll_combine_entered` word and fence keys; at most two combines may
+//! wait for their receive), so one handle may be combined more than once.
 //!
-//! Receives may be deferred past later calls (DeepEP's hooks; a combine between two
-//! dispatches and their receives), so a receive waits for its own packet's number in
-//! its stream, never just for the next packet.
+//! Across nodes both kinds go through the proxy's partial-completion fence, not an
+//! ordered stream: the receiver's counter of each (kind, buffer, local expert, source)
+//! counts the count signals applied, each only once the writes it counts have landed. A
+//! dispatch's packet is one block (each token once, for all its experts there); a
+//! combine sends one block per local expert, so each of a source's blocks is usable
+//! as soon as its own signal is in. Receives may be deferred past later calls
+//! (DeepEP's hooks; a combine between two dispatches and their receives): a receive
+//! waits for its own packet's number on its buffer's keys.
 
 mod combine;
 mod dispatch;
@@ -85,8 +90,9 @@ pub struct LlPending {
     pub(crate) num_tokens: usize,
     pub(crate) fp8: bool,
     pub(crate) topk_hash: u64,
-    /// `[R]`: the number of the packet sent to each rank on another node in its
-    /// stream (0: none); the peer's packet of this step has the same number.
+    /// `[R]`: the number of the packet sent to each rank on another node among the
+    /// fenced sends of this buffer to it (0: none); the peer's packet of this step has
+    /// the same number.
     pub(crate) packets: Vec<u64>,
 }
 
@@ -183,9 +189,9 @@ pub(crate) fn check_window(
 impl Buffer {
     /// Waits until rank `r` has entered call `seq - 1` of a kind of low-latency call, so
     /// that the buffer call `seq` writes there is free (it received the call that last
-    /// used it): on this node its `entered` word says so, across nodes its packet of
-    /// call `seq - 1` on `ch` (numbered as ours to it). `false`: `r` is gone (elastic
-    /// mode) and gets nothing.
+    /// used it): on this node its `entered` word says so, across nodes a count signal
+    /// of its call `seq - 1` of the kind of `ch` (numbered as ours to it). `false`: `r`
+    /// is gone (elastic mode) and gets nothing.
     pub(crate) fn ll_peer_released(
         &self,
         r: usize,
@@ -201,7 +207,15 @@ impl Buffer {
                 .map(drop)
         } else {
             let net = self.net()?;
-            net.wait_arrived(ch, r, net.last_sent(ch, r), wait, what)
+            // Any count signal of `r`'s call `seq - 1` of this kind says it entered it.
+            let prev = match ch {
+                Channel::LlCombine(_) => Channel::ll_combine,
+                _ => Channel::ll_dispatch,
+            }((seq as usize).wrapping_sub(1) % LL_BUFFERS);
+            match net.last_fenced(prev, r) {
+                0 => Ok(()),
+                n => net.wait_fenced(prev, r, 0, n, wait, what),
+            }
         };
         Ok(self.unless_lost(r, released)?.is_some())
     }

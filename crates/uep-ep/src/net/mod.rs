@@ -2,28 +2,33 @@
 //!
 //! Kernels never talk to the NIC. For a peer on another node, what a kernel would have
 //! stored into the peer's memory goes into a *packet* instead ([`packet`]): staged in
-//! this rank's registered region, then written by the proxy into the peer's *landing*
-//! area for this rank with one-sided writes, and *announced* by a zero-length write
-//! whose immediate says "one more packet". The receiving proxy applies announcements
-//! strictly in order per peer (the ordering emulation of `uep-proxy`), so once the
-//! receiver's counter for a peer says `k`, `k` packets' bytes have landed, whatever
-//! order the transport delivered the writes in.
+//! this rank's registered region (or sent from where the rows already are), then
+//! written by the proxy into the peer's *landing* area for this rank with one-sided
+//! writes. The transport may deliver writes in any order; two emulations of
+//! `uep-proxy` say when a packet has landed, as the paper does for transports without
+//! ordering:
 //!
-//! Every rank makes the same collective calls in the same order and each call sends at
-//! most one packet to each peer on another node, so the `k`-th packet from a peer is
-//! the one the `k`-th [`NetPath::recv`] from it expects. Rows that need no unpacking go
-//! straight to their final place at the receiver ([`Write`]s before the announcement),
-//! so a packet carries only what the receiver must read.
+//! * **Ordered stream** (normal mode, the agreement: [`NetPath::send`] /
+//!   [`NetPath::recv`]): the packet is *announced* by a zero-length write whose
+//!   immediate says "one more packet"; the receiving proxy applies announcements
+//!   strictly in order per peer, so once the receiver's counter for a peer says `k`,
+//!   `k` packets' bytes have landed. Every rank makes the same calls in the same order
+//!   and each sends at most one packet to each peer on another node, so the `k`-th
+//!   packet from a peer is the one the `k`-th receive expects. Rows that need no
+//!   unpacking go straight to their final place at the receiver ([`Write`]s before the
+//!   announcement), and may be handed to the proxy before the packet is complete
+//!   ([`NetPath::stream`]): the one announcement, later in the same stream, covers them.
+//! * **Partial-completion fence** (low-latency dispatch and combine:
+//!   [`NetPath::send_fenced`] / [`NetPath::wait_fenced`]): each block of a packet (a
+//!   combine's rows for one local expert; a dispatch's whole packet) is counted by the
+//!   receiving proxy per (kind, LL buffer, local expert, source), and the block's last
+//!   write carries a count signal that the proxy applies only once the block's other
+//!   writes have arrived. No ordered announcement: a block is usable as soon as its
+//!   own signal is in, and a low-latency receive may be deferred past later calls.
 //!
-//! A caller may hand direct rows to the proxy before the packet is complete
-//! ([`NetPath::stream`]): they travel while it packs the rest, and the packet's one
-//! announcement, later in the same ordered stream, covers them.
-//!
-//! What the EP layer uses of the proxy: one FIFO and [`STREAMS`] ordered streams per
-//! peer (normal mode and the agreement; LL dispatch; LL combine), writes with tail
-//! increments, `Quiet` to learn that a staging area may be reused,
-//! and the `NodeLeader` barrier. The proxy's LL partial-completion fence and its
-//! atomics emulation are not used here.
+//! What the EP layer uses of the proxy: one FIFO per peer, one ordered stream per peer,
+//! the LL fence, `Quiet` to learn that a staging area may be reused, and the
+//! `NodeLeader` barrier. Atomics emulation is not used here.
 
 pub mod packet;
 
@@ -48,10 +53,11 @@ use crate::map::{ControlAreas, NetAreas};
 use crate::topology::Topology;
 use crate::wait::{Peer, Wait};
 
-pub use packet::{Channel, CHANNELS, LL_BUFFERS, STREAMS};
+pub use packet::{Channel, CHANNELS, LL_BUFFERS};
 
-/// The stream of the abort message (which counts nothing).
-const ABORT_STREAM: u8 = 0;
+/// The proxy channel of the ordered stream to each peer (normal mode and the
+/// agreement); the abort message travels there too (it counts nothing).
+const ORDERED_STREAM: u8 = 0;
 
 /// Default largest single write of a packet: big enough to stream, small enough that
 /// the proxy interleaves peers and the first bytes move while the last are staged.
@@ -161,11 +167,11 @@ pub struct NetPath {
     quiets: RefCell<Vec<Option<PendingQuiet>>>,
     /// Largest single write (see [`NetConfig::write_bytes`]).
     write_bytes: usize,
-    /// `[src][stream]`: packets received so far (the next [`NetPath::recv`] expects
-    /// one more).
+    /// `[src]`: packets received so far in the ordered stream (the next
+    /// [`NetPath::recv`] expects one more).
     received: Vec<Cell<u64>>,
-    /// `[dst][stream]`: packets sent so far; the last one's number.
-    sent: Vec<Cell<u64>>,
+    /// `[channel][dst]`: fenced sends so far ([`NetPath::send_fenced`]).
+    fenced: Vec<Cell<u64>>,
     /// Faults the injectors of all threads have injected so far.
     faults: Arc<AtomicU64>,
     /// Packet bytes handed to the proxy so far.
@@ -246,16 +252,26 @@ impl NetPath {
             }
             transports.push(tr);
         }
+        let fence_keys = LL_BUFFERS * areas.fence_experts;
+        if fence_keys > uep_wire::MAX_LOCAL_EXPERTS {
+            return Err(crate::invalid!(
+                "low-latency mode across nodes supports at most {} experts per rank (the proxy's fence names {} keys, one per (LL buffer, local expert)); this Buffer has {}",
+                uep_wire::MAX_LOCAL_EXPERTS / LL_BUFFERS,
+                uep_wire::MAX_LOCAL_EXPERTS,
+                areas.fence_experts
+            ));
+        }
         let counters = CounterLayout {
             num_ranks,
             tail_base: areas.tails.offset() as u64,
-            num_channels: STREAMS,
-            // LL fences and atomics are not used by this layer: packets are ordered per
-            // (peer, stream) by the tail counters alone.
-            ll_base: areas.proxy_counters.offset() as u64,
-            num_local_experts: 0,
-            barrier_base: areas.proxy_counters.offset() as u64,
-            atomic_base: areas.proxy_counters.offset() as u64,
+            num_channels: 1,
+            // The fence's "buffer" bit is the kind of LL call, its "expert" the (LL
+            // buffer, local expert) pair (see `NetPath::fence_key`).
+            ll_base: areas.fences.offset() as u64,
+            num_local_experts: fence_keys,
+            barrier_base: areas.barriers.offset() as u64,
+            // Atomics are not used by this layer.
+            atomic_base: areas.barriers.offset() as u64,
             num_atomic_slots: 0,
         };
         let mut proxy_cfg = cfg.proxy.clone();
@@ -286,8 +302,8 @@ impl NetPath {
             quiets: RefCell::new(vec![None; CHANNELS * num_ranks]),
             write_bytes: (cfg.write_bytes.max(16) / 16 * 16)
                 .min(uep_wire::MAX_WRITE_LEN as usize / 16 * 16),
-            received: (0..num_ranks * STREAMS).map(|_| Cell::new(0)).collect(),
-            sent: (0..num_ranks * STREAMS).map(|_| Cell::new(0)).collect(),
+            received: (0..num_ranks).map(|_| Cell::new(0)).collect(),
+            fenced: (0..num_ranks * CHANNELS).map(|_| Cell::new(0)).collect(),
             faults,
             sent_bytes: Cell::new(0),
             abort_sent: Cell::new(false),
@@ -389,16 +405,10 @@ impl NetPath {
 
     /// Send the first `len` bytes of `staged` into the peer's landing area for this
     /// rank, after the `direct` writes, and announce all of it (with whatever was
-    /// [streamed](NetPath::stream) before). Returns at once, with the packet's number
-    /// in its stream ([`Channel::stream`]); the next [`NetPath::stage`] of the same
-    /// area waits for the bytes to leave.
-    pub fn send(&self, staged: Staged, len: usize, direct: &[Write]) -> Result<u64> {
-        let landing = self.areas.landing(staged.ch, self.me)?;
-        let packet = Write::new(
-            staged.area.prefix(len)?,
-            landing.prefix(len)?,
-            self.region.len(),
-        )?;
+    /// [streamed](NetPath::stream) before) in the ordered stream. Returns at once; the
+    /// next [`NetPath::stage`] of the same area waits for the bytes to leave.
+    pub fn send(&self, staged: Staged, len: usize, direct: &[Write]) -> Result<()> {
+        let packet = self.packet_write(&staged, len)?;
         let mut writes = direct.to_vec();
         writes.push(packet);
         let (t, fifo) = self.push_writes(&staged, &writes)?;
@@ -407,24 +417,140 @@ impl NetPath {
             packet.src as u64,
             packet.dst as u64,
             0,
-            staged.ch.stream() as u8,
+            ORDERED_STREAM,
             1,
         ))?;
         self.push(&staged, t, &fifo, announce)?;
+        self.finish(staged, t, fifo)
+    }
+
+    /// The write of the first `len` bytes of `staged` into the peer's landing area for
+    /// this rank.
+    pub fn packet_write(&self, staged: &Staged, len: usize) -> Result<Write> {
+        let landing = self.areas.landing(staged.ch, self.me)?;
+        Write::new(
+            staged.area.prefix(len)?,
+            landing.prefix(len)?,
+            self.region.len(),
+        )
+    }
+
+    /// End a send from `staged` pushed to `fifo` of proxy thread `t`: a Quiet that pops
+    /// once its writes have left (the next [`NetPath::stage`] waits for it), and wake
+    /// the thread, since an idle one sleeps up to `ProxyConfig::max_park` (1 ms)
+    /// between looks at its FIFOs.
+    fn finish(&self, staged: Staged, t: usize, fifo: Arc<Fifo>) -> Result<()> {
         let slot = self.push(&staged, t, &fifo, cmds::quiet())?;
-        let sent = &self.sent[staged.dst * STREAMS + staged.ch.stream()];
-        sent.set(sent.get() + 1);
-        // An idle proxy thread sleeps up to `ProxyConfig::max_park` (1 ms) between
-        // looks at its FIFOs: wake it, so the packet leaves now.
         self.proxy.wake_thread(t);
         self.quiets.borrow_mut()[staged.ch.index() * self.num_ranks + staged.dst] =
             Some((fifo, t, slot));
+        Ok(())
+    }
+
+    /// The proxy's fence key of local expert `le` on the LL channel `ch`: its "buffer"
+    /// bit is the kind of call (0 dispatch, 1 combine), its "expert" the pair (LL
+    /// buffer, local expert), so no two calls that may be in flight together share a
+    /// key (a buffer is written again only once its last call was received).
+    fn fence_key(&self, ch: Channel, le: usize) -> Result<(u8, u16)> {
+        let (kind, b) = match ch {
+            Channel::LlDispatch(b) => (0, b),
+            Channel::LlCombine(b) => (1, b),
+            _ => return Err(EpError::internal(format!("{ch:?} is not fenced"))),
+        };
+        let experts = self.areas.fence_experts;
+        if le >= experts {
+            return Err(EpError::internal(format!(
+                "fence key for local expert {le} of {experts}"
+            )));
+        }
+        // At most `MAX_LOCAL_EXPERTS` keys: checked when the path started.
+        Ok((kind, (usize::from(b) * experts + le) as u16))
+    }
+
+    /// The fence counter of (`ch`, `le`) for packets from `src`.
+    fn fence_word(&self, ch: Channel, le: usize, src: usize) -> Result<&AtomicU64> {
+        let (kind, key) = self.fence_key(ch, le)?;
+        let keys = LL_BUFFERS * self.areas.fence_experts;
+        let i = (usize::from(kind) * keys + usize::from(key)) * self.num_ranks + src;
+        self.region.word(self.areas.fences, i)
+    }
+
+    /// Send the LL packet of `staged` as per-expert blocks, with no ordered
+    /// announcement: `blocks[le]` (if any) is written, cut into at most
+    /// [`uep_wire::MAX_LL_COUNT`]` + 1` writes each counted as one arrival of (`le`,
+    /// this rank) at the peer but the last, which carries the count signal (every
+    /// local expert gets one, a zero-length one for no rows, so both sides agree on
+    /// how many signals a key has had). The
+    /// peer's proxy applies a signal only once its writes have all arrived, in whatever
+    /// order the transport delivered them: the paper's partial-completion fence. Returns
+    /// at once with the send's number for (`ch`, peer), which the peer's
+    /// [`NetPath::wait_fenced`] waits for; the next [`NetPath::stage`] of the same area
+    /// waits for the writes to leave.
+    pub fn send_fenced(&self, staged: Staged, blocks: &[Option<Write>]) -> Result<u64> {
+        if blocks.is_empty() || blocks.len() > self.areas.fence_experts {
+            return Err(EpError::internal(format!(
+                "a fenced send has {} blocks for {} local experts",
+                blocks.len(),
+                self.areas.fence_experts
+            )));
+        }
+        let (t, fifo) = self.fifo_of(staged.dst)?;
+        let max_count = usize::from(uep_wire::MAX_LL_COUNT);
+        for (le, block) in blocks.iter().enumerate() {
+            let (kind, key) = self.fence_key(staged.ch, le)?;
+            let Some(w) = block.filter(|w| !w.is_empty()) else {
+                let signal = self.encode(cmds::ll_count(staged.dst, kind, key, 0))?;
+                self.push(&staged, t, &fifo, signal)?;
+                continue;
+            };
+            // Pieces of `write_bytes`, or larger if that would need more writes than a
+            // count signal can announce; the last piece carries the signal.
+            let piece = self
+                .write_bytes
+                .max(w.len.div_ceil(max_count + 1).div_ceil(16) * 16);
+            let pieces = w.len.div_ceil(piece);
+            for (i, off) in (0..w.len).step_by(piece).enumerate() {
+                let (src, dst, n) = (
+                    (w.src + off) as u64,
+                    (w.dst + off) as u64,
+                    piece.min(w.len - off),
+                );
+                let cmd = if i + 1 == pieces {
+                    // Checked above: at most `max_count` other pieces.
+                    let others = (pieces - 1) as u16;
+                    cmds::ll_write_count(staged.dst, src, dst, n as u32, kind, key, others)
+                } else {
+                    cmds::ll_write(staged.dst, src, dst, n as u32, kind, key)
+                };
+                self.push(&staged, t, &fifo, self.encode(cmd)?)?;
+            }
+            self.sent_bytes.set(self.sent_bytes.get() + w.len as u64);
+        }
+        let sent = &self.fenced[staged.ch.index() * self.num_ranks + staged.dst];
+        sent.set(sent.get() + 1);
+        self.finish(staged, t, fifo)?;
         Ok(sent.get())
     }
 
-    /// The number of the last packet sent to `dst` in the stream of `ch` (0: none yet).
-    pub fn last_sent(&self, ch: Channel, dst: usize) -> u64 {
-        self.sent[dst * STREAMS + ch.stream()].get()
+    /// The number of the last fenced send on `ch` to `dst` (0: none yet).
+    pub fn last_fenced(&self, ch: Channel, dst: usize) -> u64 {
+        self.fenced[ch.index() * self.num_ranks + dst].get()
+    }
+
+    /// Wait until fenced send number `n` on `ch` from `src` has landed for local expert
+    /// `le`: its count signal, and every one before it, applied. The rows are in the
+    /// landing area of (`ch`, `src`).
+    pub fn wait_fenced(
+        &self,
+        ch: Channel,
+        src: usize,
+        le: usize,
+        n: u64,
+        wait: &Wait<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        // The counter holds (signals applied << 32) | writes the last one counted.
+        self.wait_landed(self.fence_word(ch, le, src)?, n << 32, src, wait, what)
     }
 
     /// Push `writes` for the peer of `staged`, each cut into writes of at most
@@ -440,7 +566,7 @@ impl NetPath {
                     (w.src + off) as u64,
                     (w.dst + off) as u64,
                     n as u32,
-                    staged.ch.stream() as u8,
+                    ORDERED_STREAM,
                     0,
                 ))?;
                 self.push(staged, t, &fifo, cmd)?;
@@ -515,41 +641,28 @@ impl NetPath {
         wait: &Wait<'_>,
         what: &dyn Fn() -> String,
     ) -> Result<Area<u8>> {
-        let received = &self.received[src * STREAMS + ch.stream()];
+        if ch.is_fenced() {
+            return Err(EpError::internal(format!("{ch:?} is fenced, not streamed")));
+        }
+        let received = &self.received[src];
         let target = received.get() + 1;
-        let landing = self.recv_nth(ch, src, target, wait, what)?;
+        let tail = self.region.word(self.areas.tails, src)?;
+        self.wait_landed(tail, target, src, wait, what)?;
         received.set(target);
-        Ok(landing)
-    }
-
-    /// Wait until packet number `n` from `src` in the stream of `ch` (and every one
-    /// before it) has landed, and return the landing area of `ch`: for a packet that
-    /// is not the next one to receive (see [`STREAMS`]).
-    pub fn recv_nth(
-        &self,
-        ch: Channel,
-        src: usize,
-        n: u64,
-        wait: &Wait<'_>,
-        what: &dyn Fn() -> String,
-    ) -> Result<Area<u8>> {
-        self.wait_arrived(ch, src, n, wait, what)?;
         self.areas.landing(ch, src)
     }
 
-    /// Wait until `n` packets from `src` in the stream of `ch` have landed.
-    pub fn wait_arrived(
+    /// Wait until the counter `word`, which `src`'s writes raise through this rank's
+    /// proxy, reaches `target`, keeping the receiving proxy thread polling meanwhile.
+    fn wait_landed(
         &self,
-        ch: Channel,
+        word: &AtomicU64,
+        target: u64,
         src: usize,
-        n: u64,
         wait: &Wait<'_>,
         what: &dyn Fn() -> String,
     ) -> Result<()> {
-        let counter = self
-            .region
-            .word(self.areas.tails, src * STREAMS + ch.stream())?;
-        if counter.load(Ordering::Acquire) >= n {
+        if word.load(Ordering::Acquire) >= target {
             return Ok(());
         }
         let _watch = self.watch_arrivals();
@@ -557,7 +670,7 @@ impl NetPath {
             rank: src,
             region: None,
         };
-        wait.at_least(counter, n, Some(peer), what)?;
+        wait.at_least(word, target, Some(peer), what)?;
         Ok(())
     }
 
@@ -631,7 +744,7 @@ impl NetPath {
                     w.src as u64,
                     w.dst as u64,
                     w.len as u32,
-                    ABORT_STREAM,
+                    ORDERED_STREAM,
                     0,
                 )
                 .map_err(|e| EpError::internal(format!("rank {me}: {e}")))?;

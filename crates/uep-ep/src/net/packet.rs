@@ -13,9 +13,7 @@ use crate::area::{Area, Layout};
 /// Alignment of packet sections: one-sided writes move 16-byte aligned spans.
 pub const SECTION_ALIGN: usize = 16;
 
-/// What a packet is for. Each (channel, peer) has its own staging and landing area; all
-/// packets from a peer are announced in one ordered stream, in the order both sides
-/// make their collective calls.
+/// What a packet is for. Each (channel, peer) has its own staging and landing area.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Channel {
     /// Normal dispatch: the sender's token counts.
@@ -40,22 +38,14 @@ pub const LL_BUFFERS: usize = 3;
 /// Number of [`Channel`]s.
 pub const CHANNELS: usize = 3 + 2 * LL_BUFFERS + 2;
 
-/// Ordered packet streams per peer, each with its own tail counter at the receiver.
-/// Normal mode and the agreement receive their packets in the calls that send them, so
-/// the k-th packet of their stream is the one the k-th receive expects. A low-latency
-/// dispatch or combine may be received after later calls (a deferred hook, or a
-/// combine between two dispatches and their receives), so each of those kinds has a
-/// stream of its own, and its receive waits for its packet's number there.
-pub const STREAMS: usize = 3;
-
 impl Channel {
-    /// The ordered stream the channel's packets travel in, `0..STREAMS`.
-    pub fn stream(self) -> usize {
-        match self {
-            Channel::LlDispatch(_) => 1,
-            Channel::LlCombine(_) => 2,
-            _ => 0,
-        }
+    /// Whether the channel's packets go through the proxy's partial-completion fence
+    /// (low-latency calls, which may be received after later calls: a deferred hook, or
+    /// a combine between two dispatches and their receives) rather than the peer's one
+    /// ordered stream (normal mode and the agreement, received in the calls that send
+    /// them, so the k-th packet of the stream is the one the k-th receive expects).
+    pub fn is_fenced(self) -> bool {
+        matches!(self, Channel::LlDispatch(_) | Channel::LlCombine(_))
     }
 
     /// The channel's index, `0..CHANNELS`.
