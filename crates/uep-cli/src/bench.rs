@@ -114,6 +114,10 @@ pub struct BenchArgs {
     /// Proxy threads per rank when there are several nodes (0: cores / ranks, at most 4).
     #[arg(long, default_value_t = 0)]
     pub proxy_threads: usize,
+    /// Writes a proxy FIFO (one per peer on another node) keeps in flight (0: the
+    /// proxy's default, 8; the paper runs 32 for low-latency traffic).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub writes_in_flight: usize,
     /// Inject faults into the network path: reorder, delay and split bursts of writes
     /// (seeded, reproducible).
     #[arg(long, value_name = "SEED")]
@@ -508,6 +512,9 @@ fn open_buffer(
     } else {
         (cores / info.local_world_size).clamp(1, 4)
     };
+    if args.writes_in_flight > 0 {
+        cfg.net.proxy.max_writes_in_flight_per_fifo = args.writes_in_flight;
+    }
     cfg.net.proxy.emulate_ordering = !args.no_ordering_emulation;
     cfg.net.faults = args.faults.map(FaultConfig::with_seed);
     if let Some(b) = args.net_write_bytes {

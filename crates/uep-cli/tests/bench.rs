@@ -254,9 +254,12 @@ fn multi_node_through_libfabric_tcp() {
     let mut args = net_small("4", "2");
     args.extend(["--provider", "shm"]);
     bench(&args);
-    // Packets cut into row-sized writes (the unbatched comparison) stay exact too.
+    // Packets cut into row-sized writes (the unbatched comparison) stay exact too, also
+    // with one write in flight per peer (every fenced block then waits on its own).
     let mut args = net_small("4", "2");
     args.extend(["--net-write-bytes", "512", "--fp8"]);
+    bench(&args);
+    args.extend(["--writes-in-flight", "1", "--iters", "2"]);
     bench(&args);
     for nodes in ["2", "4"] {
         for routing in ["uniform", "same-rank", "one-expert", "empty-ranks"] {
