@@ -424,8 +424,8 @@ impl Buffer {
             None => vec![false; r_n],
         };
         // SAFETY: every source published its rows for this combine (its epoch, or the
-        // count signals of its blocks); they write this combine area again only for combine
-        // seq + LL_BUFFERS, which follows this rank's next combine.
+        // count signals of its blocks); they write this combine area again only for
+        // combine seq + LL_BUFFERS, which follows this rank's next combine.
         let rows: &[u16] = unsafe { self.symm.view(areas.combine_x.rows(0..t_n * k, h)?)? };
         let y_bits: &[u16] = bytemuck::cast_slice(y);
         let mut from: Vec<&[u16]> = (0..t_n * k).map(|i| &rows[i * h..(i + 1) * h]).collect();
@@ -440,9 +440,8 @@ impl Buffer {
             let n = p.topk_idx.iter().filter(|e| experts.contains(e)).count();
             let packet = LlCombinePacket::layout(n, h).at_base(at.offset());
             // SAFETY: every block of ours in the packet was signalled (waited above); the
-            // source writes this landing area again
-            // only with its next combine packet of this area, after this rank's next
-            // combines.
+            // source writes this landing area again only with its next combine packet of
+            // this area, after this rank's next combines.
             let landed: &[u16] = unsafe { self.symm.view(packet.rows)? };
             let mut j = 0;
             for e in experts {

@@ -20,9 +20,9 @@
 //! only once the peer has entered step `s - 1`: on this node it reads the peer's
 //! `ll_entered` word; a peer on another node has said so with its packet of step
 //! `s - 1` (each step sends one to every peer on another node, so its number among
-//! the sends of its buffer is the same as ours to it). Entering `s - 1` needs step `s - 3`
-//! received, and at most two dispatches may wait for their receive, so the buffer is
-//! free and the outputs of step `s - 1` stay valid while step `s` runs.
+//! the sends of its buffer is the same as ours to it). Entering `s - 1` needs step
+//! `s - 3` received, and at most two dispatches may wait for their receive, so the
+//! buffer is free and the outputs of step `s - 1` stay valid while step `s` runs.
 //!
 //! Combine ([`combine`]) returns each expert output row to its source's
 //! `[token, slot]` row; the source computes `sum_k w_k * y_k` in f32, in slot order,

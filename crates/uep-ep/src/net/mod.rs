@@ -475,17 +475,16 @@ impl NetPath {
         self.region.word(self.areas.fences, i)
     }
 
-    /// Send the LL packet of `staged` as per-expert blocks, with no ordered
-    /// announcement: `blocks[le]` (if any) is written, cut into at most
-    /// [`uep_wire::MAX_LL_COUNT`]` + 1` writes each counted as one arrival of (`le`,
-    /// this rank) at the peer but the last, which carries the count signal (every
-    /// local expert gets one, a zero-length one for no rows, so both sides agree on
-    /// how many signals a key has had). The
-    /// peer's proxy applies a signal only once its writes have all arrived, in whatever
-    /// order the transport delivered them: the paper's partial-completion fence. Returns
-    /// at once with the send's number for (`ch`, peer), which the peer's
-    /// [`NetPath::wait_fenced`] waits for; the next [`NetPath::stage`] of the same area
-    /// waits for the writes to leave.
+    /// Send the LL packet of `staged` as blocks, one per fence key (local expert) `le`
+    /// of `blocks`, with no ordered announcement: `blocks[le]` (if any) is written, cut
+    /// into at most [`uep_wire::MAX_LL_COUNT`]` + 1` writes, each counted as one arrival
+    /// of (`le`, this rank) at the peer but the last, which carries the count signal.
+    /// Every key of `blocks` gets a signal (a zero-length one for no rows), so both
+    /// sides agree on how many signals a key has had. The peer's proxy applies a signal
+    /// only once its writes have all arrived, in whatever order the transport delivered
+    /// them: the paper's partial-completion fence. Returns at once with the send's
+    /// number for (`ch`, peer), which the peer's [`NetPath::wait_fenced`] waits for;
+    /// the next [`NetPath::stage`] of the same area waits for the writes to leave.
     pub fn send_fenced(&self, staged: Staged, blocks: &[Option<Write>]) -> Result<u64> {
         if blocks.is_empty() || blocks.len() > self.areas.fence_experts {
             return Err(EpError::internal(format!(
@@ -495,7 +494,6 @@ impl NetPath {
             )));
         }
         let (t, fifo) = self.fifo_of(staged.dst)?;
-        let max_count = usize::from(uep_wire::MAX_LL_COUNT);
         for (le, block) in blocks.iter().enumerate() {
             let (kind, key) = self.fence_key(staged.ch, le)?;
             let Some(w) = block.filter(|w| !w.is_empty()) else {
@@ -503,11 +501,8 @@ impl NetPath {
                 self.push(&staged, t, &fifo, signal)?;
                 continue;
             };
-            // Pieces of `write_bytes`, or larger if that would need more writes than a
-            // count signal can announce; the last piece carries the signal.
-            let piece = self
-                .write_bytes
-                .max(w.len.div_ceil(max_count + 1).div_ceil(16) * 16);
+            // The last piece carries the signal.
+            let piece = fenced_piece(w.len, self.write_bytes);
             let pieces = w.len.div_ceil(piece);
             for (i, off) in (0..w.len).step_by(piece).enumerate() {
                 let (src, dst, n) = (
@@ -516,7 +511,7 @@ impl NetPath {
                     piece.min(w.len - off),
                 );
                 let cmd = if i + 1 == pieces {
-                    // Checked above: at most `max_count` other pieces.
+                    // At most `MAX_LL_COUNT` other pieces (`fenced_piece`).
                     let others = (pieces - 1) as u16;
                     cmds::ll_write_count(staged.dst, src, dst, n as u32, kind, key, others)
                 } else {
@@ -549,7 +544,9 @@ impl NetPath {
         wait: &Wait<'_>,
         what: &dyn Fn() -> String,
     ) -> Result<()> {
-        // The counter holds (signals applied << 32) | writes the last one counted.
+        // The counter holds (signals applied << 32) | writes the last one counted; the
+        // proxy numbers signals in 32 bits, which a key would outgrow only after 2^32
+        // calls of its buffer.
         self.wait_landed(self.fence_word(ch, le, src)?, n << 32, src, wait, what)
     }
 
@@ -839,5 +836,35 @@ impl NetPath {
             rank: self.me,
             source: Box::new(source),
         })
+    }
+}
+
+/// The size of the pieces a fenced block of `len` bytes is cut into: `write_bytes` (a
+/// multiple of 16), or larger if that would take more writes than a count signal can
+/// announce besides its own ([`uep_wire::MAX_LL_COUNT`] + 1 in all).
+fn fenced_piece(len: usize, write_bytes: usize) -> usize {
+    let most = usize::from(uep_wire::MAX_LL_COUNT) + 1;
+    write_bytes.max(len.div_ceil(most).div_ceil(16) * 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn a_fenced_block_fits_one_count_signal(len in 1usize..1 << 34, w in 1usize..1 << 22) {
+            let write_bytes = w.div_ceil(16) * 16;
+            let piece = fenced_piece(len, write_bytes);
+            prop_assert_eq!(piece % 16, 0);
+            prop_assert!(piece >= write_bytes);
+            let pieces = len.div_ceil(piece);
+            prop_assert!(pieces - 1 <= usize::from(uep_wire::MAX_LL_COUNT), "{pieces} pieces");
+            // No larger than needed: write_bytes, unless that took too many writes.
+            if piece > write_bytes {
+                prop_assert!(len.div_ceil(write_bytes) > usize::from(uep_wire::MAX_LL_COUNT) + 1);
+            }
+        }
     }
 }
