@@ -122,8 +122,9 @@ pub struct BenchArgs {
     /// (seeded, reproducible).
     #[arg(long, value_name = "SEED")]
     pub faults: Option<u64>,
-    /// TESTS ONLY: apply announcements as they arrive, without the ordering emulation
-    /// (shows that the emulation is what keeps results exact on unordered transports).
+    /// TESTS ONLY: apply announcements and LL count signals as they arrive, without the
+    /// ordering emulation or the partial-completion fence (shows that the emulation is
+    /// what keeps results exact on unordered transports).
     #[arg(long, hide = true)]
     pub no_ordering_emulation: bool,
     /// Soak: this many steps (normal then low-latency each step, as --mode says),
