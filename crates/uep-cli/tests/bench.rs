@@ -171,6 +171,26 @@ fn bad_flags_are_rejected_with_a_reason() {
         (vec!["--fp8", "--hidden", "200"], "multiple of 128"),
         (vec!["--ranks", "4", "--nodes", "3"], "multiple of --nodes"),
         (vec!["--routing", "sideways"], "uniform"),
+        // The proxy's fence has 1024 keys: 3 LL buffers of at most 341 local experts.
+        (
+            vec![
+                "--ranks",
+                "2",
+                "--nodes",
+                "2",
+                "--mode",
+                "ll",
+                "--experts",
+                "684",
+                "--ll-tokens",
+                "2",
+                "--hidden",
+                "128",
+                "--topk",
+                "1",
+            ],
+            "at most 341 experts per rank",
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_uep"))
             .arg("bench")
