@@ -12,7 +12,7 @@ use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::error::{EpError, Result};
 use crate::invalid;
-use crate::net::packet::{Channel, LlCombinePacket, LL_BUFFERS};
+use crate::net::packet::{ll_combine_groups, Channel, LlCombinePacket, LL_BUFFERS};
 use crate::net::Write;
 use crate::quant::reduce_rows;
 
@@ -299,31 +299,34 @@ impl Buffer {
                     .word(self.map.control.ll_combine_done, c * r_n + me)?
                     .store(seq as u64, Ordering::Release),
                 Some((_, rows, Some((first, staged)))) => {
-                    // One block per local expert, from where its rows are (the combine
-                    // buffer, or the staged packet) to its place in the landing area,
-                    // each fenced on its own: no staging copy and no ordered
-                    // announcement.
+                    // Each local expert's block goes from where its rows are (the combine
+                    // buffer, or the staged packet) to its place in the landing area;
+                    // adjacent experts are fenced in groups, each with its own count
+                    // signal: no staging copy and no ordered announcement.
                     let net = self.net()?;
                     let landing = net.areas().landing(ch, me)?;
-                    let mut blocks = Vec::with_capacity(epr);
-                    for (le, &first) in first.iter().enumerate() {
-                        let (begin, n) = handle.layout_range[le * r_n + r];
-                        if n == 0 {
-                            blocks.push(None);
-                            continue;
+                    let counts: Vec<usize> = (0..epr)
+                        .map(|le| handle.layout_range[le * r_n + r].1 as usize)
+                        .collect();
+                    let mut blocks = Vec::new();
+                    for group in ll_combine_groups(&counts, 2 * h) {
+                        let mut writes = Vec::with_capacity(group.len());
+                        for le in group.filter(|&le| counts[le] > 0) {
+                            let (begin, n) = (handle.layout_range[le * r_n + r].0, counts[le]);
+                            let staged_rows = rows.rows(first[le]..first[le] + n, h)?;
+                            let from = if zero_copy {
+                                let row = le * r_n * m + begin as usize;
+                                areas.combine_send.rows(row..row + n, h)?
+                            } else {
+                                staged_rows
+                            };
+                            let to = Area::<u16>::new(
+                                staged_rows.offset() - staged.area.offset() + landing.offset(),
+                                staged_rows.len(),
+                            );
+                            writes.push(Write::new(from.cast(), to.cast(), local.len())?);
                         }
-                        let staged_rows = rows.rows(first..first + n as usize, h)?;
-                        let from = if zero_copy {
-                            let row = le * r_n * m + begin as usize;
-                            areas.combine_send.rows(row..row + n as usize, h)?
-                        } else {
-                            staged_rows
-                        };
-                        let to = Area::<u16>::new(
-                            staged_rows.offset() - staged.area.offset() + landing.offset(),
-                            staged_rows.len(),
-                        );
-                        blocks.push(Some(Write::new(from.cast(), to.cast(), local.len())?));
+                        blocks.push(writes);
                     }
                     packets[r] = net.send_fenced(staged, &blocks)?;
                 }
@@ -396,19 +399,19 @@ impl Buffer {
                     in_place[src] = zero_copy.load(Ordering::Acquire) == u64::from(seq);
                 }
             } else if p.packets[src] > 0 {
-                // Numbered as ours to it (see `LlPending::packets`); only the experts
-                // that hold copies of our tokens sent rows, and each block is usable
-                // once its own count signal is applied.
+                // A group of the source's experts is usable once its own count signal
+                // is in; the groups are cut from counts both sides know.
                 let net = self.net()?;
-                let experts = src * epr..(src + 1) * epr;
-                let arrived = experts
-                    .filter(|&e| per_expert[e] > 0)
-                    .try_for_each(|e| {
-                        let le = e - src * epr;
+                let groups = ll_combine_groups(&per_expert[src * epr..(src + 1) * epr], 2 * h);
+                let arrived = groups
+                    .iter()
+                    .enumerate()
+                    .try_for_each(|(g, experts)| {
                         let what = || {
-                            format!("rank {me}: LL combine {seq}: waiting for rank {src}'s outputs of its expert {le} (fence of combine buffer {c})")
+                            format!("rank {me}: LL combine {seq}: waiting for rank {src}'s outputs of its experts {experts:?} (fence key {g} of combine buffer {c})")
                         };
-                        net.wait_fenced(ch, src, le, p.packets[src], &wait, &what)
+                        let n = net.next_fenced(ch, src, g)?;
+                        net.wait_fenced(ch, src, g, n, &wait, &what)
                     })
                     .and_then(|()| net.areas().landing(ch, src));
                 *landed = self.unless_lost(src, arrived)?;

@@ -435,7 +435,7 @@ impl Buffer {
                     // once for all its experts here, and is unpacked whole.
                     let net = self.net()?;
                     let packet = net.packet_write(&staged, p.len)?;
-                    packets[r] = net.send_fenced(staged, &[Some(packet)])?;
+                    packets[r] = net.send_fenced(staged, &[vec![packet]])?;
                 }
             }
         }

@@ -34,8 +34,10 @@
 //! ordered stream: the receiver's counter of each (kind, buffer, local expert, source)
 //! counts the count signals applied, each only once the writes it counts have landed. A
 //! dispatch's packet is one block (each token once, for all its experts there); a
-//! combine sends one block per local expert, so each of a source's blocks is usable
-//! as soon as its own signal is in. Receives may be deferred past later calls
+//! combine fences groups of adjacent local experts (at least
+//! [`LL_COMBINE_GROUP_BYTES`](crate::net::packet::LL_COMBINE_GROUP_BYTES) each, cut
+//! from counts both sides know), each usable as soon as its own signal is in. Receives
+//! may be deferred past later calls
 //! (DeepEP's hooks; a combine between two dispatches and their receives): a receive
 //! waits for its own packet's number on its buffer's keys.
 

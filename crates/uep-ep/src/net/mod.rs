@@ -20,10 +20,10 @@
 //!   ([`NetPath::stream`]): the one announcement, later in the same stream, covers them.
 //! * **Partial-completion fence** (low-latency dispatch and combine:
 //!   [`NetPath::send_fenced`] / [`NetPath::wait_fenced`]): each block of a packet (a
-//!   combine's rows for one local expert; a dispatch's whole packet) is counted by the
-//!   receiving proxy per (kind, LL buffer, local expert, source), and the block's last
-//!   write carries a count signal that the proxy applies only once the block's other
-//!   writes have arrived. No ordered announcement: a block is usable as soon as its
+//!   combine's rows for a group of adjacent local experts; a dispatch's whole packet) is
+//!   counted by the receiving proxy per (kind, LL buffer, key, source), and the block's
+//!   last write carries a count signal that the proxy applies only once the block's
+//!   other writes have arrived. No ordered announcement: a block is usable as soon as its
 //!   own signal is in, and a low-latency receive may be deferred past later calls.
 //!
 //! What the EP layer uses of the proxy: one FIFO per peer, one ordered stream per peer,
@@ -172,6 +172,9 @@ pub struct NetPath {
     received: Vec<Cell<u64>>,
     /// `[channel][dst]`: fenced sends so far ([`NetPath::send_fenced`]).
     fenced: Vec<Cell<u64>>,
+    /// Laid out as the fence counters: signals each key has been waited for so far
+    /// ([`NetPath::next_fenced`]).
+    fences_expected: Vec<Cell<u64>>,
     /// Faults the injectors of all threads have injected so far.
     faults: Arc<AtomicU64>,
     /// Packet bytes handed to the proxy so far.
@@ -304,6 +307,7 @@ impl NetPath {
                 .min(uep_wire::MAX_WRITE_LEN as usize / 16 * 16),
             received: (0..num_ranks).map(|_| Cell::new(0)).collect(),
             fenced: (0..num_ranks * CHANNELS).map(|_| Cell::new(0)).collect(),
+            fences_expected: (0..areas.fences.len()).map(|_| Cell::new(0)).collect(),
             faults,
             sent_bytes: Cell::new(0),
             abort_sent: Cell::new(false),
@@ -467,64 +471,84 @@ impl NetPath {
         Ok((kind, (usize::from(b) * experts + le) as u16))
     }
 
-    /// The fence counter of (`ch`, `le`) for packets from `src`.
-    fn fence_word(&self, ch: Channel, le: usize, src: usize) -> Result<&AtomicU64> {
+    /// The index of the fence counter of (`ch`, `le`) for packets from `src`.
+    fn fence_index(&self, ch: Channel, le: usize, src: usize) -> Result<usize> {
         let (kind, key) = self.fence_key(ch, le)?;
         let keys = LL_BUFFERS * self.areas.fence_experts;
-        let i = (usize::from(kind) * keys + usize::from(key)) * self.num_ranks + src;
-        self.region.word(self.areas.fences, i)
+        Ok((usize::from(kind) * keys + usize::from(key)) * self.num_ranks + src)
     }
 
-    /// Send the LL packet of `staged` as blocks, one per fence key (local expert) `le`
-    /// of `blocks`, with no ordered announcement: `blocks[le]` (if any) is written, cut
-    /// into at most [`uep_wire::MAX_LL_COUNT`]` + 1` writes, each counted as one arrival
-    /// of (`le`, this rank) at the peer but the last, which carries the count signal.
-    /// Every key of `blocks` gets a signal (a zero-length one for no rows), so both
-    /// sides agree on how many signals a key has had. The peer's proxy applies a signal
+    /// The fence counter of (`ch`, `le`) for packets from `src`.
+    fn fence_word(&self, ch: Channel, le: usize, src: usize) -> Result<&AtomicU64> {
+        self.region
+            .word(self.areas.fences, self.fence_index(ch, le, src)?)
+    }
+
+    /// Send the LL packet of `staged` as blocks, one per fence key `g` of `blocks`, with
+    /// no ordered announcement: the writes of `blocks[g]` (adjacent ones merged) are cut
+    /// into at most [`uep_wire::MAX_LL_COUNT`]` + 1` pieces, each counted as one arrival
+    /// of (`g`, this rank) at the peer but the last, which carries the count signal (a
+    /// zero-length signal for a block with no bytes). The peer's proxy applies a signal
     /// only once its writes have all arrived, in whatever order the transport delivered
-    /// them: the paper's partial-completion fence. Returns at once with the send's
-    /// number for (`ch`, peer), which the peer's [`NetPath::wait_fenced`] waits for;
-    /// the next [`NetPath::stage`] of the same area waits for the writes to leave.
-    pub fn send_fenced(&self, staged: Staged, blocks: &[Option<Write>]) -> Result<u64> {
+    /// them: the paper's partial-completion fence. Both sides must agree on how many
+    /// blocks each call has (key 0 is in every call, so its signals number the calls).
+    /// Returns at once with the send's number for (`ch`, peer); the next
+    /// [`NetPath::stage`] of the same area waits for the writes to leave.
+    pub fn send_fenced(&self, staged: Staged, blocks: &[Vec<Write>]) -> Result<u64> {
         if blocks.is_empty() || blocks.len() > self.areas.fence_experts {
             return Err(EpError::internal(format!(
-                "a fenced send has {} blocks for {} local experts",
+                "a fenced send has {} blocks for {} keys",
                 blocks.len(),
                 self.areas.fence_experts
             )));
         }
         let (t, fifo) = self.fifo_of(staged.dst)?;
-        for (le, block) in blocks.iter().enumerate() {
-            let (kind, key) = self.fence_key(staged.ch, le)?;
-            let Some(w) = block.filter(|w| !w.is_empty()) else {
+        for (g, block) in blocks.iter().enumerate() {
+            let (kind, key) = self.fence_key(staged.ch, g)?;
+            let writes = coalesce(block);
+            let total: usize = writes.iter().map(Write::len).sum();
+            if total == 0 {
                 let signal = self.encode(cmds::ll_count(staged.dst, kind, key, 0))?;
                 self.push(&staged, t, &fifo, signal)?;
                 continue;
-            };
-            // The last piece carries the signal.
-            let piece = fenced_piece(w.len, self.write_bytes);
-            let pieces = w.len.div_ceil(piece);
-            for (i, off) in (0..w.len).step_by(piece).enumerate() {
-                let (src, dst, n) = (
-                    (w.src + off) as u64,
-                    (w.dst + off) as u64,
-                    piece.min(w.len - off),
-                );
-                let cmd = if i + 1 == pieces {
-                    // At most `MAX_LL_COUNT` other pieces (`fenced_piece`).
-                    let others = (pieces - 1) as u16;
-                    cmds::ll_write_count(staged.dst, src, dst, n as u32, kind, key, others)
-                } else {
-                    cmds::ll_write(staged.dst, src, dst, n as u32, kind, key)
-                };
-                self.push(&staged, t, &fifo, self.encode(cmd)?)?;
             }
-            self.sent_bytes.set(self.sent_bytes.get() + w.len as u64);
+            let piece = fenced_piece(total, self.write_bytes, writes.len());
+            let pieces: usize = writes.iter().map(|w| w.len.div_ceil(piece)).sum();
+            let mut i = 0;
+            for w in &writes {
+                for off in (0..w.len).step_by(piece) {
+                    let (src, dst, n) = (
+                        (w.src + off) as u64,
+                        (w.dst + off) as u64,
+                        piece.min(w.len - off),
+                    );
+                    i += 1;
+                    // The last piece carries the signal; at most `MAX_LL_COUNT` others
+                    // (`fenced_piece`).
+                    let cmd = if i == pieces {
+                        let others = (pieces - 1) as u16;
+                        cmds::ll_write_count(staged.dst, src, dst, n as u32, kind, key, others)
+                    } else {
+                        cmds::ll_write(staged.dst, src, dst, n as u32, kind, key)
+                    };
+                    self.push(&staged, t, &fifo, self.encode(cmd)?)?;
+                }
+            }
+            self.sent_bytes.set(self.sent_bytes.get() + total as u64);
         }
         let sent = &self.fenced[staged.ch.index() * self.num_ranks + staged.dst];
         sent.set(sent.get() + 1);
         self.finish(staged, t, fifo)?;
         Ok(sent.get())
+    }
+
+    /// The number of signals to wait for on key `g` of `ch` from `src` in the call being
+    /// received: one more than the last call that had that key (calls of one LL buffer
+    /// are received in order, and both sides know which keys each call has).
+    pub fn next_fenced(&self, ch: Channel, src: usize, g: usize) -> Result<u64> {
+        let seen = &self.fences_expected[self.fence_index(ch, g, src)?];
+        seen.set(seen.get() + 1);
+        Ok(seen.get())
     }
 
     /// The number of the last fenced send on `ch` to `dst` (0: none yet).
@@ -839,12 +863,28 @@ impl NetPath {
     }
 }
 
-/// The size of the pieces a fenced block of `len` bytes is cut into: `write_bytes` (a
-/// multiple of 16), or larger if that would take more writes than a count signal can
-/// announce besides its own ([`uep_wire::MAX_LL_COUNT`] + 1 in all).
-fn fenced_piece(len: usize, write_bytes: usize) -> usize {
-    let most = usize::from(uep_wire::MAX_LL_COUNT) + 1;
+/// The size of the pieces a fenced block of `len` bytes in `writes` separate writes is
+/// cut into: `write_bytes` (a multiple of 16), or larger if that would take more pieces
+/// than a count signal can announce besides its own ([`uep_wire::MAX_LL_COUNT`] + 1 in
+/// all; each write ends in a piece of its own).
+fn fenced_piece(len: usize, write_bytes: usize, writes: usize) -> usize {
+    let most = (usize::from(uep_wire::MAX_LL_COUNT) + 1)
+        .saturating_sub(writes)
+        .max(1);
     write_bytes.max(len.div_ceil(most).div_ceil(16) * 16)
+}
+
+/// `writes` without empty ones, each merged into the one before when both its source
+/// and its destination continue it.
+fn coalesce(writes: &[Write]) -> Vec<Write> {
+    let mut out: Vec<Write> = Vec::with_capacity(writes.len());
+    for w in writes.iter().filter(|w| !w.is_empty()) {
+        match out.last_mut() {
+            Some(p) if p.src + p.len == w.src && p.dst + p.len == w.dst => p.len += w.len,
+            _ => out.push(*w),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -854,17 +894,24 @@ mod tests {
 
     proptest! {
         #[test]
-        fn a_fenced_block_fits_one_count_signal(len in 1usize..1 << 34, w in 1usize..1 << 22) {
+        fn a_fenced_block_fits_one_count_signal(
+            lens in proptest::collection::vec(1usize..1 << 30, 1..341),
+            w in 1usize..1 << 22,
+        ) {
             let write_bytes = w.div_ceil(16) * 16;
-            let piece = fenced_piece(len, write_bytes);
+            let total: usize = lens.iter().sum();
+            let piece = fenced_piece(total, write_bytes, lens.len());
             prop_assert_eq!(piece % 16, 0);
             prop_assert!(piece >= write_bytes);
-            let pieces = len.div_ceil(piece);
+            let pieces: usize = lens.iter().map(|l| l.div_ceil(piece)).sum();
             prop_assert!(pieces - 1 <= usize::from(uep_wire::MAX_LL_COUNT), "{pieces} pieces");
-            // No larger than needed: write_bytes, unless that took too many writes.
-            if piece > write_bytes {
-                prop_assert!(len.div_ceil(write_bytes) > usize::from(uep_wire::MAX_LL_COUNT) + 1);
-            }
         }
+    }
+
+    #[test]
+    fn adjacent_writes_merge() {
+        let w = |src, dst, len| Write { src, dst, len };
+        let merged = coalesce(&[w(0, 100, 16), w(16, 116, 32), w(0, 0, 0), w(48, 200, 16)]);
+        assert_eq!(merged, vec![w(0, 100, 48), w(48, 200, 16)]);
     }
 }

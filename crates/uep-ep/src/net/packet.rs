@@ -292,6 +292,36 @@ impl CombinePacket {
     }
 }
 
+/// Bytes a low-latency combine fences together for one peer: adjacent local experts'
+/// blocks are grouped until a group holds this many (one count signal, and in a packet
+/// staged whole, one write, per group).
+pub const LL_COMBINE_GROUP_BYTES: usize = 1 << 20;
+
+/// The groups of adjacent local experts a low-latency combine fences together for one
+/// peer, from the rows each of its local experts returns to that peer (`rows[le]`),
+/// `row_bytes` each. Both sides know these counts (the sender from its dispatch's
+/// layout, the receiver from its own routing), so both cut the same groups. Never empty:
+/// group 0 is in every combine, even one with no rows.
+pub fn ll_combine_groups(rows: &[usize], row_bytes: usize) -> Vec<std::ops::Range<usize>> {
+    let mut groups = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (le, &n) in rows.iter().enumerate() {
+        bytes += n * row_bytes;
+        if bytes >= LL_COMBINE_GROUP_BYTES {
+            groups.push(start..le + 1);
+            (start, bytes) = (le + 1, 0);
+        }
+    }
+    if start < rows.len() || groups.is_empty() {
+        match groups.last_mut() {
+            // Trailing experts with no rows join the last group.
+            Some(last) if bytes == 0 => last.end = rows.len(),
+            _ => groups.push(start..rows.len()),
+        }
+    }
+    groups
+}
+
 /// A low-latency dispatch to a peer on another node: each token once, however many of
 /// the peer's experts it chose (DeepEP sends one row per (token, expert) copy; the
 /// receiver expands them into its experts' blocks, where it moves rows anyway). The
@@ -387,6 +417,24 @@ impl LlCombinePacket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ll_combine_groups_cover_every_expert_once() {
+        let mb = LL_COMBINE_GROUP_BYTES;
+        assert_eq!(ll_combine_groups(&[0, 0, 0], 1), vec![0..3]);
+        assert_eq!(ll_combine_groups(&[1, 1, 0], mb), vec![0..1, 1..3]);
+        assert_eq!(ll_combine_groups(&[1, 0, 1, 0], mb / 2), vec![0..4]);
+        assert_eq!(ll_combine_groups(&[1, 0, 1, 1], mb / 2), vec![0..3, 3..4]);
+        assert_eq!(ll_combine_groups(&[2, 3], 1), vec![0..2]);
+        for rows in [vec![5usize; 64], vec![0; 64], (0..64).collect()] {
+            let groups = ll_combine_groups(&rows, 14336);
+            assert_eq!(groups[0].start, 0);
+            assert_eq!(groups.last().unwrap().end, rows.len());
+            assert!(groups
+                .windows(2)
+                .all(|g| g[0].end == g[1].start && !g[0].is_empty()));
+        }
+    }
 
     #[test]
     fn channels_have_distinct_indices() {
