@@ -439,15 +439,14 @@ impl Buffer {
             let (Some(at), false) = (at, masked[src]) else {
                 continue;
             };
-            let experts = (src * epr) as i64..((src + 1) * epr) as i64;
-            let n = p.topk_idx.iter().filter(|e| experts.contains(e)).count();
+            let n = per_expert[src * epr..(src + 1) * epr].iter().sum();
             let packet = LlCombinePacket::layout(n, h).at_base(at.offset());
             // SAFETY: every block of ours in the packet was signalled (waited above); the
             // source writes this landing area again only with its next combine packet of
             // this area, after this rank's next combines.
             let landed: &[u16] = unsafe { self.symm.view(packet.rows)? };
             let mut j = 0;
-            for e in experts {
+            for e in (src * epr) as i64..((src + 1) * epr) as i64 {
                 for (i, _) in p.topk_idx.iter().enumerate().filter(|(_, &v)| v == e) {
                     from[i] = &landed[j * h..(j + 1) * h];
                     j += 1;
