@@ -287,7 +287,6 @@ impl Buffer {
             )
         };
         let x_bits: &[u16] = bytemuck::cast_slice(x);
-        let mut out = vec![bf16::ZERO; h];
         let mut w_out = vec![0f32; k];
         let mut parts = Vec::with_capacity(topo.ranks_per_node);
         let mut mine = vec![usize::MAX; t_max];
@@ -301,6 +300,10 @@ impl Buffer {
             let staged = net.stage(Channel::Combine, src, wait)?;
             let n = relayed.tokens.len();
             let p = CombinePacket::layout(n, h, k).at_base(staged.area.offset());
+            // SAFETY: the staging area is this rank's alone from `stage` (the packet sent
+            // from it before has left, its Quiet waited for) until `send` below hands it
+            // to the proxy; the slice ends there, and nothing else names `p.x`.
+            let packet_x: &mut [u16] = unsafe { self.symm.view_mut(p.x)? };
             // Slot of (source node, local rank l) for token t.
             let slot =
                 |l: usize, t: usize| (topo.node_of(src) * topo.ranks_per_node + l) * t_max + t;
@@ -316,8 +319,8 @@ impl Buffer {
                     };
                     (row, 1.0)
                 }));
-                reduce_rows(&parts, false, &mut out);
-                local.put(p.x.row(j, h)?.cast::<bf16>(), &out)?;
+                let out = &mut packet_x[j * h..(j + 1) * h];
+                reduce_rows(&parts, false, bytemuck::cast_slice_mut(out));
                 if let Some(own_w) = args.topk_weights {
                     w_out.fill(0.0);
                     for l in ls {
