@@ -133,6 +133,15 @@ impl Write {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// This write cut, in order, into writes of at most `piece` bytes (`piece > 0`).
+    fn pieces(self, piece: usize) -> impl Iterator<Item = Write> {
+        (0..self.len).step_by(piece).map(move |off| Write {
+            src: self.src + off,
+            dst: self.dst + off,
+            len: piece.min(self.len - off),
+        })
+    }
 }
 
 /// A staging area that is free to fill: the packet last sent from it has left.
@@ -513,26 +522,18 @@ impl NetPath {
                 continue;
             }
             let piece = fenced_piece(total, self.write_bytes, writes.len());
-            let pieces: usize = writes.iter().map(|w| w.len.div_ceil(piece)).sum();
-            let mut i = 0;
-            for w in &writes {
-                for off in (0..w.len).step_by(piece) {
-                    let (src, dst, n) = (
-                        (w.src + off) as u64,
-                        (w.dst + off) as u64,
-                        piece.min(w.len - off),
-                    );
-                    i += 1;
-                    // The last piece carries the signal; at most `MAX_LL_COUNT` others
-                    // (`fenced_piece`).
-                    let cmd = if i == pieces {
-                        let others = (pieces - 1) as u16;
-                        cmds::ll_write_count(staged.dst, src, dst, n as u32, kind, key, others)
-                    } else {
-                        cmds::ll_write(staged.dst, src, dst, n as u32, kind, key)
-                    };
-                    self.push(&staged, t, &fifo, self.encode(cmd)?)?;
-                }
+            let pieces: Vec<Write> = writes.iter().flat_map(|w| w.pieces(piece)).collect();
+            for (i, w) in pieces.iter().enumerate() {
+                let (src, dst, n) = (w.src as u64, w.dst as u64, w.len as u32);
+                // The last piece carries the signal; at most `MAX_LL_COUNT` others
+                // (`fenced_piece`).
+                let cmd = match pieces.len() - 1 {
+                    others if i == others => {
+                        cmds::ll_write_count(staged.dst, src, dst, n, kind, key, others as u16)
+                    }
+                    _ => cmds::ll_write(staged.dst, src, dst, n, kind, key),
+                };
+                self.push(&staged, t, &fifo, self.encode(cmd)?)?;
             }
             self.sent_bytes.set(self.sent_bytes.get() + total as u64);
         }
@@ -579,19 +580,16 @@ impl NetPath {
     fn push_writes(&self, staged: &Staged, writes: &[Write]) -> Result<(usize, Arc<Fifo>)> {
         let (t, fifo) = self.fifo_of(staged.dst)?;
         for w in writes {
-            let mut off = 0;
-            while off < w.len {
-                let n = self.write_bytes.min(w.len - off);
+            for p in w.pieces(self.write_bytes) {
                 let cmd = self.encode(cmds::normal_write(
                     staged.dst,
-                    (w.src + off) as u64,
-                    (w.dst + off) as u64,
-                    n as u32,
+                    p.src as u64,
+                    p.dst as u64,
+                    p.len as u32,
                     ORDERED_STREAM,
                     0,
                 ))?;
                 self.push(staged, t, &fifo, cmd)?;
-                off += n;
             }
             self.sent_bytes.set(self.sent_bytes.get() + w.len as u64);
         }
