@@ -295,17 +295,20 @@ fn multi_node_through_libfabric_tcp() {
 }
 
 #[test]
-fn multi_node_streams_rows_in_stages() {
-    // Past 512 tokens, dispatch hands each stage's direct rows to the proxy while the
-    // next stage packs: the announcement at the end must cover rows sent well before
-    // it, also when the fault injector reorders and delays every write.
+fn multi_node_kernels_push_rows_while_packing() {
+    // The dispatch kernel pushes the writes of its direct rows while it packs: the
+    // announcement at the end must cover rows sent well before it, also when the fault
+    // injector reorders and delays every write.
     for nodes in ["2", "4"] {
         for extra in [
             &[][..],
             &["--fp8"][..],
             &["--faults", "4", "--fresh"][..],
-            // Stages split among kernel threads, unevenly.
+            // Tokens split among kernel threads, unevenly.
             &["--threads", "3"][..],
+            // Many runs a thread, each whole quanta of 2 rows (FP8 scales of 8 bytes),
+            // and the rows around each thread's boundary sent at publish.
+            &["--threads", "3", "--fp8", "--net-write-bytes", "4096"][..],
         ] {
             let mut args = net_small("4", nodes);
             args.extend([

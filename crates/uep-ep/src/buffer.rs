@@ -15,7 +15,7 @@ use uep_shm::Region;
 
 use crate::area::Mem;
 use crate::config::BufferConfig;
-use crate::device::HostDevice;
+use crate::device::{Device, HostDevice};
 use crate::elastic::Elastic;
 use crate::error::{EpError, Result};
 use crate::invalid;
@@ -181,6 +181,7 @@ impl Buffer {
         // An elastic job's proxies outlive a peer's failure.
         let mut net_cfg = cfg.net.clone();
         net_cfg.proxy.elastic |= cfg.elastic;
+        let device = HostDevice::new(cfg.device_threads);
         let net = match map.net {
             Some(areas) if topo.num_nodes > 1 => Some(NetPath::start(
                 cp.as_ref(),
@@ -188,6 +189,7 @@ impl Buffer {
                 symm.local(),
                 areas,
                 &net_cfg,
+                device.fifo_alloc(),
             )?),
             _ => None,
         };
@@ -201,7 +203,7 @@ impl Buffer {
             .elastic
             .then(|| std::cell::RefCell::new(Elastic::new(num_ranks)));
         Ok(Buffer {
-            device: HostDevice::new(cfg.device_threads),
+            device,
             cp,
             topo,
             map,

@@ -91,6 +91,52 @@ pub const fn region_bytes(capacity: usize) -> usize {
     HEADER_BYTES.saturating_add(capacity.saturating_mul(ring::SLOT_BYTES))
 }
 
+/// Memory a FIFO can live in: host memory that a device's kernels store into (pinned
+/// and mapped on a GPU, a shared mapping for CPU kernels), owned by whoever made it.
+///
+/// # Safety
+///
+/// An implementation promises that `base()..base() + len()` stays valid for reads and
+/// writes for as long as the value lives, is [`REGION_ALIGN`]-aligned, and that nothing
+/// else accesses those bytes except atomically, word by word, as the FIFO protocol
+/// does (another `Fifo` over them, or device code following the protocol table above).
+// An unsafe trait, so that the memory's contract is stated once, by its implementer,
+// and `Fifo::in_memory` is safe to call.
+#[allow(unsafe_code)]
+pub unsafe trait FifoMemory: Send + Sync + 'static {
+    /// The first byte.
+    fn base(&self) -> *mut u8;
+    /// Bytes from [`FifoMemory::base`].
+    fn len(&self) -> usize;
+    /// Whether there are no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Makes the FIFOs a proxy consumes, in memory the producers can store into: the seam
+/// through which a device hands the proxy its command rings.
+///
+/// ```
+/// use uep_fifo::{FifoAlloc, HeapFifos};
+/// let fifo = HeapFifos.alloc_fifo(64).unwrap();
+/// assert_eq!(fifo.capacity(), 64);
+/// ```
+pub trait FifoAlloc: Send + Sync {
+    /// A new, empty FIFO of `capacity` slots (a power of two).
+    fn alloc_fifo(&self, capacity: usize) -> Result<Fifo, FifoError>;
+}
+
+/// FIFOs on the heap: for producers that are threads of the proxy's own process.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HeapFifos;
+
+impl FifoAlloc for HeapFifos {
+    fn alloc_fifo(&self, capacity: usize) -> Result<Fifo, FifoError> {
+        Fifo::new_heap(capacity)
+    }
+}
+
 /// A slot's monotonically increasing 64-bit index (it never wraps in
 /// practice: 2^64 commands). Returned by a push; compare with
 /// [`Fifo::is_consumed`] for completion.

@@ -90,6 +90,10 @@ enum Storage {
     /// Memory the caller keeps alive (`Fifo::from_raw`).
     #[cfg(not(loom))]
     Borrowed,
+    /// Memory a [`FifoMemory`](crate::FifoMemory) owner keeps alive for as long as the
+    /// ring holds it (`Fifo::in_memory`).
+    #[cfg(not(loom))]
+    Kept(#[allow(dead_code)] std::sync::Arc<dyn crate::FifoMemory>),
     /// Boxes of loom atomics (`Box::into_raw`), freed on drop.
     #[cfg(loom)]
     Loom,
@@ -283,7 +287,7 @@ impl Drop for Ring {
                 unsafe { std::alloc::dealloc(base.as_ptr(), layout) }
             }
             #[cfg(not(loom))]
-            Storage::Borrowed => {}
+            Storage::Borrowed | Storage::Kept(_) => {}
             #[cfg(loom)]
             Storage::Loom => {
                 // SAFETY: both pointers came from `Box::leak` in `new_heap`
@@ -333,6 +337,23 @@ impl Fifo {
         // SAFETY: the caller upholds `Ring::from_raw`'s contract, which is
         // this function's.
         let ring = unsafe { Ring::from_raw(ptr, len, capacity, init)? };
+        Ok(Fifo::with_ring(ring))
+    }
+
+    /// A new, empty FIFO of `capacity` slots at the start of `memory`, which it keeps
+    /// alive: memory a device provides (host memory its kernels can store into), handed
+    /// to the proxy as a [`FifoAlloc`](crate::FifoAlloc) would. Checks alignment and
+    /// size as [`Fifo::from_raw`] does.
+    pub fn in_memory(
+        memory: std::sync::Arc<dyn crate::FifoMemory>,
+        capacity: usize,
+    ) -> Result<Fifo, FifoError> {
+        check_capacity(capacity)?;
+        // SAFETY: `FifoMemory`'s contract: the bytes stay valid while `memory` lives,
+        // which the ring keeps, and are touched elsewhere only atomically; nothing else
+        // uses them while `init` runs (the memory is new to this FIFO).
+        let mut ring = unsafe { Ring::from_raw(memory.base(), memory.len(), capacity, true)? };
+        ring.storage = Storage::Kept(memory);
         Ok(Fifo::with_ring(ring))
     }
 }
@@ -391,5 +412,39 @@ mod tests {
             c.pop(s).unwrap();
             assert!(a.is_consumed(s));
         }
+    }
+
+    /// Memory from a test allocation, freed when the last holder drops it.
+    struct Owned(Box<[u8]>, usize);
+
+    // SAFETY: (test) the boxed bytes live as long as the value and are touched only
+    // through the FIFO; `base` rounds up to the alignment inside the allocation.
+    unsafe impl FifoMemory for Owned {
+        fn base(&self) -> *mut u8 {
+            self.0.as_ptr().wrapping_add(self.1) as *mut u8
+        }
+        fn len(&self) -> usize {
+            self.0.len() - self.1
+        }
+    }
+
+    #[test]
+    fn in_memory_keeps_its_memory_and_starts_empty() {
+        let bytes = vec![0xABu8; region_bytes(16) + REGION_ALIGN].into_boxed_slice();
+        let skew = bytes.as_ptr().align_offset(REGION_ALIGN);
+        let mem = std::sync::Arc::new(Owned(bytes, skew));
+        let weak = std::sync::Arc::downgrade(&mem);
+        let fifo = Fifo::in_memory(mem, 16).unwrap();
+        assert!(fifo.is_empty());
+        let s = fifo.try_push(cmd(9)).unwrap();
+        let mut c = fifo.consumer().unwrap();
+        assert_eq!(c.poll(), Some((s, cmd(9))));
+        c.pop(s).unwrap();
+        drop(c);
+        assert!(weak.upgrade().is_some(), "the FIFO holds its memory");
+        drop(fifo);
+        assert!(weak.upgrade().is_none(), "and lets go of it when dropped");
+        let small = std::sync::Arc::new(Owned(vec![0u8; 512].into_boxed_slice(), 0));
+        assert!(Fifo::in_memory(small, 64).is_err());
     }
 }

@@ -102,7 +102,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_utils::CachePadded;
-use uep_fifo::{Consumer, Fifo, DEFAULT_CAPACITY};
+use uep_fifo::{Consumer, Fifo, FifoAlloc, HeapFifos, DEFAULT_CAPACITY};
 use uep_shm::Region;
 use uep_transport::Transport;
 use uep_wire::MAX_RANKS;
@@ -255,6 +255,10 @@ impl Proxy {
     /// `transports[i]`, ALREADY connected to thread `i` of every peer, goes
     /// to thread `i`. Fails, starting nothing, on an invalid configuration
     /// or layout.
+    ///
+    /// Its FIFOs are on the heap ([`HeapFifos`]): for producers that are threads of
+    /// this process. A device whose kernels push commands hands its own memory with
+    /// [`Proxy::start_in`].
     pub fn start(
         rank: usize,
         num_ranks: usize,
@@ -262,6 +266,22 @@ impl Proxy {
         region: Region,
         counters: CounterLayout,
         transports: Vec<Box<dyn Transport>>,
+    ) -> Result<Proxy> {
+        Proxy::start_in(
+            rank, num_ranks, cfg, region, counters, transports, &HeapFifos,
+        )
+    }
+
+    /// [`Proxy::start`] with FIFOs that `fifos` makes: memory the producers (a
+    /// device's kernels) can store into.
+    pub fn start_in(
+        rank: usize,
+        num_ranks: usize,
+        cfg: ProxyConfig,
+        region: Region,
+        counters: CounterLayout,
+        transports: Vec<Box<dyn Transport>>,
+        fifos: &dyn FifoAlloc,
     ) -> Result<Proxy> {
         if num_ranks == 0 || num_ranks > MAX_RANKS || rank >= num_ranks {
             return Err(ProxyError::Invalid(format!(
@@ -286,12 +306,13 @@ impl Proxy {
         }
         counters.validate(region.len())?;
 
+        let alloc = fifos;
         let mut fifos = Vec::with_capacity(cfg.threads * cfg.fifos_per_thread);
         for t in 0..cfg.threads {
             for i in 0..cfg.fifos_per_thread {
                 let label = format!("rank {rank} proxy thread {t} FIFO {i}");
                 fifos.push(Arc::new(
-                    Fifo::new_heap(cfg.fifo_capacity)?.with_label(label),
+                    alloc.alloc_fifo(cfg.fifo_capacity)?.with_label(label),
                 ));
             }
         }
@@ -394,6 +415,16 @@ impl Proxy {
         }
     }
 
+    /// A handle that unparks proxy thread `thread` ([`Proxy::wake_thread`]) without a
+    /// reference to the proxy: for producers on other threads (a kernel's), which may
+    /// outlive no borrow of it. `None` for an unknown thread.
+    pub fn waker(&self, thread: usize) -> Option<Waker> {
+        match self.threads.get(thread) {
+            Some(Some(t)) => Some(Waker(t.thread().clone())),
+            _ => None,
+        }
+    }
+
     /// Keeps proxy thread `thread` polling its endpoint closely (idle sleeps
     /// of at most 50 µs instead of up to [`ProxyConfig::max_park`]) until the
     /// returned guard drops, and wakes it now. For a waiter that expects an
@@ -486,6 +517,17 @@ impl Proxy {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// Unparks one proxy thread; see [`Proxy::waker`]. Cheap when the thread is awake.
+#[derive(Clone, Debug)]
+pub struct Waker(std::thread::Thread);
+
+impl Waker {
+    /// Unparks the thread, so that commands pushed now are seen at once.
+    pub fn wake(&self) {
+        self.0.unpark();
     }
 }
 

@@ -3,6 +3,7 @@
 
 #![allow(unsafe_code)]
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -22,6 +23,36 @@ use crate::quant::quantize_token;
 use crate::tokens::RecvTokens;
 use crate::wait::epoch_word;
 
+/// Whether the kernel pushes a packet's rows itself: where each row is whole 16-byte
+/// words, as one-sided writes of any run of rows need.
+fn kernel_pushes_rows(row_bytes: usize) -> bool {
+    row_bytes % uep_wire::OFFSET_ALIGN as usize == 0
+}
+
+/// Push the packet rows each peer's run holds, once they make a write's size (all of
+/// them when `last`), through the packet's port.
+fn push_runs(
+    sinks: &[Option<LlSink<'_>>],
+    runs: &mut [Option<Range<usize>>],
+    row_bytes: usize,
+    last: bool,
+) -> Result<()> {
+    for (r, run) in runs.iter_mut().enumerate() {
+        let Some(Some(LlSink::Packet { p, staged, .. })) = sinks.get(r) else {
+            continue;
+        };
+        let port = staged.port();
+        match run {
+            Some(rows) if last || rows.len() * row_bytes >= port.write_bytes() => {
+                port.put(staged.write_of(p.rows.rows(rows.clone(), row_bytes)?)?)?;
+                *run = None;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Where one rank's copies go.
 enum LlSink<'a> {
     /// A same-node peer: each copy straight into this source's block of its expert's
@@ -32,7 +63,8 @@ enum LlSink<'a> {
     Packet {
         p: LlDispatchPacket,
         row_of: Vec<u32>,
-        staged: Staged,
+        staged: Box<Staged>,
+        row_bytes: usize,
     },
 }
 
@@ -326,7 +358,7 @@ impl Buffer {
                 sinks.push(Some(LlSink::Peer(self.peer_region(r)?)));
             } else {
                 let net = self.net()?;
-                let staged = net.stage(ch, r, &wait)?;
+                let mut staged = net.stage(ch, r, &wait)?;
                 let mut row_of = vec![u32::MAX; topk_idx.len() / k.max(1)];
                 let mut n = 0u32;
                 for (t, row) in row_of.iter_mut().enumerate() {
@@ -340,10 +372,16 @@ impl Buffer {
                 }
                 let p = LlDispatchPacket::layout(epr, n as usize, k, row_bytes, s.groups())
                     .at_base(staged.area.offset());
+                staged.fit_fence(p.rows.len(), self.device.threads());
                 let local = self.symm.local();
                 local.put(p.counts, place.counts_of(r, epr))?;
                 local.put(p.tokens, &[n])?;
-                sinks.push(Some(LlSink::Packet { p, row_of, staged }));
+                sinks.push(Some(LlSink::Packet {
+                    p,
+                    row_of,
+                    staged: Box::new(staged),
+                    row_bytes,
+                }));
             }
         }
         Ok(sinks)
@@ -366,8 +404,11 @@ impl Buffer {
         let (groups, row_bytes) = (h / 128, rows.row_bytes);
         let t_n = topk_idx.len() / k.max(1);
         let local = self.symm.local();
+        let push_rows = kernel_pushes_rows(row_bytes);
         self.device.launch(t_n, |range| {
             let mut slots = vec![-1i32; k];
+            // `[rank]`: packet rows packed but not pushed yet (a thread's are adjacent).
+            let mut runs: Vec<Option<Range<usize>>> = vec![None; r_n];
             for t in range {
                 let chosen = &topk_idx[t * k..(t + 1) * k];
                 for (slot, &e) in chosen.iter().enumerate() {
@@ -397,10 +438,18 @@ impl Buffer {
                             }
                             local.put(p.ids.row(i, 1)?, &[t as i32])?;
                             local.put(p.slots.row(i, k)?, &slots)?;
+                            let run = runs[r].get_or_insert(i..i);
+                            run.end = i + 1;
                         }
                         Some(LlSink::Packet { .. }) => {}
                     }
                 }
+                if push_rows {
+                    push_runs(sinks, &mut runs, row_bytes, false)?;
+                }
+            }
+            if push_rows {
+                push_runs(sinks, &mut runs, row_bytes, true)?;
             }
             Ok(())
         })
@@ -430,12 +479,22 @@ impl Buffer {
                             .store(epoch_word(seq, c), Ordering::Release);
                     }
                 }
-                Some(LlSink::Packet { p, staged, .. }) => {
+                Some(LlSink::Packet {
+                    p,
+                    staged,
+                    row_bytes,
+                    ..
+                }) => {
                     // One fence key per (buffer, source): the packet carries each token
-                    // once for all its experts here, and is unpacked whole.
-                    let net = self.net()?;
-                    let packet = net.packet_write(&staged, p.len)?;
-                    packets[r] = net.send_fenced(staged, &[vec![packet]])?;
+                    // once for all its experts here, and is unpacked whole. The kernel
+                    // pushed the rows; the rest (counts, ids, slots, scales) goes with
+                    // the signal, which counts the rows' writes.
+                    let head = match kernel_pushes_rows(row_bytes) {
+                        true => p.rows.offset() - staged.area.offset(),
+                        false => p.len,
+                    };
+                    let rest = staged.write_of(staged.area.prefix(head)?)?;
+                    packets[r] = self.net()?.send_fenced(*staged, &[vec![rest]])?;
                 }
             }
         }

@@ -31,6 +31,7 @@
 //! `NodeLeader` barrier. Atomics emulation is not used here.
 
 pub mod packet;
+mod port;
 
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,7 +39,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use uep_bootstrap::ControlPlane;
-use uep_fifo::{Fifo, Slot};
+use uep_fifo::{Fifo, FifoAlloc, Slot};
 use uep_proxy::{cmds, ArrivalWatch, CounterLayout, Proxy, ProxyConfig};
 use uep_shm::Region;
 use uep_transport::{
@@ -54,6 +55,8 @@ use crate::topology::Topology;
 use crate::wait::{Peer, Wait};
 
 pub use packet::{Channel, CHANNELS, LL_BUFFERS};
+pub use port::Port;
+use port::{encode, Counting, PortInit};
 
 /// The proxy channel of the ordered stream to each peer (normal mode and the
 /// agreement); the abort message travels there too (it counts nothing).
@@ -144,16 +147,55 @@ impl Write {
     }
 }
 
-/// A staging area that is free to fill: the packet last sent from it has left.
-/// Only [`NetPath::stage`] makes one, and [`NetPath::send`] consumes it.
+/// A staging area that is free to fill (the packet last sent from it has left), and the
+/// [`Port`] through which the kernels that fill it push their writes. Only
+/// [`NetPath::stage`] makes one, and [`NetPath::send`] or [`NetPath::send_fenced`]
+/// consumes it.
 #[derive(Debug)]
 pub struct Staged {
     ch: Channel,
     dst: usize,
-    /// When the call that staged it gives up (a full FIFO makes `send` wait).
-    deadline: Instant,
     /// Where to write the packet.
     pub area: Area<u8>,
+    /// Where the packet lands at the peer (this rank's landing area of the channel).
+    landing: Area<u8>,
+    /// Bytes of the registered region.
+    region_len: usize,
+    port: Port,
+}
+
+impl Staged {
+    /// Make the port's writes large enough that kernels pushing `bytes` from `lanes`
+    /// threads (each flushing runs of at least a write's size, so at most two pieces a
+    /// run) stay within what one count signal counts, with room for the block's own.
+    pub fn fit_fence(&mut self, bytes: usize, lanes: usize) {
+        let piece = fenced_piece(2 * bytes, self.port.write_bytes(), 2 * lanes + 2);
+        self.port.set_write_bytes(piece);
+    }
+
+    /// The write of `part` (a part of [`Staged::area`]) into the same place of the
+    /// packet's landing area at the peer.
+    pub fn write_of(&self, part: Area<u8>) -> Result<Write> {
+        let at = part.offset().checked_sub(self.area.offset());
+        let fits = at.is_some_and(|at| at + part.len() <= self.area.len());
+        let (Some(at), true) = (at, fits) else {
+            return Err(EpError::internal(format!(
+                "{part:?} is not inside the staging area {:?}",
+                self.area
+            )));
+        };
+        Write::new(
+            part,
+            self.landing.slice(at..at + part.len())?,
+            self.region_len,
+        )
+    }
+
+    /// The kernels' end of the channel: writes pushed here leave while the packet is
+    /// still being packed, ahead of its announcement or count signal.
+    pub fn port(&self) -> &Port {
+        &self.port
+    }
 }
 
 /// The Quiet pushed after a packet: its FIFO, the proxy thread and the slot.
@@ -186,8 +228,8 @@ pub struct NetPath {
     fences_expected: Vec<Cell<u64>>,
     /// Faults the injectors of all threads have injected so far.
     faults: Arc<AtomicU64>,
-    /// Packet bytes handed to the proxy so far.
-    sent_bytes: Cell<u64>,
+    /// Packet bytes handed to the proxy so far (kernels' pushes included).
+    sent_bytes: Arc<AtomicU64>,
     /// Whether this rank has told the other nodes that it failed.
     abort_sent: Cell<bool>,
     /// Whether that message went to any live peer (whose writes may still be leaving).
@@ -209,12 +251,15 @@ impl NetPath {
     /// Register `region`, connect one endpoint per proxy thread to the same thread of
     /// every peer (addresses exchanged over the control plane), and start the proxy.
     /// Collective.
+    ///
+    /// The proxy's FIFOs are made by `fifos`: memory the device's kernels push into.
     pub fn start(
         cp: &dyn ControlPlane,
         topo: Topology,
         region: &Region,
         areas: NetAreas,
         cfg: &NetConfig,
+        fifos: &dyn FifoAlloc,
     ) -> Result<NetPath> {
         let (me, num_ranks) = (topo.rank, topo.num_ranks);
         let threads = cfg.proxy.threads.max(1);
@@ -289,13 +334,14 @@ impl NetPath {
         let mut proxy_cfg = cfg.proxy.clone();
         // The leader barrier needs to know who leads each node.
         proxy_cfg.ranks_per_node = Some(topo.ranks_per_node);
-        let proxy = Proxy::start(
+        let proxy = Proxy::start_in(
             me,
             num_ranks,
             proxy_cfg,
             region.clone(),
             counters,
             transports,
+            fifos,
         )
         .map_err(|source| EpError::Proxy {
             rank: me,
@@ -318,7 +364,7 @@ impl NetPath {
             fenced: (0..num_ranks * CHANNELS).map(|_| Cell::new(0)).collect(),
             fences_expected: (0..areas.fences.len()).map(|_| Cell::new(0)).collect(),
             faults,
-            sent_bytes: Cell::new(0),
+            sent_bytes: Arc::new(AtomicU64::new(0)),
             abort_sent: Cell::new(false),
             abort_in_flight: Cell::new(false),
             liveness,
@@ -350,12 +396,37 @@ impl NetPath {
     /// The staging area of (`ch`, `dst`), once the packet last sent from it has left.
     pub fn stage(&self, ch: Channel, dst: usize, wait: &Wait<'_>) -> Result<Staged> {
         let area = self.areas.staging(ch, dst)?;
+        let landing = self.areas.landing(ch, self.me)?;
         self.wait_sent(ch, dst, wait)?;
+        let (thread, fifo) = self.fifo_of(dst)?;
+        // A fenced packet's kernel-pushed writes count towards its first block's key.
+        let counting = match ch.is_fenced() {
+            true => {
+                let (kind, key) = self.fence_key(ch, 0)?;
+                Counting::Fenced { kind, key }
+            }
+            false => Counting::Ordered,
+        };
+        let port = Port::open(PortInit {
+            fifo,
+            thread,
+            waker: self.proxy.waker(thread),
+            me: self.me,
+            dst,
+            ch,
+            counting,
+            deadline: wait.deadline,
+            proxy_timeout: self.proxy.config().timeout,
+            write_bytes: self.write_bytes,
+            sent_bytes: self.sent_bytes.clone(),
+        });
         Ok(Staged {
             ch,
             dst,
-            deadline: wait.deadline,
             area,
+            landing,
+            region_len: self.region.len(),
+            port,
         })
     }
 
@@ -403,60 +474,39 @@ impl NetPath {
         })
     }
 
-    /// Start `writes` (rows that go straight to their final place at the peer) ahead of
-    /// the packet of `staged`: they leave while the caller packs the rest. The packet's
-    /// announcement, pushed later by [`NetPath::send`] into the same ordered stream,
-    /// covers them.
-    pub fn stream(&self, staged: &Staged, writes: &[Write]) -> Result<()> {
-        if writes.is_empty() {
-            return Ok(());
-        }
-        let (t, _) = self.push_writes(staged, writes)?;
-        self.proxy.wake_thread(t);
-        Ok(())
-    }
-
     /// Send the first `len` bytes of `staged` into the peer's landing area for this
-    /// rank, after the `direct` writes, and announce all of it (with whatever was
-    /// [streamed](NetPath::stream) before) in the ordered stream. Returns at once; the
-    /// next [`NetPath::stage`] of the same area waits for the bytes to leave.
+    /// rank, after the `direct` writes, and announce all of it (with whatever the
+    /// kernels pushed through [`Staged::port`] before) in the ordered stream. Returns at
+    /// once; the next [`NetPath::stage`] of the same area waits for the bytes to leave.
     pub fn send(&self, staged: Staged, len: usize, direct: &[Write]) -> Result<()> {
-        let packet = self.packet_write(&staged, len)?;
-        let mut writes = direct.to_vec();
-        writes.push(packet);
-        let (t, fifo) = self.push_writes(&staged, &writes)?;
-        let announce = self.encode(cmds::normal_write(
-            staged.dst,
-            packet.src as u64,
-            packet.dst as u64,
-            0,
-            ORDERED_STREAM,
-            1,
-        ))?;
-        self.push(&staged, t, &fifo, announce)?;
-        self.finish(staged, t, fifo)
+        let packet = staged.write_of(staged.area.prefix(len)?)?;
+        for &w in direct.iter().chain([&packet]) {
+            staged.port.push_write(w)?;
+        }
+        let announce = encode(
+            self.me,
+            cmds::normal_write(
+                staged.dst,
+                packet.src as u64,
+                packet.dst as u64,
+                0,
+                ORDERED_STREAM,
+                1,
+            ),
+        )?;
+        staged.port.push(announce)?;
+        self.finish(staged)
     }
 
-    /// The write of the first `len` bytes of `staged` into the peer's landing area for
-    /// this rank.
-    pub fn packet_write(&self, staged: &Staged, len: usize) -> Result<Write> {
-        let landing = self.areas.landing(staged.ch, self.me)?;
-        Write::new(
-            staged.area.prefix(len)?,
-            landing.prefix(len)?,
-            self.region.len(),
-        )
-    }
-
-    /// End a send from `staged` pushed to `fifo` of proxy thread `t`: a Quiet that pops
-    /// once its writes have left (the next [`NetPath::stage`] waits for it), and wake
-    /// the thread, since an idle one sleeps up to `ProxyConfig::max_park` (1 ms)
-    /// between looks at its FIFOs.
-    fn finish(&self, staged: Staged, t: usize, fifo: Arc<Fifo>) -> Result<()> {
-        let slot = self.push(&staged, t, &fifo, cmds::quiet())?;
-        self.proxy.wake_thread(t);
+    /// End a send from `staged`: a Quiet that pops once its writes have left (the next
+    /// [`NetPath::stage`] waits for it), and wake the proxy thread, since an idle one
+    /// sleeps up to `ProxyConfig::max_park` (1 ms) between looks at its FIFOs.
+    fn finish(&self, staged: Staged) -> Result<()> {
+        let slot = staged.port.push(cmds::quiet())?;
+        staged.port.wake();
+        let (fifo, t) = staged.port.fifo();
         self.quiets.borrow_mut()[staged.ch.index() * self.num_ranks + staged.dst] =
-            Some((fifo, t, slot));
+            Some((fifo.clone(), t, slot));
         Ok(())
     }
 
@@ -495,14 +545,15 @@ impl NetPath {
 
     /// Send the LL packet of `staged` as blocks, one per fence key `g` of `blocks`, with
     /// no ordered announcement: the writes of `blocks[g]` (adjacent ones merged) are cut
-    /// into at most [`uep_wire::MAX_LL_COUNT`]` + 1` pieces, each counted as one arrival
-    /// of (`g`, this rank) at the peer but the last, which carries the count signal (a
-    /// zero-length signal for a block with no bytes). The peer's proxy applies a signal
-    /// only once its writes have all arrived, in whatever order the transport delivered
-    /// them: the paper's partial-completion fence. Both sides must agree on how many
-    /// blocks each call has (key 0 is in every call, so its signals number the calls).
-    /// Returns at once with the send's number for (`ch`, peer); the next
-    /// [`NetPath::stage`] of the same area waits for the writes to leave.
+    /// into pieces, each counted as one arrival of (`g`, this rank) at the peer but the
+    /// last, which carries the count signal (a zero-length signal for a block with no
+    /// bytes). Block 0's signal also counts the writes the kernels pushed through
+    /// [`Staged::port`]. The peer's proxy applies a signal only once its writes have all
+    /// arrived, in whatever order the transport delivered them: the paper's
+    /// partial-completion fence. Both sides must agree on how many blocks each call has
+    /// (key 0 is in every call, so its signals number the calls). Returns at once with
+    /// the send's number for (`ch`, peer); the next [`NetPath::stage`] of the same area
+    /// waits for the writes to leave.
     pub fn send_fenced(&self, staged: Staged, blocks: &[Vec<Write>]) -> Result<u64> {
         if blocks.is_empty() || blocks.len() > self.areas.fence_experts {
             return Err(EpError::internal(format!(
@@ -511,36 +562,53 @@ impl NetPath {
                 self.areas.fence_experts
             )));
         }
-        let (t, fifo) = self.fifo_of(staged.dst)?;
         for (g, block) in blocks.iter().enumerate() {
-            let (kind, key) = self.fence_key(staged.ch, g)?;
-            let writes = coalesce(block);
-            let total: usize = writes.iter().map(Write::len).sum();
-            if total == 0 {
-                let signal = self.encode(cmds::ll_count(staged.dst, kind, key, 0))?;
-                self.push(&staged, t, &fifo, signal)?;
-                continue;
-            }
-            let piece = fenced_piece(total, self.write_bytes, writes.len());
-            let pieces: Vec<Write> = writes.iter().flat_map(|w| w.pieces(piece)).collect();
-            for (i, w) in pieces.iter().enumerate() {
-                let (src, dst, n) = (w.src as u64, w.dst as u64, w.len as u32);
-                // The last piece carries the signal; at most `MAX_LL_COUNT` others
-                // (`fenced_piece`).
-                let cmd = match pieces.len() - 1 {
-                    others if i == others => {
-                        cmds::ll_write_count(staged.dst, src, dst, n, kind, key, others as u16)
-                    }
-                    _ => cmds::ll_write(staged.dst, src, dst, n, kind, key),
-                };
-                self.push(&staged, t, &fifo, self.encode(cmd)?)?;
-            }
-            self.sent_bytes.set(self.sent_bytes.get() + total as u64);
+            let pushed = if g == 0 {
+                staged.port.writes() as usize
+            } else {
+                0
+            };
+            self.send_block(&staged, g, &coalesce(block), pushed)?;
         }
         let sent = &self.fenced[staged.ch.index() * self.num_ranks + staged.dst];
         sent.set(sent.get() + 1);
-        self.finish(staged, t, fifo)?;
+        self.finish(staged)?;
         Ok(sent.get())
+    }
+
+    /// The writes of block `g` of a fenced send and its count signal, which also counts
+    /// `pushed` writes already in the FIFO under the same key.
+    fn send_block(&self, staged: &Staged, g: usize, writes: &[Write], pushed: usize) -> Result<()> {
+        let (kind, key) = self.fence_key(staged.ch, g)?;
+        let most = usize::from(uep_wire::MAX_LL_COUNT);
+        let total: usize = writes.iter().map(Write::len).sum();
+        if pushed + writes.len().saturating_sub(1) > most {
+            return Err(EpError::internal(format!(
+                "a fenced block of {} writes after {pushed} pushed by the kernels: a count signal counts at most {most}",
+                writes.len()
+            )));
+        }
+        if total == 0 {
+            let signal = cmds::ll_count(staged.dst, kind, key, pushed as u16);
+            staged.port.push(encode(self.me, signal)?)?;
+            return Ok(());
+        }
+        let piece = fenced_piece(total, self.write_bytes, writes.len() + pushed);
+        let pieces: Vec<Write> = writes.iter().flat_map(|w| w.pieces(piece)).collect();
+        for (i, w) in pieces.iter().enumerate() {
+            let (src, dst, n) = (w.src as u64, w.dst as u64, w.len as u32);
+            // The last piece carries the signal; at most `MAX_LL_COUNT` others
+            // (`fenced_piece`).
+            let cmd = match pieces.len() - 1 + pushed {
+                others if i == pieces.len() - 1 => {
+                    cmds::ll_write_count(staged.dst, src, dst, n, kind, key, others as u16)
+                }
+                _ => cmds::ll_write(staged.dst, src, dst, n, kind, key),
+            };
+            staged.port.push(encode(self.me, cmd)?)?;
+        }
+        self.sent_bytes.fetch_add(total as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// The number of signals to wait for on key `g` of `ch` from `src` in the call being
@@ -573,57 +641,6 @@ impl NetPath {
         // proxy numbers signals in 32 bits, which a key would outgrow only after 2^32
         // calls of its buffer.
         self.wait_landed(self.fence_word(ch, le, src)?, n << 32, src, wait, what)
-    }
-
-    /// Push `writes` for the peer of `staged`, each cut into writes of at most
-    /// [`NetConfig::write_bytes`]; returns the proxy thread and FIFO they went to.
-    fn push_writes(&self, staged: &Staged, writes: &[Write]) -> Result<(usize, Arc<Fifo>)> {
-        let (t, fifo) = self.fifo_of(staged.dst)?;
-        for w in writes {
-            for p in w.pieces(self.write_bytes) {
-                let cmd = self.encode(cmds::normal_write(
-                    staged.dst,
-                    p.src as u64,
-                    p.dst as u64,
-                    p.len as u32,
-                    ORDERED_STREAM,
-                    0,
-                ))?;
-                self.push(staged, t, &fifo, cmd)?;
-            }
-            self.sent_bytes.set(self.sent_bytes.get() + w.len as u64);
-        }
-        Ok((t, fifo))
-    }
-
-    /// Push one command into `fifo` (of proxy thread `t`), waiting while it is full
-    /// until the deadline of the call that staged `staged`.
-    fn push(
-        &self,
-        staged: &Staged,
-        t: usize,
-        fifo: &Fifo,
-        cmd: uep_wire::TransferCmd,
-    ) -> Result<Slot> {
-        fifo.push(cmd, staged.deadline)
-            .map_err(|e| EpError::Timeout {
-                what: format!(
-                    "rank {}: sending a {:?} packet to rank {}",
-                    self.me, staged.ch, staged.dst
-                ),
-                detail: format!("the FIFO of proxy thread {t} stayed full ({e})"),
-                waited: self.proxy.config().timeout,
-            })
-    }
-
-    /// A command built from a validated [`Write`] (it cannot fail to encode).
-    fn encode(
-        &self,
-        cmd: uep_proxy::Result<uep_wire::TransferCmd>,
-    ) -> Result<uep_wire::TransferCmd> {
-        cmd.map_err(|e| {
-            EpError::internal(format!("rank {}: encoding a validated write: {e}", self.me))
-        })
     }
 
     /// For a rank on another node: which node and host it is on, and that only the
@@ -816,7 +833,7 @@ impl NetPath {
 
     /// Packet bytes handed to the proxy so far.
     pub fn sent_bytes(&self) -> u64 {
-        self.sent_bytes.get()
+        self.sent_bytes.load(Ordering::Relaxed)
     }
 
     /// Faults injected so far (0 without `NetConfig::faults`).

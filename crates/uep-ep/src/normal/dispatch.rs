@@ -85,6 +85,38 @@ struct RowSink<'a> {
     mask: Area<u64>,
     direct_x: Area<u8>,
     direct_scales: Area<f32>,
+    /// Node packets only: where direct rows land, the relay's output rows from this
+    /// source's first row there.
+    relay_x: Area<u8>,
+    relay_scales: Area<f32>,
+}
+
+impl RowSink<'_> {
+    /// The one-sided writes of direct rows `rows` of a node's packet (x and, with
+    /// `groups` scales a row, the scales) into the relay's output rows.
+    fn direct_writes(
+        &self,
+        rows: Range<usize>,
+        fmt: RowFormat,
+        total: usize,
+    ) -> Result<Vec<Write>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut writes = vec![Write::new(
+            self.direct_x.rows(rows.clone(), fmt.row_bytes)?,
+            self.relay_x.rows(rows.clone(), fmt.row_bytes)?,
+            total,
+        )?];
+        if fmt.groups > 0 {
+            writes.push(Write::new(
+                self.direct_scales.rows(rows.clone(), fmt.groups)?.cast(),
+                self.relay_scales.rows(rows, fmt.groups)?.cast(),
+                total,
+            )?);
+        }
+        Ok(writes)
+    }
 }
 
 /// The plan of one dispatch: destinations, which tokens go where, and where each kernel
@@ -95,19 +127,15 @@ struct Plan<'a> {
     hit: Vec<bool>,
     /// `[T][dest]`: the token goes straight to the relay's output rows.
     direct: Vec<bool>,
-    /// The stages tokens are packed in, in order: (tokens, their blocks). A stage's
-    /// direct rows leave for the other nodes while the next stage packs.
-    stages: Vec<(Range<usize>, Range<usize>)>,
-    /// `[block][dest]`: (tokens, direct tokens) before the block's first token; a
-    /// block is one kernel thread's share of a stage.
+    /// `[block + 1][dest]`: (tokens, direct tokens) before the block's first token (and
+    /// after the last block); a block is one kernel thread's share of the tokens.
     block_start: Vec<(usize, usize)>,
     /// `[dest]`: (tokens, direct tokens) in all.
     totals: Vec<(usize, usize)>,
     sinks: Vec<RowSink<'a>>,
-    /// `[dest]`: the staging area of a node's packet.
+    /// `[dest]`: the staging area of a node's packet, and the port the kernel pushes
+    /// its direct rows through.
     staged: Vec<Option<Staged>>,
-    /// `[dest]`: direct rows already handed to the proxy.
-    streamed: Vec<usize>,
     /// `[R]`: this source's first row in each rank's output.
     out_base: Vec<usize>,
     fmt: RowFormat,
@@ -124,30 +152,220 @@ fn rows_aligned(at: usize, fmt: RowFormat) -> bool {
     (at * fmt.row_bytes) % 16 == 0 && (at * fmt.groups * 4) % 16 == 0
 }
 
-/// Tokens a stage of pack packs before its direct rows are handed to the proxy: small
-/// enough that the transfer overlaps packing, large enough that each stage's rows to a
-/// node make writes of a megabyte or so at DeepSeek-V3's hidden size.
-const STAGE_TOKENS: usize = 512;
-
 impl Plan<'_> {
     fn packet(&self, d: usize) -> DispatchPacket {
         let (n, n_direct) = self.totals[d];
         DispatchPacket::layout(n, n_direct, self.fmt)
     }
 
-    /// Direct rows to destination `d` packed before stage `s` (all of them for
-    /// `s == stages.len()`).
-    fn direct_before(&self, s: usize, d: usize) -> usize {
-        match self.stages.get(s) {
-            Some((_, blocks)) => self.block_start[blocks.start * self.dests.len() + d].1,
-            None => self.totals[d].1,
+    /// The fewest rows whose x and scales are whole 16-byte words: a write of direct
+    /// rows that a kernel pushes starts and ends on such a boundary, so that every
+    /// write is aligned.
+    fn row_quantum(&self) -> usize {
+        (1..16).find(|&q| rows_aligned(q, self.fmt)).unwrap_or(16)
+    }
+
+    /// The direct rows to node destination `d` that no kernel thread pushed: each block
+    /// pushes whole quanta only, so the rows around each block boundary (and the tail)
+    /// that share a quantum with the next block are left to the publish phase.
+    fn unpushed_direct(&self, d: usize) -> Vec<Range<usize>> {
+        let nd = self.dests.len();
+        let starts = self.block_start.iter().skip(d).step_by(nd).map(|&(_, x)| x);
+        unpushed(starts, self.totals[d].1, self.row_quantum())
+    }
+}
+
+/// The rows of `0..total` in no whole quantum (`q` rows) between two adjacent block
+/// starts of `starts` (ascending, the last one `total`): those that [`DirectRun`]s leave.
+fn unpushed(starts: impl Iterator<Item = usize>, total: usize, q: usize) -> Vec<Range<usize>> {
+    let mut gaps: Vec<Range<usize>> = starts
+        .map(|x| x / q * q..x.div_ceil(q).saturating_mul(q).min(total))
+        .filter(|r| !r.is_empty())
+        .collect();
+    gaps.dedup();
+    gaps
+}
+
+/// Direct rows a kernel thread has packed for one node but not pushed yet: pushed in
+/// runs of whole quanta of at least a write's size, so the proxy posts them while the
+/// thread packs on.
+struct DirectRun {
+    /// First row not pushed yet (a multiple of the quantum).
+    next: usize,
+    /// Rows a push waits for.
+    batch: usize,
+}
+
+impl DirectRun {
+    /// A run for a block whose first direct row to this node is `first`.
+    fn new(first: usize, q: usize, row_bytes: usize, write_bytes: usize) -> DirectRun {
+        DirectRun {
+            next: first.div_ceil(q) * q,
+            batch: write_bytes.div_ceil(row_bytes.max(1)).div_ceil(q) * q,
         }
     }
 
-    /// The fewest rows whose x and scales are whole 16-byte words: a streamed write
-    /// ends on such a boundary, so the next one starts aligned.
-    fn row_quantum(&self) -> usize {
-        (1..16).find(|&q| rows_aligned(q, self.fmt)).unwrap_or(16)
+    /// The rows to push now that `packed` direct rows are packed (`last`: the block
+    /// is done), whole quanta from the first not pushed.
+    fn take(&mut self, packed: usize, q: usize, last: bool) -> Option<Range<usize>> {
+        let end = packed / q * q;
+        if end <= self.next || (!last && end - self.next < self.batch) {
+            return None;
+        }
+        let rows = self.next..end;
+        self.next = end;
+        Some(rows)
+    }
+}
+
+/// The pack kernel: what one launch needs, shared by its threads.
+struct PackKernel<'p, 'a> {
+    plan: &'p Plan<'a>,
+    args: &'p DispatchArgs<'p>,
+    in_rank: &'p [bool],
+    topo: crate::topology::Topology,
+    shape: Shape,
+    region_len: usize,
+}
+
+impl PackKernel<'_, '_> {
+    /// Block `b` (tokens `range`): store each token into each destination it goes to,
+    /// pushing direct rows to other nodes in runs.
+    fn run(&self, b: usize, range: Range<usize>) -> Result<()> {
+        let plan = self.plan;
+        let nd = plan.dests.len();
+        let q = plan.row_quantum();
+        let mut pos = plan.block_start[b * nd..(b + 1) * nd].to_vec();
+        let mut runs: Vec<Option<DirectRun>> = (0..nd)
+            .map(|d| {
+                let port = plan.staged[d].as_ref()?.port();
+                Some(DirectRun::new(
+                    pos[d].1,
+                    q,
+                    plan.fmt.row_bytes,
+                    port.write_bytes(),
+                ))
+            })
+            .collect();
+        let mut rows = TokenRows::new(self.shape.topk);
+        for t in range {
+            for (d, pos) in pos.iter_mut().enumerate() {
+                if plan.hit[t * nd + d] {
+                    self.store(t, d, pos, &mut rows)?;
+                }
+            }
+            self.push_runs(&mut runs, &pos, q, false)?;
+        }
+        self.push_runs(&mut runs, &pos, q, true)
+    }
+
+    /// Push the direct rows each node's run has ready (all of them when `last`).
+    fn push_runs(
+        &self,
+        runs: &mut [Option<DirectRun>],
+        pos: &[(usize, usize)],
+        q: usize,
+        last: bool,
+    ) -> Result<()> {
+        for (d, run) in runs.iter_mut().enumerate() {
+            let (Some(run), Some(staged)) = (run, &self.plan.staged[d]) else {
+                continue;
+            };
+            if let Some(rows) = run.take(pos[d].1, q, last) {
+                let sink = &self.plan.sinks[d];
+                for w in sink.direct_writes(rows, self.plan.fmt, self.region_len)? {
+                    staged.port().put(w)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Store token `t` into destination `d`, at the row `pos` says, and advance it.
+    fn store(
+        &self,
+        t: usize,
+        d: usize,
+        pos: &mut (usize, usize),
+        rows: &mut TokenRows,
+    ) -> Result<()> {
+        let (plan, x) = (self.plan, self.args.x);
+        let (h, k) = (self.shape.hidden, self.shape.topk);
+        let (rb, groups) = (plan.fmt.row_bytes, plan.fmt.groups);
+        let nd = plan.dests.len();
+        let (dest, sink) = (plan.dests[d], &plan.sinks[d]);
+        let (j, j_direct) = *pos;
+        // The row's place: among the direct rows, among the rest of a packet, or its own
+        // row in a same-node rank's output.
+        let (x_at, scales_at) = if plan.direct[t * nd + d] {
+            pos.1 += 1;
+            (
+                sink.direct_x.row(j_direct, rb)?,
+                sink.direct_scales.row(j_direct, groups)?,
+            )
+        } else if matches!(dest, Dest::Node(_)) {
+            (
+                sink.x.row(j - j_direct, rb)?,
+                sink.scales.row(j - j_direct, groups)?,
+            )
+        } else {
+            (sink.x.row(j, rb)?, sink.scales.row(j, groups)?)
+        };
+        pos.0 += 1;
+        if plan.streaming && matches!(dest, Dest::Rank(_)) {
+            sink.region.put_streaming(x_at, x.row(t, h))?;
+        } else {
+            sink.region.put(x_at, x.row(t, h))?;
+        }
+        if plan.fp8 {
+            sink.region.put(scales_at, x.row_scales(t, h))?;
+        }
+        let idx: &[i64] = match self.args.topk_idx {
+            Some(all) if plan.with_topk => &all[t * k..(t + 1) * k],
+            _ => &[],
+        };
+        let w = self.args.topk_weights.map(|w| &w[t * k..(t + 1) * k]);
+        match dest {
+            Dest::Rank(r) if plan.with_topk => {
+                let epr = self.shape.experts_per_rank(self.topo.num_ranks);
+                localize(idx, w, r, epr, &mut rows.idx, &mut rows.w);
+                sink.region.put(sink.topk.row(j, k)?, &rows.idx)?;
+                if plan.with_weights {
+                    sink.region.put(sink.weights.row(j, k)?, &rows.w)?;
+                }
+            }
+            Dest::Rank(_) => {}
+            Dest::Node(m) => {
+                // Global ids and all weights: the relaying rank localises them.
+                if plan.with_topk {
+                    sink.region.put(sink.topk.row(j, k)?, idx)?;
+                }
+                if let (true, Some(w)) = (plan.with_weights, w) {
+                    sink.region.put(sink.weights.row(j, k)?, w)?;
+                }
+                let r_n = self.topo.num_ranks;
+                let mask = (self.topo.node_ranks(m).enumerate())
+                    .filter(|&(_, r)| self.in_rank[t * r_n + r])
+                    .fold(0u64, |acc, (l, _)| acc | 1 << l);
+                sink.region.put(sink.mask.row(j, 1)?, &[mask])?;
+            }
+        }
+        sink.region.put(sink.src.row(j, 1)?, &[t as i32])
+    }
+}
+
+/// A kernel thread's scratch rows: a token's local top-k ids and weights.
+struct TokenRows {
+    idx: Vec<i64>,
+    w: Vec<f32>,
+}
+
+impl TokenRows {
+    fn new(k: usize) -> TokenRows {
+        TokenRows {
+            idx: vec![0; k],
+            w: vec![0.0; k],
+        }
     }
 }
 
@@ -198,11 +416,8 @@ impl Buffer {
         self.check_room(&counts, &areas, args)?;
         let mut plan = self.plan(seq, &areas, &counts, &routing, args, t_n, &wait)?;
         let _landing = self.net.as_ref().map(|n| n.watch_arrivals());
-        for s in 0..plan.stages.len() {
-            self.pack(&plan, s, &areas, args, &routing)?;
-            self.stream(seq, &areas, &mut plan, s)?;
-        }
-        self.publish(seq, &areas, &mut plan)?;
+        self.pack(&plan, &areas, args, &routing)?;
+        self.publish(&mut plan)?;
         let relay = self.relay_dispatch(seq, &areas, &counts.matrix, &wait)?;
         self.finish(seq, &areas, counts, routing, relay, &plan, args, t_n, &wait)
     }
@@ -470,28 +685,21 @@ impl Buffer {
                 })
             })
             .collect();
-        // Stages of STAGE_TOKENS, each split among the kernel threads as `launch` splits
-        // it; the running totals at each block's start are its threads' first rows.
-        let mut stages = Vec::new();
+        // The tokens split among the kernel threads as `launch` splits them; the running
+        // totals at each block's start are its thread's first rows.
         let mut block_start = Vec::new();
         let mut totals = vec![(0usize, 0usize); nd];
-        let mut blocks = 0;
-        for first in (0..t_n.max(1)).step_by(STAGE_TOKENS) {
-            let tokens = first..(first + STAGE_TOKENS).min(t_n);
-            let (chunks, per) = self.device.chunks(tokens.len());
-            for c in 0..chunks {
-                block_start.extend_from_slice(&totals);
-                let from = (tokens.start + c * per).min(tokens.end);
-                for t in from..(from + per).min(tokens.end) {
-                    for (d, (n, n_direct)) in totals.iter_mut().enumerate() {
-                        *n += hit[t * nd + d] as usize;
-                        *n_direct += direct[t * nd + d] as usize;
-                    }
+        let (chunks, per) = self.device.chunks(t_n);
+        for c in 0..chunks {
+            block_start.extend_from_slice(&totals);
+            for t in (c * per).min(t_n)..((c + 1) * per).min(t_n) {
+                for (d, (n, n_direct)) in totals.iter_mut().enumerate() {
+                    *n += hit[t * nd + d] as usize;
+                    *n_direct += direct[t * nd + d] as usize;
                 }
             }
-            stages.push((tokens, blocks..blocks + chunks));
-            blocks += chunks;
         }
+        block_start.extend_from_slice(&totals);
         let (sinks, staged) =
             self.open_row_sinks(seq, areas, &dests, &totals, &out_base, fmt, wait)?;
         let node_rows: usize = (dests.iter().zip(&totals))
@@ -502,12 +710,10 @@ impl Buffer {
             dests,
             hit,
             direct,
-            stages,
             block_start,
             totals,
             sinks,
             staged,
-            streamed: vec![0; nd],
             out_base,
             fmt,
             fp8,
@@ -551,6 +757,8 @@ impl Buffer {
                         mask: Area::default(),
                         direct_x: Area::default(),
                         direct_scales: Area::default(),
+                        relay_x: Area::default(),
+                        relay_scales: Area::default(),
                     });
                     staged.push(None);
                 }
@@ -566,6 +774,8 @@ impl Buffer {
                             s.area.len()
                         )));
                     }
+                    // Direct rows exist only where the relay's rows start aligned.
+                    let (j, rows) = (out_base[relay], r_n * areas.shape.max_tokens);
                     sinks.push(RowSink {
                         region: self.symm.local(),
                         x: p.x,
@@ -576,6 +786,8 @@ impl Buffer {
                         mask: p.mask,
                         direct_x: p.direct_x,
                         direct_scales: p.direct_scales,
+                        relay_x: bank.recv_x.slice(j * fmt.row_bytes..rows * fmt.row_bytes)?,
+                        relay_scales: bank.recv_scales.slice(j * groups..rows * groups)?,
                     });
                     staged.push(Some(s));
                 }
@@ -584,164 +796,38 @@ impl Buffer {
         Ok((sinks, staged))
     }
 
-    /// Phase 3, pack (stage `s`): the kernel threads store each of the stage's tokens
-    /// once into each destination.
+    /// Phase 3, pack: the kernel threads store each token once into each destination,
+    /// and push the writes of the rows that go straight to another node's relay as they
+    /// go (runs of about a write's size), so those are on the wire while later tokens
+    /// pack.
     fn pack(
         &self,
         plan: &Plan<'_>,
-        s: usize,
         areas: &NormalAreas,
         args: &DispatchArgs<'_>,
         routing: &Routing<'_>,
     ) -> Result<()> {
-        let (r_n, topo) = (self.topo.num_ranks, self.topo);
-        let (h, k) = (areas.shape.hidden, areas.shape.topk);
-        let epr = areas.shape.experts_per_rank(r_n);
-        // Scales a row: 0 for bf16, where the scale areas are empty.
-        let (rb, groups) = (plan.fmt.row_bytes, plan.fmt.groups);
-        let nd = plan.dests.len();
-        let (x, in_rank) = (args.x, &routing.in_rank);
-        let (tokens, blocks) = plan.stages[s].clone();
-        let per = self.device.chunks(tokens.len()).1;
-        self.device.launch(tokens.len(), |range| {
-            let b = blocks.start + range.start / per;
-            let mut pos = plan.block_start[b * nd..(b + 1) * nd].to_vec();
-            let mut idx_row = vec![0i64; k];
-            let mut w_row = vec![0f32; k];
-            for t in tokens.start + range.start..tokens.start + range.end {
-                let idx: &[i64] = match args.topk_idx {
-                    Some(all) if plan.with_topk => &all[t * k..(t + 1) * k],
-                    _ => &[],
-                };
-                let w = args.topk_weights.map(|w| &w[t * k..(t + 1) * k]);
-                for (d, dest) in plan.dests.iter().enumerate() {
-                    if !plan.hit[t * nd + d] {
-                        continue;
-                    }
-                    let sink = &plan.sinks[d];
-                    let (j, j_direct) = pos[d];
-                    // The row's place: among the direct rows, among the rest of a
-                    // packet, or its own row in a same-node rank's output.
-                    let (x_at, scales_at) = if plan.direct[t * nd + d] {
-                        pos[d].1 += 1;
-                        (
-                            sink.direct_x.row(j_direct, rb)?,
-                            sink.direct_scales.row(j_direct, groups)?,
-                        )
-                    } else if matches!(dest, Dest::Node(_)) {
-                        (
-                            sink.x.row(j - j_direct, rb)?,
-                            sink.scales.row(j - j_direct, groups)?,
-                        )
-                    } else {
-                        (sink.x.row(j, rb)?, sink.scales.row(j, groups)?)
-                    };
-                    pos[d].0 += 1;
-                    if plan.streaming && matches!(dest, Dest::Rank(_)) {
-                        sink.region.put_streaming(x_at, x.row(t, h))?;
-                    } else {
-                        sink.region.put(x_at, x.row(t, h))?;
-                    }
-                    if plan.fp8 {
-                        sink.region.put(scales_at, x.row_scales(t, h))?;
-                    }
-                    match *dest {
-                        Dest::Rank(r) if plan.with_topk => {
-                            localize(idx, w, r, epr, &mut idx_row, &mut w_row);
-                            sink.region.put(sink.topk.row(j, k)?, &idx_row)?;
-                            if plan.with_weights {
-                                sink.region.put(sink.weights.row(j, k)?, &w_row)?;
-                            }
-                        }
-                        Dest::Rank(_) => {}
-                        Dest::Node(m) => {
-                            // Global ids and all weights: the relaying rank localises them.
-                            if plan.with_topk {
-                                sink.region.put(sink.topk.row(j, k)?, idx)?;
-                            }
-                            if let (true, Some(w)) = (plan.with_weights, w) {
-                                sink.region.put(sink.weights.row(j, k)?, w)?;
-                            }
-                            let mask = topo
-                                .node_ranks(m)
-                                .enumerate()
-                                .filter(|&(_, r)| in_rank[t * r_n + r])
-                                .fold(0u64, |acc, (l, _)| acc | 1 << l);
-                            sink.region.put(sink.mask.row(j, 1)?, &[mask])?;
-                        }
-                    }
-                    sink.region.put(sink.src.row(j, 1)?, &[t as i32])?;
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// Phase 3½, stream (after stage `s` is packed): the stage's rows that go
-    /// straight into another node's relay's output rows, handed to the proxy now, so
-    /// that they are on the wire while the next stage packs. Writes end on a
-    /// [`Plan::row_quantum`] boundary; the rows after it go with the packet.
-    fn stream(&self, seq: u32, areas: &NormalAreas, plan: &mut Plan<'_>, s: usize) -> Result<()> {
-        let q = plan.row_quantum();
-        for d in 0..plan.dests.len() {
-            let Some(staged) = &plan.staged[d] else {
-                continue;
-            };
-            let rows = plan.streamed[d]..plan.direct_before(s + 1, d) / q * q;
-            let writes = self.direct_writes(seq, areas, plan, d, staged, rows.clone())?;
-            self.net()?.stream(staged, &writes)?;
-            plan.streamed[d] = rows.end;
-        }
-        Ok(())
-    }
-
-    /// The one-sided writes of direct rows `rows` of destination `d` (a node): from
-    /// the packet's direct section into the relay's output rows, x and (FP8) scales.
-    fn direct_writes(
-        &self,
-        seq: u32,
-        areas: &NormalAreas,
-        plan: &Plan<'_>,
-        d: usize,
-        staged: &Staged,
-        rows: Range<usize>,
-    ) -> Result<Vec<Write>> {
-        let Dest::Node(m) = plan.dests[d] else {
-            return Ok(Vec::new());
+        let t_n = plan.hit.len() / plan.dests.len().max(1);
+        let per = self.device.chunks(t_n).1;
+        let kernel = PackKernel {
+            plan,
+            args,
+            in_rank: &routing.in_rank,
+            topo: self.topo,
+            shape: areas.shape,
+            region_len: self.symm.local().len(),
         };
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let groups = areas.shape.hidden / 128;
-        let rb = plan.fmt.row_bytes;
-        let total = self.symm.local().len();
-        let bank = areas.bank(seq);
-        let p = plan.packet(d).at_base(staged.area.offset());
-        // Direct rows exist only where the relay's rows start aligned.
-        let at = plan.out_base[self.topo.relay(self.topo.rank, m)];
-        let mut writes = vec![Write::new(
-            p.direct_x.slice(rows.start * rb..rows.end * rb)?,
-            bank.recv_x
-                .slice((at + rows.start) * rb..(at + rows.end) * rb)?,
-            total,
-        )?];
-        if plan.fp8 {
-            writes.push(Write::new(
-                p.direct_scales.rows(rows.clone(), groups)?.cast(),
-                bank.recv_scales
-                    .rows(at + rows.start..at + rows.end, groups)?
-                    .cast(),
-                total,
-            )?);
-        }
-        Ok(writes)
+        self.device
+            .launch(t_n, |range| kernel.run(range.start / per, range))
     }
 
     /// Phase 4, publish: a release store of the epoch into each same-node rank; the
-    /// packet to each other node, after the direct rows not streamed yet, announcing
-    /// it and every direct row.
-    fn publish(&self, seq: u32, areas: &NormalAreas, plan: &mut Plan<'_>) -> Result<()> {
+    /// packet to each other node, after the direct rows no kernel thread pushed,
+    /// announcing it and every direct row.
+    fn publish(&self, plan: &mut Plan<'_>) -> Result<()> {
         let (me, topo) = (self.topo.rank, self.topo);
+        let seq = self.seq.dispatch;
+        let total = self.symm.local().len();
         for (d, dest) in plan.dests.iter().enumerate() {
             match *dest {
                 Dest::Rank(_) => plan.sinks[d]
@@ -766,8 +852,10 @@ impl Buffer {
                         reserved: 0,
                     };
                     self.symm.local().put(p.header, &[header])?;
-                    let rest = plan.streamed[d]..n_direct;
-                    let direct = self.direct_writes(seq, areas, plan, d, &staged, rest)?;
+                    let mut direct = Vec::new();
+                    for rows in plan.unpushed_direct(d) {
+                        direct.extend(plan.sinks[d].direct_writes(rows, plan.fmt, total)?);
+                    }
                     self.net()?.send(staged, p.len, &direct)?;
                 }
             }
@@ -904,5 +992,53 @@ impl Buffer {
             num_recv_tokens_per_expert: handle.num_recv_tokens_per_expert.clone(),
             handle,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever the block boundaries, quantum and batch, the runs the kernel threads
+        /// push and the rows the publish phase sends cover every direct row once, and
+        /// every write starts on a quantum (so it is 16-byte aligned).
+        #[test]
+        fn pushed_and_published_rows_cover_each_direct_row_once(
+            sizes in proptest::collection::vec(0usize..40, 1..6),
+            q in 1usize..5,
+            row_bytes in 1usize..64,
+            write_bytes in 1usize..512,
+        ) {
+            let mut starts = vec![0];
+            for n in &sizes {
+                starts.push(starts.last().unwrap() + n);
+            }
+            let total = *starts.last().unwrap();
+            let mut seen = vec![0u8; total];
+            let mut cover = |rows: Range<usize>| {
+                prop_assert_eq!(rows.start % q, 0, "{:?}", rows);
+                for r in rows {
+                    seen[r] += 1;
+                }
+                Ok(())
+            };
+            for b in starts.windows(2) {
+                let mut run = DirectRun::new(b[0], q, row_bytes, write_bytes);
+                for packed in b[0]..=b[1] {
+                    if let Some(rows) = run.take(packed, q, false) {
+                        cover(rows)?;
+                    }
+                }
+                if let Some(rows) = run.take(b[1], q, true) {
+                    cover(rows)?;
+                }
+            }
+            for rows in unpushed(starts.iter().copied(), total, q) {
+                cover(rows)?;
+            }
+            prop_assert!(seen.iter().all(|&n| n == 1), "{:?}", seen);
+        }
     }
 }

@@ -1,7 +1,12 @@
-//! The host device: "kernels" are CPU threads over contiguous chunks of the work.
+//! The host device: "kernels" are CPU threads over contiguous chunks of the work, and
+//! the proxy's FIFOs live in mappings of their own that those threads store into.
 
 use std::ops::Range;
 
+use uep_fifo::{Fifo, FifoAlloc, FifoError, FifoMemory};
+use uep_shm::Region;
+
+use super::Device;
 use crate::error::{EpError, Result};
 
 /// The host device: runs a kernel over `n` items on `threads` CPU threads.
@@ -18,6 +23,54 @@ fn panicked(payload: Box<dyn std::any::Any + Send>) -> EpError {
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(no message)".into());
     EpError::Panicked(msg)
+}
+
+impl Device for HostDevice {
+    fn name(&self) -> &str {
+        "host"
+    }
+
+    fn lanes(&self) -> usize {
+        self.threads
+    }
+
+    fn launch(&self, n: usize, kernel: &(dyn Fn(Range<usize>) -> Result<()> + Sync)) -> Result<()> {
+        HostDevice::launch(self, n, kernel)
+    }
+
+    fn fifo_alloc(&self) -> &dyn FifoAlloc {
+        &HostFifos
+    }
+}
+
+/// The host device's FIFOs: each in a page-aligned mapping of its own, apart from the
+/// registered region, stored into by the kernel threads and read by the proxy.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostFifos;
+
+/// A mapping that holds one FIFO.
+struct FifoMapping(Region);
+
+// SAFETY: `Region` keeps its mapping alive while it lives (page-aligned, so
+// `REGION_ALIGN`-aligned), and this one is made for a single FIFO and reached only
+// through it (the mapping is anonymous and never handed out).
+#[allow(unsafe_code)]
+unsafe impl FifoMemory for FifoMapping {
+    fn base(&self) -> *mut u8 {
+        self.0.as_ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+impl FifoAlloc for HostFifos {
+    fn alloc_fifo(&self, capacity: usize) -> std::result::Result<Fifo, FifoError> {
+        let bytes = uep_fifo::region_bytes(capacity);
+        let region = Region::anonymous(bytes).map_err(|_| FifoError::AllocFailed { bytes })?;
+        Fifo::in_memory(std::sync::Arc::new(FifoMapping(region)), capacity)
+    }
 }
 
 impl HostDevice {
@@ -144,6 +197,15 @@ mod tests {
                 assert_eq!(out, want);
             }
         }
+    }
+
+    #[test]
+    fn host_fifos_carry_commands() {
+        let fifo = HostFifos.alloc_fifo(8).unwrap();
+        let cmd = uep_fifo::TransferCmd { word0: 3, word1: 4 };
+        let slot = fifo.try_push(cmd).unwrap();
+        let mut c = fifo.consumer().unwrap();
+        assert_eq!(c.poll(), Some((slot, cmd)));
     }
 
     #[test]

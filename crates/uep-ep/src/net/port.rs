@@ -1,0 +1,164 @@
+//! A kernel's end of a channel: the FIFO into which the threads that pack a packet push
+//! the one-sided writes of what they packed, *while* they pack, as UCCL-EP's GPU kernels
+//! push each token's command into their channel's FIFO. The proxy posts a write while
+//! later tokens are still being packed; the host only opens the channel (a [`Port`] in
+//! a [`super::Staged`] area) and closes it (the announcement or count signal, and a
+//! Quiet) once the kernel is done.
+//!
+//! A `Port` is `Sync`: every kernel thread pushes into the same FIFO (the ring takes
+//! many producers), so the channel's writes stay in one FIFO, which is what the ordered
+//! stream and the fence need (a channel's writes and its signal meet on one proxy
+//! thread).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use uep_fifo::{Fifo, Slot};
+use uep_proxy::{cmds, Waker};
+use uep_wire::TransferCmd;
+
+use super::packet::Channel;
+use super::{Write, ORDERED_STREAM};
+use crate::error::{EpError, Result};
+
+/// How a port's writes are counted at the receiver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Counting {
+    /// Normal mode: writes of the ordered stream, covered by the announcement that
+    /// follows them in the same FIFO.
+    Ordered,
+    /// Low-latency mode: arrivals of fence key `(kind, key)`, counted by the receiving
+    /// proxy against the block's count signal.
+    Fenced { kind: u8, key: u16 },
+}
+
+/// The kernels' end of the FIFO that carries one packet to one peer; see the module
+/// docs. Made by `NetPath::stage`.
+#[derive(Debug)]
+pub struct Port {
+    fifo: Arc<Fifo>,
+    /// The proxy thread that owns `fifo`.
+    thread: usize,
+    waker: Option<Waker>,
+    me: usize,
+    dst: usize,
+    ch: Channel,
+    counting: Counting,
+    /// When the call that opened the port gives up on a full FIFO.
+    deadline: Instant,
+    /// How long the proxy lets a command wait (for the message of a full FIFO).
+    proxy_timeout: Duration,
+    /// Largest single write.
+    write_bytes: usize,
+    /// Writes pushed so far (for a fenced port: arrivals the signal must count).
+    writes: AtomicU64,
+    /// Bytes of this rank's whole network path handed to the proxy.
+    sent_bytes: Arc<AtomicU64>,
+}
+
+/// Everything a [`Port`] is opened with.
+pub(crate) struct PortInit {
+    pub fifo: Arc<Fifo>,
+    pub thread: usize,
+    pub waker: Option<Waker>,
+    pub me: usize,
+    pub dst: usize,
+    pub ch: Channel,
+    pub counting: Counting,
+    pub deadline: Instant,
+    pub proxy_timeout: Duration,
+    pub write_bytes: usize,
+    pub sent_bytes: Arc<AtomicU64>,
+}
+
+impl Port {
+    pub(crate) fn open(init: PortInit) -> Port {
+        Port {
+            fifo: init.fifo,
+            thread: init.thread,
+            waker: init.waker,
+            me: init.me,
+            dst: init.dst,
+            ch: init.ch,
+            counting: init.counting,
+            deadline: init.deadline,
+            proxy_timeout: init.proxy_timeout,
+            write_bytes: init.write_bytes,
+            writes: AtomicU64::new(0),
+            sent_bytes: init.sent_bytes,
+        }
+    }
+
+    /// Push the write `w`, cut into writes of at most the path's write size, and wake
+    /// the proxy thread. From any kernel thread; the writes of one thread stay in the
+    /// order it pushed them.
+    pub fn put(&self, w: Write) -> Result<()> {
+        self.push_write(w)?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Push `w` (cut into pieces) without waking the proxy.
+    pub(crate) fn push_write(&self, w: Write) -> Result<()> {
+        for p in w.pieces(self.write_bytes) {
+            let (src, dst, len) = (p.src as u64, p.dst as u64, p.len as u32);
+            let cmd = match self.counting {
+                Counting::Ordered => cmds::normal_write(self.dst, src, dst, len, ORDERED_STREAM, 0),
+                Counting::Fenced { kind, key } => {
+                    cmds::ll_write(self.dst, src, dst, len, kind, key)
+                }
+            };
+            self.push(encode(self.me, cmd)?)?;
+            self.writes.fetch_add(1, Ordering::Relaxed);
+        }
+        self.sent_bytes.fetch_add(w.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Push one command, waiting while the FIFO is full until the call's deadline.
+    pub(crate) fn push(&self, cmd: TransferCmd) -> Result<Slot> {
+        self.fifo
+            .push(cmd, self.deadline)
+            .map_err(|e| EpError::Timeout {
+                what: format!(
+                    "rank {}: sending a {:?} packet to rank {}",
+                    self.me, self.ch, self.dst
+                ),
+                detail: format!("the FIFO of proxy thread {} stayed full ({e})", self.thread),
+                waited: self.proxy_timeout,
+            })
+    }
+
+    /// Unpark the proxy thread that owns the FIFO (an idle one sleeps up to 1 ms).
+    pub(crate) fn wake(&self) {
+        if let Some(w) = &self.waker {
+            w.wake();
+        }
+    }
+
+    /// Writes pushed so far.
+    pub(crate) fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Largest single write.
+    pub(crate) fn write_bytes(&self) -> usize {
+        self.write_bytes
+    }
+
+    /// Cut writes into pieces of `bytes` (a multiple of 16) from now on.
+    pub(crate) fn set_write_bytes(&mut self, bytes: usize) {
+        self.write_bytes = bytes;
+    }
+
+    /// The FIFO and its proxy thread.
+    pub(crate) fn fifo(&self) -> (&Arc<Fifo>, usize) {
+        (&self.fifo, self.thread)
+    }
+}
+
+/// A command built from a validated [`Write`] (it cannot fail to encode).
+pub(crate) fn encode(me: usize, cmd: uep_proxy::Result<TransferCmd>) -> Result<TransferCmd> {
+    cmd.map_err(|e| EpError::internal(format!("rank {me}: encoding a validated write: {e}")))
+}
