@@ -14,29 +14,7 @@ pub const LAUNCHER_LOCAL: &str = "local";
 /// `MASTER_PORT + 1` (see [`WorldInfo::from_vars`]).
 pub const PORT_VAR: &str = "UEP_MASTER_PORT";
 
-/// Which launcher's variables a [`WorldInfo`] was read from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EnvSource {
-    /// torchrun (or any launcher that sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, ...).
-    Torchrun,
-    /// Open MPI's `mpirun` (`OMPI_COMM_WORLD_*`).
-    OpenMpi,
-    /// Slurm's `srun` (`SLURM_PROCID`, ...).
-    Slurm,
-    /// `uep` itself ([`crate::launch_local`]): torchrun-style variables plus `UEP_LAUNCHER=local`.
-    Uep,
-}
-
-impl fmt::Display for EnvSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            EnvSource::Torchrun => "torchrun",
-            EnvSource::OpenMpi => "Open MPI",
-            EnvSource::Slurm => "Slurm",
-            EnvSource::Uep => "uep",
-        })
-    }
-}
+pub use crate::launcher::EnvSource;
 
 /// Where this process sits in the job: its rank, the node layout and how to reach rank 0.
 ///

@@ -3,7 +3,7 @@
 use std::io;
 use std::time::Duration;
 
-use crate::env::EnvSource;
+use crate::launcher::EnvSource;
 
 /// Everything that can go wrong while discovering ranks, rendezvousing or launching.
 ///

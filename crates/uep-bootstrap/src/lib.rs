@@ -24,6 +24,7 @@ mod error;
 mod fdpass;
 mod group;
 mod launch;
+mod launcher;
 mod proto;
 
 #[cfg(test)]

@@ -354,7 +354,7 @@ impl Buffer {
             self.cfg.timeout,
             self.symm.local(),
             &self.map.control,
-            self.net.as_ref(),
+            self.net.as_ref().map(|n| n as &dyn crate::wait::Remote),
         )
     }
 

@@ -5,16 +5,16 @@ use std::time::Duration;
 
 use crate::error::Result;
 use crate::invalid;
-use crate::map::RegionMap;
-use crate::net::NetConfig;
+use uep_proxy::ProxyConfig;
+use uep_transport::{FabricOptions, FaultConfig};
+
+use crate::liveness::LivenessConfig;
 
 /// Default deadline of every wait, unless `UEP_TIMEOUT_S` or the config says otherwise
 /// (DeepEP's CPU timeout).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(100);
 
-/// Widest node the relay handles: a token's destinations inside a node travel as a
-/// 64-bit mask.
-pub const MAX_RANKS_PER_NODE: usize = 64;
+pub use crate::topology::MAX_RANKS_PER_NODE;
 
 /// The shape one mode's calls may use: they may dispatch up to `max_tokens` tokens of
 /// `hidden` channels with `topk` slots to `num_experts` experts.
@@ -122,12 +122,6 @@ impl BufferConfig {
         }
     }
 
-    /// Bytes of registered memory each rank needs for this config on `num_ranks` ranks
-    /// spread over `num_nodes` nodes (most of it is touched only when used).
-    pub fn bytes_needed(&self, num_ranks: usize, num_nodes: usize) -> usize {
-        RegionMap::new(self, num_ranks, num_nodes > 1).total
-    }
-
     /// What every rank must agree on, as text (shown when ranks disagree).
     pub(crate) fn fingerprint(&self, bytes: usize) -> String {
         let mode = |s: &Option<Shape>| match s {
@@ -190,4 +184,37 @@ pub fn ranks_per_node_from_env() -> Option<usize> {
         .parse::<usize>()
         .ok()
         .filter(|&n| n > 0)
+}
+
+/// Default largest single write of a packet: big enough to stream, small enough that
+/// the proxy interleaves peers and the first bytes move while the last are staged.
+pub const DEFAULT_WRITE_BYTES: usize = 1 << 20;
+
+/// How the network path is set up.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NetConfig {
+    /// libfabric options (provider, interface).
+    pub fabric: FabricOptions,
+    /// Proxy threads, FIFOs, flow control.
+    pub proxy: ProxyConfig,
+    /// Wrap every transport in a fault injector (tests and soak runs).
+    pub faults: Option<FaultConfig>,
+    /// How quickly a peer on another node is judged gone.
+    pub liveness: LivenessConfig,
+    /// Largest write a packet is cut into (a multiple of 16). Packets batch every token
+    /// bound for a peer; a token row's size here sends one write per row instead, as an
+    /// unbatched design would (`uep bench --net-write-bytes` compares them).
+    pub write_bytes: usize,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        NetConfig {
+            fabric: FabricOptions::from_env(),
+            proxy: ProxyConfig::default(),
+            faults: None,
+            liveness: LivenessConfig::default(),
+            write_bytes: DEFAULT_WRITE_BYTES,
+        }
+    }
 }

@@ -37,7 +37,7 @@ use crate::buffer::Buffer;
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::liveness::Gone;
-use crate::net::packet::Channel;
+use crate::packet::Channel;
 
 /// The mask and what led to it.
 #[derive(Debug)]

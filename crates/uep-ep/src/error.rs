@@ -5,7 +5,7 @@
 //! and the Buffer stays usable), a wait that passed its deadline, a peer that died or
 //! gave up, and the failures of the layers below with their sources kept.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Result alias of the EP layer.
 pub type Result<T, E = EpError> = std::result::Result<T, E>;
@@ -63,7 +63,7 @@ pub enum EpError {
         /// Who waited for what.
         what: String,
         /// Who was lost, and how that was known.
-        lost: Box<crate::liveness::Lost>,
+        lost: Box<Lost>,
     },
     /// Elastic mode: the other ranks masked this one (they found it gone, or their
     /// callers masked it) and went on without it.
@@ -180,4 +180,57 @@ impl From<uep_bootstrap::BootstrapError> for EpError {
 #[macro_export]
 macro_rules! invalid {
     ($($arg:tt)*) => { $crate::error::EpError::InvalidArgument(format!($($arg)*)) };
+}
+
+/// How a peer was found gone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Gone {
+    /// Its host closed our connection: the process exited or was killed.
+    Died {
+        /// The connection's last word (`end of stream`, `connection reset`, ...).
+        detail: String,
+    },
+    /// Its host acknowledged nothing for `silent_for` on the connection to rank
+    /// `via`: the host is down or the link to it is cut. One kernel acknowledges for
+    /// every rank on a host, so the first such connection condemns them all.
+    Unreachable {
+        /// How long nothing was acknowledged.
+        silent_for: Duration,
+        /// The rank on that node whose connection timed out first.
+        via: usize,
+    },
+}
+
+/// A peer found gone: who, where, how, and when this rank learnt it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lost {
+    /// The rank.
+    pub rank: usize,
+    /// Its node.
+    pub node: usize,
+    /// Its host, as it advertised itself.
+    pub host: String,
+    /// How it was found gone.
+    pub how: Gone,
+    /// When the watcher reached the verdict.
+    pub at: Instant,
+}
+
+impl std::fmt::Display for Lost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (rank, node, host) = (self.rank, self.node, &self.host);
+        match &self.how {
+            Gone::Died { detail } => write!(
+                f,
+                "rank {rank} on node {node} ({host}) died: its host closed our liveness \
+                 connection ({detail}), so its process exited or was killed"
+            ),
+            Gone::Unreachable { silent_for, via } => write!(
+                f,
+                "node {node} ({host}) is unreachable: nothing sent to rank {via} there was \
+                 acknowledged for {silent_for:?}, so the host is down or the link to it \
+                 is cut"
+            ),
+        }
+    }
 }

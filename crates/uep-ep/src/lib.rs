@@ -32,6 +32,7 @@ pub mod ll;
 pub mod map;
 pub mod net;
 pub mod normal;
+pub mod packet;
 pub mod quant;
 pub mod symm;
 pub mod tokens;

@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 
 use uep_bootstrap::ControlPlane;
 
+pub use crate::error::{Gone, Lost};
+
 use crate::error::{EpError, Result};
 use crate::topology::Topology;
 
@@ -59,59 +61,6 @@ impl Default for LivenessConfig {
             .unwrap_or(600);
         LivenessConfig {
             unreachable_after: Duration::from_millis(ms),
-        }
-    }
-}
-
-/// How a peer was found gone.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Gone {
-    /// Its host closed our connection: the process exited or was killed.
-    Died {
-        /// The connection's last word (`end of stream`, `connection reset`, ...).
-        detail: String,
-    },
-    /// Its host acknowledged nothing for `silent_for` on the connection to rank
-    /// `via`: the host is down or the link to it is cut. One kernel acknowledges for
-    /// every rank on a host, so the first such connection condemns them all.
-    Unreachable {
-        /// How long nothing was acknowledged.
-        silent_for: Duration,
-        /// The rank on that node whose connection timed out first.
-        via: usize,
-    },
-}
-
-/// A peer found gone: who, where, how, and when this rank learnt it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Lost {
-    /// The rank.
-    pub rank: usize,
-    /// Its node.
-    pub node: usize,
-    /// Its host, as it advertised itself.
-    pub host: String,
-    /// How it was found gone.
-    pub how: Gone,
-    /// When the watcher reached the verdict.
-    pub at: Instant,
-}
-
-impl std::fmt::Display for Lost {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (rank, node, host) = (self.rank, self.node, &self.host);
-        match &self.how {
-            Gone::Died { detail } => write!(
-                f,
-                "rank {rank} on node {node} ({host}) died: its host closed our liveness \
-                 connection ({detail}), so its process exited or was killed"
-            ),
-            Gone::Unreachable { silent_for, via } => write!(
-                f,
-                "node {node} ({host}) is unreachable: nothing sent to rank {via} there was \
-                 acknowledged for {silent_for:?}, so the host is down or the link to it \
-                 is cut"
-            ),
         }
     }
 }

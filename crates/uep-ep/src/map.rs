@@ -16,7 +16,7 @@
 
 use crate::area::{Area, Layout, ALIGN};
 use crate::config::{BufferConfig, Shape};
-use crate::net::packet::{
+use crate::packet::{
     Channel, CombinePacket, DispatchPacket, LlCombinePacket, LlDispatchPacket, NotifyHead,
     NotifyPacket, RowFormat, CHANNELS, LL_BUFFERS,
 };
@@ -450,6 +450,14 @@ impl RegionMap {
             net,
             total: l.len(),
         }
+    }
+}
+
+impl BufferConfig {
+    /// Bytes of registered memory each rank needs for this config on `num_ranks` ranks
+    /// spread over `num_nodes` nodes (most of it is touched only when used).
+    pub fn bytes_needed(&self, num_ranks: usize, num_nodes: usize) -> usize {
+        RegionMap::new(self, num_ranks, num_nodes > 1).total
     }
 }
 

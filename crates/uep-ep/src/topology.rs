@@ -2,9 +2,12 @@
 
 use std::ops::Range;
 
-use crate::config::MAX_RANKS_PER_NODE;
 use crate::error::Result;
 use crate::invalid;
+
+/// Widest node the relay handles: a token's destinations inside a node travel as a
+/// 64-bit mask.
+pub const MAX_RANKS_PER_NODE: usize = 64;
 
 /// Ranks are numbered node by node: rank `r` is local rank `r % L` of node `r / L`.
 /// Ranks of one node share memory; ranks of different nodes talk through the proxy.

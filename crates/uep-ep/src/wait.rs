@@ -18,9 +18,8 @@ use std::time::{Duration, Instant};
 use uep_shm::Region;
 
 use crate::area::Mem;
-use crate::error::{EpError, Result};
+use crate::error::{EpError, Lost, Result};
 use crate::map::ControlAreas;
-use crate::net::NetPath;
 
 /// Spin iterations before the first yield; short, because a peer on the same core
 /// cannot make progress while we spin.
@@ -123,8 +122,22 @@ pub struct Wait<'a> {
     /// Elastic mode: only the awaited peer's loss ends the wait (the caller masks it
     /// and goes on); other ranks' losses are not this wait's business.
     elastic: bool,
-    /// The proxy, when there is a network path.
-    net: Option<&'a NetPath>,
+    /// The proxy and the ranks on other nodes, when there is a network path.
+    net: Option<&'a dyn Remote>,
+}
+
+/// What a wait watches beyond this node: the proxy's health and the ranks on other
+/// nodes. The network path implements it; the wait sits below it.
+pub trait Remote {
+    /// A fatal error of the proxy, if any.
+    fn check(&self) -> Result<()>;
+    /// Whether `rank` (on another node) is gone, and how that was known.
+    fn lost(&self, rank: usize) -> Option<Lost>;
+    /// The first rank on another node found gone, if any (one load when none is).
+    fn first_lost(&self) -> Option<Lost>;
+    /// For a rank on another node: where it is and that only the network reaches it,
+    /// for the message of a wait on it that timed out.
+    fn remote_note(&self, rank: usize) -> Option<String>;
 }
 
 impl<'a> Wait<'a> {
@@ -133,7 +146,7 @@ impl<'a> Wait<'a> {
         timeout: Duration,
         region: &'a Region,
         control: &'a ControlAreas,
-        net: Option<&'a NetPath>,
+        net: Option<&'a dyn Remote>,
     ) -> Self {
         Wait {
             deadline: Instant::now() + timeout,
@@ -276,13 +289,9 @@ impl<'a> Wait<'a> {
         let Some(net) = self.net else {
             return Ok(());
         };
-        let lost = if self.elastic {
-            peer.and_then(|p| net.lost(p.rank))
-        } else if net.liveness().any_lost() {
-            // One load on the hot path: the watch over other nodes says someone is gone.
-            net.liveness().first_lost().cloned()
-        } else {
-            None
+        let lost = match self.elastic {
+            true => peer.and_then(|p| net.lost(p.rank)),
+            false => net.first_lost(),
         };
         match lost {
             Some(lost) => Err(EpError::PeerLost {

@@ -12,8 +12,8 @@ use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::error::{EpError, Result};
 use crate::invalid;
-use crate::net::packet::{ll_combine_groups, Channel, LlCombinePacket, LL_BUFFERS};
 use crate::net::Write;
+use crate::packet::{ll_combine_groups, Channel, LlCombinePacket, LL_BUFFERS};
 use crate::quant::reduce_rows;
 
 impl Buffer {

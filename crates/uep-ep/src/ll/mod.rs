@@ -35,7 +35,7 @@
 //! counts the count signals applied, each only once the writes it counts have landed. A
 //! dispatch's packet is one block (each token once, for all its experts there); a
 //! combine fences groups of adjacent local experts (at least
-//! [`LL_COMBINE_GROUP_BYTES`](crate::net::packet::LL_COMBINE_GROUP_BYTES) each, cut
+//! [`LL_COMBINE_GROUP_BYTES`](crate::packet::LL_COMBINE_GROUP_BYTES) each, cut
 //! from counts both sides know), each usable as soon as its own signal is in. Receives
 //! may be deferred past later calls
 //! (DeepEP's hooks; a combine between two dispatches and their receives): a receive
@@ -50,7 +50,7 @@ use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::error::Result;
 use crate::invalid;
-use crate::net::packet::{Channel, LL_BUFFERS};
+use crate::packet::{Channel, LL_BUFFERS};
 use crate::tokens::RecvTokens;
 use crate::wait::Wait;
 

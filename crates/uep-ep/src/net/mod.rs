@@ -30,7 +30,6 @@
 //! the LL fence, `Quiet` to learn that a staging area may be reused, and the
 //! `NodeLeader` barrier. Atomics emulation is not used here.
 
-pub mod packet;
 mod port;
 
 use std::cell::{Cell, RefCell};
@@ -40,60 +39,28 @@ use std::time::Instant;
 
 use uep_bootstrap::ControlPlane;
 use uep_fifo::{Fifo, FifoAlloc, Slot};
-use uep_proxy::{cmds, ArrivalWatch, CounterLayout, Proxy, ProxyConfig};
+use uep_proxy::{cmds, ArrivalWatch, CounterLayout, Proxy};
 use uep_shm::Region;
 use uep_transport::{
-    FabricOptions, FaultConfig, FaultyTransport, LibfabricTransport, PeerAddr, RegionRef, Transport,
+    FaultConfig, FaultyTransport, LibfabricTransport, PeerAddr, RegionRef, Transport,
 };
 use uep_wire::BarrierScope;
 
 use crate::area::{Area, Mem};
 use crate::error::{EpError, Result};
-use crate::liveness::{Gone, Liveness, LivenessConfig, Lost};
+use crate::liveness::{Gone, Liveness, Lost};
 use crate::map::{ControlAreas, NetAreas};
 use crate::topology::Topology;
-use crate::wait::{Peer, Wait};
+use crate::wait::{Peer, Remote, Wait};
 
-pub use packet::{Channel, CHANNELS, LL_BUFFERS};
+pub use crate::config::{NetConfig, DEFAULT_WRITE_BYTES};
+pub use crate::packet::{Channel, CHANNELS, LL_BUFFERS};
 pub use port::Port;
 use port::{encode, Counting, PortInit};
 
 /// The proxy channel of the ordered stream to each peer (normal mode and the
 /// agreement); the abort message travels there too (it counts nothing).
 const ORDERED_STREAM: u8 = 0;
-
-/// Default largest single write of a packet: big enough to stream, small enough that
-/// the proxy interleaves peers and the first bytes move while the last are staged.
-pub const DEFAULT_WRITE_BYTES: usize = 1 << 20;
-
-/// How the network path is set up.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NetConfig {
-    /// libfabric options (provider, interface).
-    pub fabric: FabricOptions,
-    /// Proxy threads, FIFOs, flow control.
-    pub proxy: ProxyConfig,
-    /// Wrap every transport in a fault injector (tests and soak runs).
-    pub faults: Option<FaultConfig>,
-    /// How quickly a peer on another node is judged gone.
-    pub liveness: LivenessConfig,
-    /// Largest write a packet is cut into (a multiple of 16). Packets batch every token
-    /// bound for a peer; a token row's size here sends one write per row instead, as an
-    /// unbatched design would (`uep bench --net-write-bytes` compares them).
-    pub write_bytes: usize,
-}
-
-impl Default for NetConfig {
-    fn default() -> Self {
-        NetConfig {
-            fabric: FabricOptions::from_env(),
-            proxy: ProxyConfig::default(),
-            faults: None,
-            liveness: LivenessConfig::default(),
-            write_bytes: DEFAULT_WRITE_BYTES,
-        }
-    }
-}
 
 /// A one-sided write from this rank's region to the same-layout region of a peer,
 /// validated once: equal lengths, 16-byte aligned, inside the region. What
@@ -643,21 +610,6 @@ impl NetPath {
         self.wait_landed(self.fence_word(ch, le, src)?, n << 32, src, wait, what)
     }
 
-    /// For a rank on another node: which node and host it is on, and that only the
-    /// network connects us, for the message of a wait on it that timed out. `None`
-    /// for a rank on this node.
-    pub fn remote_note(&self, rank: usize) -> Option<String> {
-        let node = rank / self.ranks_per_node;
-        if node == self.me / self.ranks_per_node {
-            return None;
-        }
-        let host = self.hosts.get(rank).map_or("", String::as_str);
-        Some(format!(
-            "rank {rank} is on node {node} (host {host}), reached only over the network: that \
-             node, the link to it, or its processes stopped answering"
-        ))
-    }
-
     /// Keep this rank's receiving proxy thread polling until the guard drops: for a
     /// call that expects packets, from before it packs its own, so that peers' streamed
     /// rows keep landing meanwhile (`tcp;ofi_rxm` moves bytes only while the receiver
@@ -846,9 +798,25 @@ impl NetPath {
         &self.liveness
     }
 
+    /// Stop sending to `rank` (masked in elastic mode): its proxy operations in flight
+    /// are given up on, later ones dropped.
+    pub fn mark_lost(&self, rank: usize) {
+        self.proxy.mark_lost(rank);
+    }
+}
+
+impl Remote for NetPath {
+    /// A fatal error of a proxy thread, if any.
+    fn check(&self) -> Result<()> {
+        self.proxy.check().map_err(|source| EpError::Proxy {
+            rank: self.me,
+            source: Box::new(source),
+        })
+    }
+
     /// Whether `rank` is gone, and how that was known: the liveness watch's verdict,
     /// or (with `ProxyConfig::elastic`) an operation to it that failed.
-    pub fn lost(&self, rank: usize) -> Option<Lost> {
+    fn lost(&self, rank: usize) -> Option<Lost> {
         if let Some(l) = self.liveness.lost(rank) {
             return Some(l.clone());
         }
@@ -863,18 +831,27 @@ impl NetPath {
         })
     }
 
-    /// Stop sending to `rank` (masked in elastic mode): its proxy operations in flight
-    /// are given up on, later ones dropped.
-    pub fn mark_lost(&self, rank: usize) {
-        self.proxy.mark_lost(rank);
+    fn first_lost(&self) -> Option<Lost> {
+        // One load on the hot path: the watch over other nodes says someone is gone.
+        match self.liveness.any_lost() {
+            true => self.liveness.first_lost().cloned(),
+            false => None,
+        }
     }
 
-    /// A fatal error of a proxy thread, if any.
-    pub fn check(&self) -> Result<()> {
-        self.proxy.check().map_err(|source| EpError::Proxy {
-            rank: self.me,
-            source: Box::new(source),
-        })
+    /// For a rank on another node: which node and host it is on, and that only the
+    /// network connects us, for the message of a wait on it that timed out. `None`
+    /// for a rank on this node.
+    fn remote_note(&self, rank: usize) -> Option<String> {
+        let node = rank / self.ranks_per_node;
+        if node == self.me / self.ranks_per_node {
+            return None;
+        }
+        let host = self.hosts.get(rank).map_or("", String::as_str);
+        Some(format!(
+            "rank {rank} is on node {node} (host {host}), reached only over the network: that \
+             node, the link to it, or its processes stopped answering"
+        ))
     }
 }
 

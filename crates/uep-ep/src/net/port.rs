@@ -18,9 +18,9 @@ use uep_fifo::{Fifo, Slot};
 use uep_proxy::{cmds, Waker};
 use uep_wire::TransferCmd;
 
-use super::packet::Channel;
 use super::{Write, ORDERED_STREAM};
 use crate::error::{EpError, Result};
+use crate::packet::Channel;
 
 /// How a port's writes are counted at the receiver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use crate::buffer::Buffer;
 use crate::error::Result;
 use crate::invalid;
 use crate::map::NormalAreas;
-use crate::net::packet::{Channel, CombinePacket};
+use crate::packet::{Channel, CombinePacket};
 use crate::quant::reduce_rows;
 use crate::wait::Wait;
 

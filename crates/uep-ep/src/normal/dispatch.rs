@@ -16,10 +16,8 @@ use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::layout::{get_dispatch_layout, DispatchLayout};
 use crate::map::NormalAreas;
-use crate::net::packet::{
-    Channel, DispatchHeader, DispatchPacket, NotifyHead, NotifyPacket, RowFormat,
-};
 use crate::net::{Staged, Write};
+use crate::packet::{Channel, DispatchHeader, DispatchPacket, NotifyHead, NotifyPacket, RowFormat};
 use crate::tokens::RecvTokens;
 use crate::wait::Wait;
 

@@ -19,7 +19,7 @@ use crate::buffer::Buffer;
 use crate::error::Result;
 use crate::invalid;
 use crate::map::NormalAreas;
-use crate::net::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
+use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
 use crate::quant::reduce_rows;
 use crate::wait::Wait;
 
