@@ -13,6 +13,23 @@ def test_exports_match_deepep():
         assert hasattr(deep_ep, name), name
     assert deep_ep.topk_idx_t is torch.int64
     assert issubclass(deep_ep.UepError, RuntimeError)
+
+
+def test_errors_are_typed_by_kind():
+    kinds = ["InvalidArgumentError", "CapacityError", "UepTimeoutError", "PeerLostError", "PeerAbortedError",
+             "ProtocolError", "ResourceError", "ControlPlaneError", "InternalError"]
+    for name in kinds:
+        cls = getattr(deep_ep, name)
+        assert issubclass(cls, deep_ep.UepError) and cls.__module__ == "uep", name
+    assert issubclass(deep_ep.InvalidArgumentError, ValueError)
+    assert issubclass(deep_ep.UepTimeoutError, TimeoutError)
+    assert not issubclass(deep_ep.PeerLostError, ValueError)
+    # An error the binding raises for bad input is of its kind, message unchanged.
+    from uep import _uep
+    with pytest.raises(deep_ep.InvalidArgumentError, match=r"^invalid argument: rank 5 of a group of 2$"):
+        _uep.Runtime(5, 2, lambda record: [record], 0, 10.0, 1)
+    with pytest.raises(ValueError, match=r"^invalid argument: timeout -1(\.0)? s must be positive$"):
+        _uep.Runtime(0, 1, lambda record: [record], 0, -1.0, 1)
     assert isinstance(deep_ep.__version__, str)
 
 

@@ -20,6 +20,7 @@ def test_memory_grows_with_the_shapes_used():
 def test_a_call_past_the_capacity_names_bytes_and_argument():
     for r in launch("capacity_error", 2):
         assert "raise num_nvl_bytes" in r["msg"], r["msg"]
+        assert r["type"] == "CapacityError", r
 
 
 @pytest.mark.parametrize("what", ["dtype", "ids", "noncontiguous", "ll_hidden", "ll_out_in_buffer"])
@@ -30,8 +31,10 @@ def test_bad_input_on_one_rank_raises_everywhere(what, first_call):
         assert r["seconds"] < 10, r
         if rank == 1:
             assert "invalid argument" in r["error"], r
+            assert r["type"] == "InvalidArgumentError" and r["value_error"], r
         else:
             assert "rank 1" in r["error"], r
+            assert r["type"] == "PeerAbortedError", r
 
 
 @pytest.mark.parametrize("mode", ["normal", "ll"])
@@ -39,6 +42,7 @@ def test_a_killed_peer_is_noticed_at_once(mode):
     results = launch("dead_peer", 4, env={"UEP_TIMEOUT_S": "60"}, killed=(3,), mode=mode)
     for r in results[:3]:
         assert "rank 3" in r["error"] and "died" in r["error"], r
+        assert r["type"] == "PeerLostError", r
         assert r["seconds"] < 5, r
 
 
@@ -46,6 +50,9 @@ def test_an_absent_peer_times_out_with_a_message():
     results = launch("timeout", 4, env={"UEP_TIMEOUT_S": "2"})
     for r in results[:3]:
         assert "timeout" in r["error"] and "rank 3" in r["error"], r
+        # The first rank to give up raises the timeout and tells the others, whose
+        # error is that peer's.
+        assert (r["type"], r["timeout_error"]) in (("UepTimeoutError", True), ("PeerAbortedError", False)), r
         assert 1.5 < r["seconds"] < 10, r
     assert results[3] == {"skipped": True}
 

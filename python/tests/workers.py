@@ -513,7 +513,7 @@ def capacity_error(ctx: Ctx) -> Dict[str, Any]:
     except deep_ep.UepError as e:
         msg = str(e)
         assert "num_nvl_bytes" in msg and "bytes" in msg and "capacity" in msg, msg
-        return {"msg": msg}
+        return {"msg": msg, "type": type(e).__name__}
     raise AssertionError("a dispatch past the capacity succeeded")
 
 
@@ -558,7 +558,8 @@ def bad_input(ctx: Ctx, what: str, first_call: bool) -> Dict[str, Any]:
         else:
             raise ValueError(what)
     except deep_ep.UepError as e:
-        return {"error": str(e), "seconds": time.monotonic() - start, "bad": bad}
+        return {"error": str(e), "seconds": time.monotonic() - start, "bad": bad, "type": type(e).__name__,
+                "value_error": isinstance(e, ValueError)}
     raise AssertionError(f"rank {rank}: the call with bad input on rank 1 succeeded")
 
 
@@ -582,7 +583,7 @@ def dead_peer(ctx: Ctx, mode: str) -> Dict[str, Any]:
             buffer.low_latency_dispatch(torch.randn((16, 512), dtype=torch.bfloat16), torch.randint(0, 8, (16, 4)),
                                         16, 8, use_fp8=False)
     except deep_ep.UepError as e:
-        return {"error": str(e), "seconds": time.monotonic() - start}
+        return {"error": str(e), "seconds": time.monotonic() - start, "type": type(e).__name__}
     raise AssertionError("a call with a dead peer succeeded")
 
 
@@ -599,7 +600,8 @@ def timeout(ctx: Ctx) -> Dict[str, Any]:
     try:
         normal_step(ctx, buffer, tokens=16, hidden=256, experts=8)
     except deep_ep.UepError as e:
-        return {"error": str(e), "seconds": time.monotonic() - start}
+        return {"error": str(e), "seconds": time.monotonic() - start, "type": type(e).__name__,
+                "timeout_error": isinstance(e, TimeoutError)}
     raise AssertionError("a call with an absent peer succeeded")
 
 

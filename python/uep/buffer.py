@@ -30,6 +30,7 @@ from .utils import EventHandle, EventOverlap
 topk_idx_t = torch.int64
 
 UepError = _uep.UepError
+InvalidArgumentError = _uep.InvalidArgumentError
 
 _DEFAULT_TIMEOUT_S = 100.0
 # (ranks) -> (num_sms-independent) chunking of DeepEP's tuned configs; uep does not use
@@ -121,7 +122,7 @@ class Buffer:
             raise ValueError("Buffer needs a torch.distributed group or an mpi4py comm")
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(v, int) or v < 0 or v % 128 != 0:
-                raise UepError(f"invalid argument: {name} = {v!r} must be a non-negative multiple of 128")
+                raise InvalidArgumentError(f"invalid argument: {name} = {v!r} must be a non-negative multiple of 128")
         if group is not None:
             self.rank, self.group_size = group.rank(), group.size()
 
@@ -220,7 +221,7 @@ class Buffer:
 
     def _shrink(self) -> Any:
         if not self.enable_shrink:
-            raise UepError("invalid argument: the mask needs Buffer(..., enable_shrink=True)")
+            raise InvalidArgumentError("invalid argument: the mask needs Buffer(..., enable_shrink=True)")
         return self._rt()
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
@@ -235,7 +236,7 @@ class Buffer:
         it shows from the next call on."""
         status = self._shrink().mask_query()
         if tuple(mask_status.shape) != (self.group_size,):
-            raise UepError(f"invalid argument: mask_status must have shape ({self.group_size},)")
+            raise InvalidArgumentError(f"invalid argument: mask_status must have shape ({self.group_size},)")
         mask_status.copy_(torch.tensor(status, dtype=mask_status.dtype))
 
     def low_latency_clean_mask_buffer(self) -> None:
@@ -252,7 +253,7 @@ class Buffer:
             return
         rt = self._shrink()
         if tuple(active_ranks.shape) != (self.group_size,):
-            raise UepError(f"invalid argument: active_ranks must have shape ({self.group_size},)")
+            raise InvalidArgumentError(f"invalid argument: active_ranks must have shape ({self.group_size},)")
         for r, alive in enumerate(active_ranks.tolist()):
             if not alive and r != self.rank:
                 rt.mask_update(r, True)
@@ -272,7 +273,7 @@ class Buffer:
 
     def _rt(self) -> Any:
         if self.runtime is None:
-            raise UepError("invalid argument: this Buffer was destroyed")
+            raise InvalidArgumentError("invalid argument: this Buffer was destroyed")
         return self.runtime
 
     def _fail(self, msg: str, mode: Optional[str] = None, *shape: int) -> None:
@@ -280,7 +281,7 @@ class Buffer:
         top-k, tokens) is as far as known (0: unknown): tell the other ranks the way
         that call would have met them (so none waits), and raise."""
         self._rt().reject_call(msg, mode, *[int(v) for v in shape])
-        raise UepError(f"invalid argument: {msg}")
+        raise InvalidArgumentError(f"invalid argument: {msg}")
 
     # ------------------------------------------------------------------ normal mode
 
@@ -293,7 +294,7 @@ class Buffer:
         [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None on one node,
         num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``."""
         if topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2:
-            raise UepError(f"invalid argument: topk_idx must be a 2-D {topk_idx_t} tensor, got {topk_idx.dtype} of shape {tuple(topk_idx.shape)}")
+            raise InvalidArgumentError(f"invalid argument: topk_idx must be a 2-D {topk_idx_t} tensor, got {topk_idx.dtype} of shape {tuple(topk_idx.shape)}")
         per_rank, per_node, per_expert, in_rank = self._rt().layout(_capsule(topk_idx.contiguous()), num_experts)
         out = (torch.from_dlpack(per_rank),
                None if per_node is None else torch.from_dlpack(per_node),

@@ -1,4 +1,5 @@
 //! uep command-line library
+pub mod args;
 pub mod bench;
 pub mod dump;
 pub mod info;

@@ -15,7 +15,7 @@ use half::bf16;
 use uep_bootstrap::{launch_local_with_grace, LaunchSpec, DEFAULT_GRACE};
 use uep_harness::workload::{JobShape, RankInput};
 
-use crate::bench::{make_inputs, BenchArgs, Modes};
+use crate::args::{make_inputs, BenchArgs, Modes};
 
 /// Where the CLI's build put the MPI peer (empty when `mpicc` was missing).
 const MPI_PEER: &str = env!("UEP_MPI_PEER");

@@ -11,12 +11,12 @@
 use std::time::Instant;
 
 use half::bf16;
-use uep_ep::{Buffer, DispatchArgs, LlCombineInput};
-use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
-use uep_harness::check::{self, Mismatches};
-use uep_harness::workload::{without_ranks, JobShape, RankInput, TokenData};
+use uep_ep::Buffer;
+use uep_harness::check::Mismatches;
+use uep_harness::step::{ll_step, normal_step, StepOpts};
+use uep_harness::workload::JobShape;
 
-use crate::bench::{make_inputs, step_salt, BenchArgs, Modes};
+use crate::args::{make_inputs, step_salt, BenchArgs, Modes};
 use crate::report::Progress;
 
 /// Resident and peak resident memory of this process, in KiB (`/proc/self/status`).
@@ -59,11 +59,21 @@ pub fn run(
         die_if_victim(args, shape, rank, step);
         let step_start = Instant::now();
         let masked_before = buffer.low_latency_mask().iter().filter(|&&m| m).count();
+        let opts = StepOpts {
+            fp8: args.fp8,
+            round_scale: args.round_scale,
+            expert_alignment: args.expert_alignment,
+            // Every other step the experts write into the combine buffer and the
+            // combine sends from there (zero copy), so faults meet both paths.
+            zero_copy: step % 2 == 1,
+        };
         if args.mode != Modes::Ll {
-            normal_step(buffer, args, shape, step, &mut bad, &mut y)?;
+            let inputs = make_inputs(args, shape, args.tokens, step_salt(0, step))?;
+            normal_step(buffer, inputs, shape, opts, &mut bad, &mut y)?;
         }
         if args.mode != Modes::Normal {
-            ll_step(buffer, args, shape, max_ll, step, &mut bad, &mut ll_y)?;
+            let inputs = make_inputs(args, shape, args.ll_tokens, step_salt(0x11, step))?;
+            ll_step(buffer, &inputs, shape, max_ll, opts, &mut bad, &mut ll_y)?;
         }
         let masked_now = buffer.low_latency_mask().iter().filter(|&&m| m).count();
         if masked_now > masked_before && recovery.first.is_none() {
@@ -122,107 +132,6 @@ fn unix_ms() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis())
-}
-
-fn normal_step(
-    buffer: &mut Buffer,
-    args: &BenchArgs,
-    shape: &JobShape,
-    step: u64,
-    bad: &mut Mismatches,
-    y: &mut Vec<bf16>,
-) -> anyhow::Result<()> {
-    let (rank, h) = (buffer.rank(), args.hidden);
-    let inputs = make_inputs(args, shape, args.tokens, step_salt(0, step))?;
-    let case = NormalCase::new(inputs, shape, rank, args.fp8, args.expert_alignment)?;
-    let mine = &case.sent[rank];
-    let out = buffer.dispatch(
-        DispatchArgs::new(case.x(rank))
-            .topk(&mine.topk_idx, Some(&mine.topk_weights))
-            .layout(&case.layout),
-    )?;
-    check::normal_dispatch(bad, &out, &case.expected, h);
-    let n = out.handle.num_recv_tokens;
-    y.resize(n * h, bf16::ZERO);
-    identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, y)?;
-    let w = out.recv_topk_weights.map(<[f32]>::to_vec);
-    let handle = out.handle;
-    let combined = buffer.combine(y, w.as_deref(), &handle)?;
-    bad.bits(
-        "combine.combined_x",
-        &combined.combined_x,
-        &case.expected_combine.0,
-    );
-    Ok(())
-}
-
-/// One low-latency step; in elastic mode each output is checked against the reference
-/// without the ranks that call masked.
-fn ll_step(
-    buffer: &mut Buffer,
-    args: &BenchArgs,
-    shape: &JobShape,
-    max_ll: usize,
-    step: u64,
-    bad: &mut Mismatches,
-    ll_y: &mut [bf16],
-) -> anyhow::Result<()> {
-    let (rank, world, h) = (buffer.rank(), buffer.num_ranks(), args.hidden);
-    let inputs = make_inputs(args, shape, args.ll_tokens, step_salt(0x11, step))?;
-    let mine = &inputs[rank];
-    let TokenData::Bf16(x) = &mine.x else {
-        unreachable!("workload inputs are bf16")
-    };
-    let case = |masked: &[bool]| -> anyhow::Result<LlCase> {
-        let seen: Vec<RankInput> = if masked.iter().any(|&m| m) {
-            without_ranks(&inputs, shape, masked)
-        } else {
-            inputs.clone()
-        };
-        Ok(LlCase::new(
-            rank,
-            seen,
-            shape,
-            max_ll,
-            args.fp8,
-            args.round_scale,
-        )?)
-    };
-    let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
-    let dispatched = case(&out.handle.masked)?;
-    check::ll_dispatch(bad, &out, &dispatched.expected, h);
-    let rows_per_expert = world * max_ll;
-    // Every other step the experts write into the combine buffer and the combine sends
-    // from there (zero copy), so faults meet both paths.
-    let zero_copy = step % 2 == 1;
-    let mut out = out;
-    let y = match (zero_copy, out.combine_buffer.take()) {
-        (true, Some(buffer)) => buffer,
-        (true, None) => anyhow::bail!("step {step}: no combine buffer after the dispatch"),
-        (false, _) => &mut *ll_y,
-    };
-    for (le, &n) in out.recv_count.iter().enumerate() {
-        let begin = le * rows_per_expert;
-        let layout = ScaleLayout::ColumnMajor { rows_per_expert };
-        identity_expert(out.recv_x, begin..begin + n as usize, h, layout, y)?;
-    }
-    let handle = out.handle;
-    let input = if zero_copy {
-        LlCombineInput::ZeroCopy
-    } else {
-        LlCombineInput::Rows(ll_y)
-    };
-    let combined =
-        buffer.low_latency_combine(input, &mine.topk_idx, &mine.topk_weights, &handle)?;
-    // A rank masked between dispatch and combine leaves the combine without its experts.
-    let combine_mask = buffer.low_latency_last_combine_mask();
-    let expected = if buffer.is_elastic() && combine_mask != handle.masked {
-        case(&combine_mask)?.expected_combine
-    } else {
-        dispatched.expected_combine
-    };
-    bad.bits("ll_combine.combined_x", &combined, &expected);
-    Ok(())
 }
 
 /// One rank's totals.

@@ -36,7 +36,7 @@ use clap::Parser;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use crate::bench::{BenchArgs, Modes};
+use crate::args::{BenchArgs, Modes};
 
 /// Largest tokens value for which a `tokens` sweep also runs low-latency mode.
 pub const LL_MAX_TOKENS: u64 = 128;

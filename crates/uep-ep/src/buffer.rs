@@ -162,10 +162,10 @@ impl Buffer {
             .map(|n| String::from_utf8_lossy(n).into_owned())
             .collect();
         if let Some(peer) = names.iter().position(String::is_empty) {
-            return Err(invalid!(
+            return Err(EpError::Resource(format!(
                 "rank {peer} could not create its shared memory segment of {} bytes",
                 map.total
-            ));
+            )));
         }
         let local: Vec<usize> = topo.node_ranks(topo.node).collect();
         let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
@@ -173,9 +173,9 @@ impl Buffer {
         let verdicts = cp.all_gather(&[symm.is_ok() as u8])?;
         let mut symm = symm?;
         if let Some(peer) = verdicts.iter().position(|v| v.first() != Some(&1)) {
-            return Err(invalid!(
+            return Err(EpError::Resource(format!(
                 "rank {peer} could not map the shared memory of its node"
-            ));
+            )));
         }
         symm.unlink()?;
         // An elastic job's proxies outlive a peer's failure.

@@ -5,8 +5,10 @@ use std::time::Duration;
 
 use crate::error::Result;
 use crate::invalid;
+use std::sync::Arc;
 use uep_proxy::ProxyConfig;
-use uep_transport::{FabricOptions, FaultConfig};
+
+use uep_transport::{Connector, FabricOptions, FaultConfig, LibfabricConnector};
 
 use crate::liveness::LivenessConfig;
 
@@ -195,6 +197,9 @@ pub const DEFAULT_WRITE_BYTES: usize = 1 << 20;
 pub struct NetConfig {
     /// libfabric options (provider, interface).
     pub fabric: FabricOptions,
+    /// Who opens the transports, when not libfabric with [`NetConfig::fabric`] (an
+    /// in-memory network in tests, another wire).
+    pub connector: Option<Connect>,
     /// Proxy threads, FIFOs, flow control.
     pub proxy: ProxyConfig,
     /// Wrap every transport in a fault injector (tests and soak runs).
@@ -207,10 +212,31 @@ pub struct NetConfig {
     pub write_bytes: usize,
 }
 
+/// A [`Connector`] in a [`NetConfig`]: configs compare equal when they share it.
+#[derive(Clone, Debug)]
+pub struct Connect(pub Arc<dyn Connector>);
+
+impl PartialEq for Connect {
+    fn eq(&self, other: &Connect) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.0), Arc::as_ptr(&other.0))
+    }
+}
+
+impl NetConfig {
+    /// The transports' connector: the configured one, else libfabric.
+    pub fn connector(&self) -> Arc<dyn Connector> {
+        match &self.connector {
+            Some(c) => c.0.clone(),
+            None => Arc::new(LibfabricConnector(self.fabric.clone())),
+        }
+    }
+}
+
 impl Default for NetConfig {
     fn default() -> Self {
         NetConfig {
             fabric: FabricOptions::from_env(),
+            connector: None,
             proxy: ProxyConfig::default(),
             faults: None,
             liveness: LivenessConfig::default(),

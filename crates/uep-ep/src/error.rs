@@ -1,9 +1,11 @@
 //! Errors of the EP layer: every message says what was wrong and what is allowed.
 //!
-//! Variants are what a caller can act on: bad input ([`EpError::InvalidArgument`]), a
-//! Buffer too small for a call ([`EpError::Capacity`], every rank returns it together
-//! and the Buffer stays usable), a wait that passed its deadline, a peer that died or
-//! gave up, and the failures of the layers below with their sources kept.
+//! Variants say what happened, with the failures of the layers below kept as sources;
+//! [`EpError::kind`] sorts them into what a caller can act on ([`ErrorKind`]): bad
+//! input, a Buffer too small for a call (every rank returns it together and the Buffer
+//! stays usable), a deadline passed, a peer lost or one that gave up, corrupt data from
+//! a peer, a resource (memory, mapping, transport) that failed, the control plane, or a
+//! bug of uep's own.
 
 use std::time::{Duration, Instant};
 
@@ -122,9 +124,65 @@ pub enum EpError {
     /// Control-plane (bootstrap) failure.
     #[error(transparent)]
     Bootstrap(Box<uep_bootstrap::BootstrapError>),
+    /// A peer sent data that breaks the protocol (a corrupt or inconsistent packet):
+    /// nothing this rank's caller passed is wrong.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// Memory, a mapping or another resource this rank or a peer needed could not be
+    /// had.
+    #[error("resource: {0}")]
+    Resource(String),
     /// A broken invariant of uep itself (please report it).
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// What kind of failure an [`EpError`] is: what a caller can act on.
+///
+/// ```
+/// use uep_ep::{EpError, ErrorKind};
+/// let e = EpError::InvalidArgument("topk_idx must be int64".into());
+/// assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+/// assert_eq!(e.kind().to_string(), "invalid");
+/// assert!(!e.is_peer_failure());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Bad input to a call, or a config that does not fit the job.
+    InvalidArgument,
+    /// A call needs more room than the Buffer has (the Buffer stays usable).
+    Capacity,
+    /// A wait passed its deadline.
+    Timeout,
+    /// A peer died or became unreachable (or this rank was masked by its peers).
+    PeerLost,
+    /// A peer gave up and said why; this Buffer is unusable after it.
+    PeerAborted,
+    /// A peer's data broke the protocol.
+    Protocol,
+    /// Memory, a mapping, a socket or the transport failed.
+    Resource,
+    /// The control plane (rendezvous, collectives of set-up) failed.
+    ControlPlane,
+    /// A bug of uep's own (a kernel thread that panicked included).
+    Internal,
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ErrorKind::InvalidArgument => "invalid",
+            ErrorKind::Capacity => "capacity",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::PeerLost => "peer_lost",
+            ErrorKind::PeerAborted => "peer_aborted",
+            ErrorKind::Protocol => "protocol",
+            ErrorKind::Resource => "resource",
+            ErrorKind::ControlPlane => "control_plane",
+            ErrorKind::Internal => "internal",
+        })
+    }
 }
 
 impl EpError {
@@ -134,33 +192,50 @@ impl EpError {
     }
 
     /// Whether the error came from another rank (it is that rank's to report): a peer
-    /// that died or gave up, or a Buffer already unusable because of one.
+    /// lost or one that gave up ([`ErrorKind::PeerLost`], [`ErrorKind::PeerAborted`]).
     pub fn is_peer_failure(&self) -> bool {
-        matches!(
-            self,
-            EpError::PeerDied { .. } | EpError::PeerAborted { .. } | EpError::Unusable { .. }
-        )
+        matches!(self.kind(), ErrorKind::PeerLost | ErrorKind::PeerAborted)
     }
 
-    /// A short name of the variant, for logs and tests.
-    pub fn kind(&self) -> &'static str {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            EpError::InvalidArgument(_) => "invalid",
-            EpError::Capacity { .. } => "capacity",
-            EpError::Timeout { .. } => "timeout",
+            EpError::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            EpError::Capacity { .. } => ErrorKind::Capacity,
+            EpError::Timeout { .. } => ErrorKind::Timeout,
+            // A proxy stops when an operation to a peer fails.
             EpError::PeerDied { .. }
             | EpError::PeerLost { .. }
             | EpError::Excluded { .. }
-            | EpError::PeerAborted { .. }
-            | EpError::Unusable { .. } => "peer",
-            EpError::Proxy { .. } => "proxy",
-            EpError::Transport { .. } => "transport",
-            EpError::Io { .. } => "io",
-            EpError::Panicked(_) => "panicked",
-            EpError::Shm(_) => "shm",
-            EpError::Bootstrap(_) => "bootstrap",
-            EpError::Internal(_) => "internal",
+            | EpError::Proxy { .. } => ErrorKind::PeerLost,
+            EpError::PeerAborted { .. } | EpError::Unusable { .. } => ErrorKind::PeerAborted,
+            EpError::Protocol(_) => ErrorKind::Protocol,
+            EpError::Transport { .. }
+            | EpError::Io { .. }
+            | EpError::Shm(_)
+            | EpError::Resource(_) => ErrorKind::Resource,
+            EpError::Bootstrap(b) => bootstrap_kind(b),
+            EpError::Panicked(_) | EpError::Internal(_) => ErrorKind::Internal,
         }
+    }
+}
+
+/// The kind of a control-plane failure: a rank that failed and said so is a peer that
+/// aborted, a deadline a timeout, a bad launch environment bad input.
+fn bootstrap_kind(e: &uep_bootstrap::BootstrapError) -> ErrorKind {
+    use uep_bootstrap::BootstrapError as B;
+    match e {
+        B::RankFailed { .. } => ErrorKind::PeerAborted,
+        B::ConnectTimeout { .. }
+        | B::JoinTimeout { .. }
+        | B::Timeout { .. }
+        | B::LaunchTimeout { .. } => ErrorKind::Timeout,
+        B::Protocol { .. } => ErrorKind::Protocol,
+        B::MissingVar { .. }
+        | B::InvalidVar { .. }
+        | B::InconsistentWorld(_)
+        | B::InvalidLaunch(_) => ErrorKind::InvalidArgument,
+        _ => ErrorKind::ControlPlane,
     }
 }
 
@@ -180,6 +255,13 @@ impl From<uep_bootstrap::BootstrapError> for EpError {
 #[macro_export]
 macro_rules! invalid {
     ($($arg:tt)*) => { $crate::error::EpError::InvalidArgument(format!($($arg)*)) };
+}
+
+/// Build an [`EpError::Protocol`] (a peer's data broke the protocol) with `format!`
+/// syntax.
+#[macro_export]
+macro_rules! protocol {
+    ($($arg:tt)*) => { $crate::error::EpError::Protocol(format!($($arg)*)) };
 }
 
 /// How a peer was found gone.

@@ -40,8 +40,10 @@ pub mod topology;
 pub mod wait;
 
 pub use buffer::Buffer;
-pub use config::{ranks_per_node_from_env, timeout_from_env, BufferConfig, Shape, DEFAULT_TIMEOUT};
-pub use error::{EpError, Result};
+pub use config::{
+    ranks_per_node_from_env, timeout_from_env, BufferConfig, Connect, Shape, DEFAULT_TIMEOUT,
+};
+pub use error::{EpError, ErrorKind, Result};
 pub use layout::{get_dispatch_layout, DispatchLayout};
 pub use ll::{LlCombineInput, LlCombinePending, LlDispatchOutput, LlHandle, LlPending};
 pub use net::NetConfig;

@@ -279,6 +279,9 @@ fn play(scenario: &str, group: Group, me: &Rank) -> Result<Option<Timed>, String
                 .low_latency_dispatch(&llx, &llidx, false, false)
                 .map_err(|e| format!("setup LL dispatch: {e}"))?
                 .handle;
+            // A low-latency dispatch is no barrier: without one, a rank could still be
+            // receiving the set-up when the bad rank aborts its combine.
+            buf.barrier().map_err(|e| format!("setup barrier: {e}"))?;
             let mut llidx = llidx.clone();
             if me.is_bad() && foreign {
                 // A handle from a second Buffer of this process (a world of one).
@@ -561,7 +564,7 @@ impl Outcome {
             self.rank
         );
         assert!(
-            self.kind == "timeout" || (self.kind == "peer" && self.msg.contains("timeout")),
+            self.kind == "timeout" || (self.kind == "peer_aborted" && self.msg.contains("timeout")),
             "rank {}: expected a timeout, got {self:?}",
             self.rank
         );
@@ -791,7 +794,7 @@ fn bad_input_on(
         // The abort word ends the wait, long before the deadline.
         done.rank(r)
             .expect_err(
-                "peer",
+                "peer_aborted",
                 &[&format!("rank {r}"), &named, &reason, bad_needles[0]],
             )
             .within(deadline);
@@ -939,7 +942,7 @@ fn a_config_invalid_on_one_rank_fails_every_rank() {
         .within(deadline);
     for r in [0, 2] {
         done.rank(r)
-            .expect_err("bootstrap", &["rank 1", "topk (13)"])
+            .expect_err("peer_aborted", &["rank 1", "topk (13)"])
             .within(deadline);
     }
     done.assert_no_segments_left();
@@ -964,7 +967,7 @@ fn dead_peer(scenario: &'static str, ranks: usize, victim: usize) -> (Finished, 
     for r in (0..ranks).filter(|&r| r != victim) {
         let o = done.rank(r);
         o.expect_err(
-            "peer",
+            "peer_lost",
             &[
                 &format!("rank {r}"),
                 &format!("rank {victim} (pid {pid}) has died"),
@@ -1023,7 +1026,7 @@ fn dead_across_nodes(scenario: &'static str, ranks: usize, nodes: usize, victims
     let named: Vec<String> = victims.iter().map(|v| format!("rank {v}")).collect();
     for r in (0..ranks).filter(|r| !victims.contains(r)) {
         let o = done.rank(r);
-        o.expect_err("peer", &[&format!("rank {r}"), "died"]);
+        o.expect_err("peer_lost", &[&format!("rank {r}"), "died"]);
         assert!(
             named.iter().any(|n| o.msg.contains(n.as_str())),
             "{scenario}: rank {r} does not name any of {named:?}: {}",

@@ -4,6 +4,7 @@
 //! * [`reference`]: the sequential model of every data path, the oracle of all tests;
 //! * [`case`]: one step's inputs with the outputs the reference expects;
 //! * [`check`]: the bit-for-bit comparator that names the first mismatch;
+//! * [`step`]: one verified step of each mode (dispatch, identity expert, combine);
 //! * [`npy`]: `.npy` files, for checking uep with numpy;
 //! * [`ranks`]: several ranks in one process, over the real rendezvous;
 //! * [`limits`]: what the machine can do at best (memory copies), for the benchmarks;
@@ -19,4 +20,5 @@ pub mod netns;
 pub mod npy;
 pub mod ranks;
 pub mod reference;
+pub mod step;
 pub mod workload;

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use crossbeam_utils::CachePadded;
 use uep_fifo::{Consumer, Fifo, Slot};
 use uep_shm::Region;
-use uep_transport::{Arrival, Completion, Transport, TransportError};
+use uep_transport::{Arrival, Completion, Transport, TransportError, WriteOp};
 use uep_wire::{
     AtomicImm, BarrierImm, BarrierScope, Command, LlImm, LlSignal, TransferCmd, WriteImm,
     MAX_STREAMS, MAX_WRITE_LEN, WRITE_SEQ_BITS, WRITE_SEQ_MODULUS,
@@ -652,8 +652,14 @@ impl Worker {
         let r = if len == 0 {
             self.transport.post_imm(dst, imm, c)
         } else {
-            self.transport
-                .post_write(dst, src_off, dst_off, len as usize, imm, c)
+            self.transport.post_write(WriteOp {
+                peer: dst,
+                local_off: src_off,
+                remote_off: dst_off,
+                len: len as usize,
+                imm,
+                ctx: c,
+            })
         };
         match r {
             Ok(()) => {

@@ -1,151 +1,24 @@
 //! Normal-mode streams past the old 64 (ranks x channels) limit, and the
-//! per-stream send window, over an in-memory transport whose completions
+//! per-stream send window, over the in-memory network, whose completions
 //! the test controls.
 
 mod common;
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{load, segment, wait_until, DEADLINE};
 use uep_proxy::{cmds, CounterLayout, Proxy, ProxyConfig};
-use uep_transport::{Arrival, Caps, Completion, PeerAddr, Transport, TransportError};
+use uep_shm::Region;
+use uep_transport::mem::MemNet;
+use uep_transport::Transport;
 use uep_wire::{WriteImm, WRITE_SEQ_MODULUS};
 
 /// The per-stream send window the proxy documents: half the seq modulus.
 const SEND_WINDOW: usize = WRITE_SEQ_MODULUS as usize / 2;
 
-/// One post as the "wire" saw it.
-#[derive(Clone, Copy, Debug)]
-struct Post {
-    from: usize,
-    to: usize,
-    imm: u32,
-}
-
-#[derive(Default)]
-struct Net {
-    /// Every post, in posting order.
-    posts: Vec<Post>,
-    /// Arrivals not yet polled, per rank.
-    inbox: Vec<VecDeque<u32>>,
-    /// Send completions not yet polled, per rank.
-    done: Vec<Vec<u64>>,
-    /// Hold back the completion of the next this-many posts of rank 0.
-    hold: usize,
-    /// Completions held back.
-    held: Vec<u64>,
-}
-
-/// Delivers every post at once (zero-length signals only: no data is
-/// copied) and completes it on the sender's next poll, unless held.
-struct MemTransport {
-    rank: usize,
-    net: Arc<Mutex<Net>>,
-    caps: Caps,
-}
-
-fn mem_net(num_ranks: usize) -> Arc<Mutex<Net>> {
-    Arc::new(Mutex::new(Net {
-        inbox: vec![VecDeque::new(); num_ranks],
-        done: vec![Vec::new(); num_ranks],
-        ..Net::default()
-    }))
-}
-
-fn mem(net: &Arc<Mutex<Net>>, rank: usize) -> Box<dyn Transport> {
-    Box::new(MemTransport {
-        rank,
-        net: Arc::clone(net),
-        caps: Caps {
-            ordered: false,
-            native_atomics: false,
-            max_write_bytes: 1 << 20,
-            provider: "mem".into(),
-        },
-    })
-}
-
-impl Transport for MemTransport {
-    fn caps(&self) -> &Caps {
-        &self.caps
-    }
-    fn local_addr(&self) -> PeerAddr {
-        PeerAddr(vec![self.rank as u8])
-    }
-    fn connect(&mut self, _peers: &[PeerAddr]) -> Result<(), TransportError> {
-        Ok(())
-    }
-    fn validate_write(
-        &self,
-        peer: usize,
-        _local_off: u64,
-        _remote_off: u64,
-        len: usize,
-    ) -> Result<(), TransportError> {
-        let ranks = self.net.lock().unwrap().inbox.len();
-        if peer >= ranks || len != 0 {
-            return Err(TransportError::Invalid(format!(
-                "mem transport: peer {peer} of {ranks}, len {len} (only signals)"
-            )));
-        }
-        Ok(())
-    }
-    fn post_write(
-        &mut self,
-        peer: usize,
-        local_off: u64,
-        remote_off: u64,
-        len: usize,
-        imm: u32,
-        ctx: u64,
-    ) -> Result<(), TransportError> {
-        self.validate_write(peer, local_off, remote_off, len)?;
-        self.post_imm(peer, imm, ctx)
-    }
-    fn post_imm(&mut self, peer: usize, imm: u32, ctx: u64) -> Result<(), TransportError> {
-        self.validate_write(peer, 0, 0, 0)?;
-        let mut n = self.net.lock().unwrap();
-        n.posts.push(Post {
-            from: self.rank,
-            to: peer,
-            imm,
-        });
-        n.inbox[peer].push_back(imm);
-        if self.rank == 0 && n.hold > 0 {
-            n.hold -= 1;
-            n.held.push(ctx);
-        } else {
-            n.done[self.rank].push(ctx);
-        }
-        Ok(())
-    }
-    fn post_atomic_add(
-        &mut self,
-        _peer: usize,
-        _remote_off: u64,
-        _value: u64,
-        _ctx: u64,
-    ) -> Result<(), TransportError> {
-        Err(TransportError::Unsupported {
-            op: "post_atomic_add",
-            provider: "mem".into(),
-            why: "emulated".into(),
-        })
-    }
-    fn poll_send(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
-        let mut n = self.net.lock().unwrap();
-        let done = std::mem::take(&mut n.done[self.rank]);
-        out.extend(done.iter().map(|&ctx| Completion::Write { ctx }));
-        Ok(done.len())
-    }
-    fn poll_recv(&mut self, out: &mut Vec<Arrival>) -> Result<usize, TransportError> {
-        let mut n = self.net.lock().unwrap();
-        let k = n.inbox[self.rank].len();
-        out.extend(n.inbox[self.rank].drain(..).map(|imm| Arrival { imm }));
-        Ok(k)
-    }
+/// Rank `rank`'s endpoint of the in-memory network, over `region`.
+fn mem(net: &MemNet, rank: usize, region: &Region) -> Box<dyn Transport> {
+    Box::new(net.endpoint(rank, region.clone()))
 }
 
 fn cfg() -> ProxyConfig {
@@ -179,7 +52,7 @@ fn layout_100x2() -> CounterLayout {
 /// sender's own (source, channel) tail and nowhere else.
 #[test]
 fn streams_above_64_end_to_end() {
-    let net = mem_net(100);
+    let net = MemNet::new(100);
     let l = layout_100x2();
     let segs = [segment(4096), segment(4096)];
     let ranks = [0usize, 70];
@@ -193,7 +66,7 @@ fn streams_above_64_end_to_end() {
                 cfg(),
                 s.region().clone(),
                 l.clone(),
-                vec![mem(&net, r)],
+                vec![mem(&net, r, s.region())],
             )
         })
         .collect::<Result<_, _>>()
@@ -218,7 +91,7 @@ fn streams_above_64_end_to_end() {
         p.check().unwrap();
     }
     // The immediates named streams 141 (= 70 * 2 + 1) and 140, and 1.
-    let posts = net.lock().unwrap().posts.clone();
+    let posts = net.posts();
     let mut streams: Vec<(usize, usize, u16, u16)> = posts
         .iter()
         .map(|p| {
@@ -257,14 +130,22 @@ fn streams_above_64_end_to_end() {
 /// A layout past 1024 streams fails at start, saying what fits.
 #[test]
 fn too_many_streams_fail_at_start() {
-    let net = mem_net(100);
+    let net = MemNet::new(100);
     let seg = segment(1 << 16);
     let l = CounterLayout {
         num_channels: 11,
         barrier_base: 8800,
         ..layout_100x2()
     };
-    let err = Proxy::start(0, 100, cfg(), seg.region().clone(), l, vec![mem(&net, 0)]).unwrap_err();
+    let err = Proxy::start(
+        0,
+        100,
+        cfg(),
+        seg.region().clone(),
+        l,
+        vec![mem(&net, 0, seg.region())],
+    )
+    .unwrap_err();
     let msg = err.to_string();
     assert!(
         msg.contains("1100") && msg.contains("1024") && msg.contains("at most 10 channels"),
@@ -278,8 +159,8 @@ fn too_many_streams_fail_at_start() {
 /// keep going, and the rest follow once the completion comes.
 #[test]
 fn send_window_waits_for_the_oldest_completion() {
-    let net = mem_net(2);
-    net.lock().unwrap().hold = 1;
+    let net = MemNet::new(2);
+    net.hold_completions(0, 1);
     let l = CounterLayout {
         num_ranks: 2,
         num_channels: 2,
@@ -287,7 +168,15 @@ fn send_window_waits_for_the_oldest_completion() {
         ..layout_100x2()
     };
     let seg = segment(4096);
-    let proxy = Proxy::start(0, 2, cfg(), seg.region().clone(), l, vec![mem(&net, 0)]).unwrap();
+    let proxy = Proxy::start(
+        0,
+        2,
+        cfg(),
+        seg.region().clone(),
+        l,
+        vec![mem(&net, 0, seg.region())],
+    )
+    .unwrap();
     let deadline = Instant::now() + DEADLINE;
     let n = SEND_WINDOW + 52;
     let fifo = proxy.fifo(0, 0).unwrap();
@@ -297,9 +186,7 @@ fn send_window_waits_for_the_oldest_completion() {
     }
     proxy.wake();
     let posted = |stream: u16| {
-        net.lock()
-            .unwrap()
-            .posts
+        net.posts()
             .iter()
             .filter(|p| WriteImm::decode(p.imm).unwrap().stream == stream)
             .count()
@@ -318,17 +205,11 @@ fn send_window_waits_for_the_oldest_completion() {
     assert_eq!(proxy.stats().writes_posted, SEND_WINDOW as u64 + 1);
     proxy.check().unwrap();
     // Release the oldest completion: the rest go.
-    {
-        let mut g = net.lock().unwrap();
-        let held = std::mem::take(&mut g.held);
-        g.done[0].extend(held);
-    }
+    net.release_held(0);
     proxy.wake();
     wait_until("every write of stream 0", || posted(0) == n);
     let seqs: Vec<u16> = net
-        .lock()
-        .unwrap()
-        .posts
+        .posts()
         .iter()
         .map(|p| WriteImm::decode(p.imm).unwrap())
         .filter(|w| w.stream == 0)

@@ -450,8 +450,8 @@ pub fn export_lease<'py>(
         }
     };
     if span > range.len() || range.end > lease.view.len() {
-        return Err(crate::UepError::new_err(format!(
-            "internal error: a tensor of shape {shape:?} needs {span} bytes, its part of the lease has {}",
+        return Err(crate::errors::internal(format!(
+            "a tensor of shape {shape:?} needs {span} bytes, its part of the lease has {}",
             range.len()
         )));
     }
@@ -484,14 +484,19 @@ pub fn export_combine_buffer<'py>(
             let r = buffer.num_ranks();
             [s.experts_per_rank(r), r * s.max_tokens, s.hidden]
         })
-        .ok_or_else(|| crate::UepError::new_err("this Buffer has no low-latency buffers"))?;
+        .ok_or_else(|| {
+            crate::errors::raise(
+                uep_ep::ErrorKind::InvalidArgument,
+                "this Buffer has no low-latency buffers".into(),
+            )
+        })?;
     let keep = buffer.memory_keepalive();
     let rows = buffer
         .low_latency_combine_buffer()
-        .map_err(|e| crate::UepError::new_err(e.to_string()))?;
+        .map_err(crate::errors::ep_err)?;
     if rows.len() != shape.iter().product::<usize>() {
-        return Err(crate::UepError::new_err(format!(
-            "internal error: the combine buffer has {} values, not {shape:?}",
+        return Err(crate::errors::internal(format!(
+            "the combine buffer has {} values, not {shape:?}",
             rows.len()
         )));
     }

@@ -4,7 +4,8 @@
 //! calls: a [`runtime::Runtime`] per `uep.Buffer`, bootstrapped over the caller's
 //! `torch.distributed` group ([`control`]), with tensors in and out through DLPack
 //! without copies ([`dlpack`]), and the GIL released while a call communicates or
-//! waits. Every error raises `uep.UepError`, a `RuntimeError`.
+//! waits. Every error raises a subclass of `uep.UepError` (a `RuntimeError`) by kind
+//! ([`errors`]).
 #![deny(unsafe_code)]
 
 use pyo3::create_exception;
@@ -13,6 +14,7 @@ use pyo3::prelude::*;
 
 pub mod control;
 pub mod dlpack;
+pub mod errors;
 pub mod runtime;
 
 create_exception!(
@@ -33,6 +35,7 @@ fn _uep(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .with_writer(std::io::stderr)
         .try_init();
     m.add("UepError", m.py().get_type::<UepError>())?;
+    errors::register(m)?;
     m.add("__version__", VERSION)?;
     m.add_class::<runtime::Runtime>()?;
     m.add_class::<runtime::NormalHandlePy>()?;

@@ -27,13 +27,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
 use uep_bootstrap::ControlPlane;
 use uep_ep::{
-    Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchLayout, EpError, LlCombineInput,
-    LlCombinePending, LlHandle, LlPending, NormalHandle, Shape, Tokens, Topology,
+    Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchLayout, EpError, ErrorKind,
+    LlCombineInput, LlCombinePending, LlHandle, LlPending, NormalHandle, Shape, Tokens, Topology,
 };
 
 use crate::control::PyControlPlane;
 use crate::dlpack::{export_block, export_lease, export_vec, peek_shape, DType, In, Pool};
-use crate::UepError;
+use crate::errors;
 
 /// Fewest tokens a normal-mode Buffer is sized for (growth doubles from here).
 const MIN_TOKENS: usize = 64;
@@ -42,11 +42,7 @@ const MIN_TOKENS: usize = 64;
 const SLACK_BYTES: usize = 32 << 20;
 
 fn ep_err(e: EpError) -> PyErr {
-    UepError::new_err(e.to_string())
-}
-
-fn uep_err(msg: impl Into<String>) -> PyErr {
-    UepError::new_err(msg.into())
+    errors::ep_err(e)
 }
 
 /// What one call needs of the Buffer.
@@ -200,7 +196,7 @@ impl Runtime {
         let all = self
             .cp
             .all_gather(record.as_bytes())
-            .map_err(|e| uep_err(e.to_string()))?;
+            .map_err(|e| ep_err(e.into()))?;
         let all: Vec<String> = all
             .iter()
             .map(|r| String::from_utf8_lossy(r).into_owned())
@@ -210,15 +206,22 @@ impl Runtime {
             .enumerate()
             .find_map(|(r, t)| t.strip_prefix("err ").map(|m| (r, m)))
         {
-            return Err(uep_err(if r == me {
-                format!("invalid argument: {msg}")
+            return Err(if r == me {
+                errors::invalid(msg)
             } else {
-                format!("peer failure: rank {me}: rank {r} rejected its input: {msg}")
-            }));
+                errors::raise(
+                    ErrorKind::PeerAborted,
+                    format!("peer failure: rank {me}: rank {r} rejected its input: {msg}"),
+                )
+            });
         }
         let wants: Vec<Want> = all
             .iter()
-            .map(|t| Want::decode(t).ok_or_else(|| uep_err(format!("bad rebuild record {t:?}"))))
+            .map(|t| {
+                Want::decode(t).ok_or_else(|| {
+                    errors::raise(ErrorKind::Protocol, format!("bad rebuild record {t:?}"))
+                })
+            })
             .collect::<PyResult<_>>()?;
         let mut merged = wants[0];
         for (r, w) in wants.iter().enumerate() {
@@ -230,8 +233,8 @@ impl Runtime {
                 _ => false,
             };
             if !agree {
-                return Err(uep_err(format!(
-                    "invalid argument: ranks make different calls: rank 0 asks for {:?}, rank {r} for {w:?}",
+                return Err(errors::invalid(format!(
+                    "ranks make different calls: rank 0 asks for {:?}, rank {r} for {w:?}",
                     wants[0]
                 )));
             }
@@ -269,19 +272,22 @@ impl Runtime {
                     s.max_tokens, s.hidden, s.topk, s.num_experts
                 ),
             };
-            return Err(uep_err(format!(
-                "capacity: a {what} needs {needed} bytes of registered memory per rank \
+            return Err(errors::raise(
+                ErrorKind::Capacity,
+                format!(
+                    "capacity: a {what} needs {needed} bytes of registered memory per rank \
                  (both modes' buffers), more than num_nvl_bytes + num_rdma_bytes = {} allows \
                  ({} with uep's fixed areas); raise {} to at least {}",
-                self.capacity,
-                self.capacity + SLACK_BYTES,
-                if matches!(merged, Want::Ll(_)) {
-                    "num_rdma_bytes"
-                } else {
-                    "num_nvl_bytes"
-                },
-                needed.saturating_sub(SLACK_BYTES)
-            )));
+                    self.capacity,
+                    self.capacity + SLACK_BYTES,
+                    if matches!(merged, Want::Ll(_)) {
+                        "num_rdma_bytes"
+                    } else {
+                        "num_nvl_bytes"
+                    },
+                    needed.saturating_sub(SLACK_BYTES)
+                ),
+            ));
         }
         // The old Buffer goes first: outputs still held keep their own mappings.
         st.buffer = None;
@@ -304,7 +310,7 @@ impl Runtime {
         bad: Option<String>,
     ) -> PyResult<()> {
         if st.destroyed {
-            return Err(uep_err("invalid argument: this Buffer was destroyed"));
+            return Err(errors::invalid("this Buffer was destroyed"));
         }
         let served = match (&st.buffer, want) {
             (Some(b), Some(w)) => w.served_by(b.config()),
@@ -318,7 +324,7 @@ impl Runtime {
             (true, Some(msg), _) => Err(self.reject(py, st, &msg)),
             (false, Some(msg), _) => self.rebuild(py, st, Err(msg)),
             (false, None, Some(w)) => self.rebuild(py, st, Ok(w)),
-            (false, None, None) => Err(uep_err("internal error: a call without a shape")),
+            (false, None, None) => Err(errors::internal("a call without a shape")),
         }
     }
 
@@ -326,20 +332,19 @@ impl Runtime {
     fn reject(&self, _py: Python<'_>, st: &mut State, msg: &str) -> PyErr {
         match st.buffer.as_mut() {
             Some(b) => ep_err(b.abort(&format!("rank {}: {msg}", self.topo.rank))),
-            None => uep_err(format!("invalid argument: {msg}")),
+            None => errors::invalid(msg),
         }
     }
 
     fn buffer<'s>(st: &'s mut MutexGuard<'_, State>) -> PyResult<&'s mut Buffer> {
         st.buffer
             .as_mut()
-            .ok_or_else(|| uep_err("invalid argument: this Buffer has not been set up"))
+            .ok_or_else(|| errors::invalid("this Buffer has not been set up"))
     }
 
     fn check_generation(st: &State, generation: u64, what: &str) -> PyResult<()> {
         if generation != st.generation {
-            return Err(uep_err(format!(
-                "invalid argument: the {what} comes from before the Buffer was rebuilt for larger or other shapes; dispatch again"
+            return Err(errors::invalid(format!("the {what} comes from before the Buffer was rebuilt for larger or other shapes; dispatch again"
             )));
         }
         Ok(())
@@ -374,13 +379,13 @@ impl Runtime {
         elastic: bool,
     ) -> PyResult<Runtime> {
         if rank >= world_size {
-            return Err(uep_err(format!(
-                "invalid argument: rank {rank} of a group of {world_size}"
+            return Err(errors::invalid(format!(
+                "rank {rank} of a group of {world_size}"
             )));
         }
         if !(timeout_s > 0.0 && timeout_s.is_finite()) {
-            return Err(uep_err(format!(
-                "invalid argument: timeout {timeout_s} s must be positive"
+            return Err(errors::invalid(format!(
+                "timeout {timeout_s} s must be positive"
             )));
         }
         let cp = Arc::new(PyControlPlane::new(rank, world_size, all_gather));
@@ -422,8 +427,8 @@ impl Runtime {
     /// Set the deadline of every wait, in seconds.
     fn set_timeout(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
         if !(seconds > 0.0 && seconds.is_finite()) {
-            return Err(uep_err(format!(
-                "invalid argument: timeout {seconds} s must be positive"
+            return Err(errors::invalid(format!(
+                "timeout {seconds} s must be positive"
             )));
         }
         let d = Duration::from_secs_f64(seconds);
@@ -500,7 +505,7 @@ impl Runtime {
                     let ir = In::new(ir, "is_token_in_rank", DType::BOOL)?;
                     ir.expect_ndim(2)?;
                     if ir.shape() != [tokens, t.num_ranks] || pr.shape() != [t.num_ranks] {
-                        return Err(uep_err(format!(
+                        return Err(errors::raise(ErrorKind::InvalidArgument, format!(
                             "is_token_in_rank has shape {:?} and num_tokens_per_rank {:?}; expected [{tokens}, {r}] and [{r}]",
                             ir.shape(),
                             pr.shape(),
@@ -527,8 +532,10 @@ impl Runtime {
                     })
                 }
                 (None, None, None) => None,
-                _ => return Err(uep_err(
-                    "num_tokens_per_rank, num_tokens_per_expert and is_token_in_rank go together",
+                _ => return Err(errors::raise(
+                    ErrorKind::InvalidArgument,
+                    "num_tokens_per_rank, num_tokens_per_expert and is_token_in_rank go together"
+                        .into(),
                 )),
             };
             Ok(NormalIn {
@@ -679,7 +686,7 @@ impl Runtime {
             ))
         })();
         if st.destroyed {
-            return Err(uep_err("invalid argument: this Buffer was destroyed"));
+            return Err(errors::invalid("this Buffer was destroyed"));
         }
         Self::check_generation(&st, handle.generation, "handle")?;
         let (x, w, b0, b1) = parsed.map_err(|e| self.reject(py, &mut st, &e.to_string()))?;
@@ -697,7 +704,7 @@ impl Runtime {
         let buffer = state
             .buffer
             .as_mut()
-            .ok_or_else(|| uep_err("invalid argument: this Buffer has not been set up"))?;
+            .ok_or_else(|| errors::invalid("this Buffer has not been set up"))?;
         let mut out_w = w.as_ref().map(|_| vec![0f32; t * k]);
         let (block, done) = state.outputs.fill(t * hidden * 2, |block| {
             let out_x = block.as_mut_slice::<bf16>(t * hidden);
@@ -782,7 +789,7 @@ impl Runtime {
         let s = buffer
             .config()
             .ll
-            .ok_or_else(|| uep_err("no low-latency shape"))?;
+            .ok_or_else(|| errors::internal("no low-latency shape"))?;
         let (r_n, fp8) = (self.topo.num_ranks, pending.fp8);
         let (epr, rows, h) = (s.experts_per_rank(r_n), r_n * s.max_tokens, s.hidden);
         let lease = buffer
@@ -818,7 +825,9 @@ impl Runtime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-            .ok_or_else(|| uep_err("invalid argument: this low-latency dispatch was received already (its hook ran)"))?;
+            .ok_or_else(|| {
+                errors::invalid("this low-latency dispatch was received already (its hook ran)")
+            })?;
         let generation = st.generation;
         let buffer = Self::buffer(&mut st)?;
         let (handle, wait_ns) = py
@@ -925,14 +934,15 @@ impl Runtime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-            .ok_or_else(|| uep_err("invalid argument: this low-latency combine was received already (its hook ran)"))?;
+            .ok_or_else(|| {
+                errors::invalid("this low-latency combine was received already (its hook ran)")
+            })?;
         let x = x.map(|x| In::new(x, "x", DType::BF16)).transpose()?;
         let out = In::new(out, "out", DType::BF16)?;
         let buffer = Self::buffer(&mut st)?;
         let (span, memory) = (out.span(), buffer.memory_span());
         if span.start < memory.end && memory.start < span.end {
-            return Err(uep_err(
-                "invalid argument: out lies in the Buffer's own memory (the combine buffer?): pass a tensor of its own",
+            return Err(errors::invalid("out lies in the Buffer's own memory (the combine buffer?): pass a tensor of its own",
             ));
         }
         let dst = out.slice_mut::<bf16>(&x.iter().collect::<Vec<_>>())?;
@@ -950,7 +960,7 @@ impl Runtime {
         let mut st = self.lock(py);
         match st.buffer.as_mut() {
             Some(b) => py.detach(|| b.barrier()).map_err(ep_err),
-            None => self.cp.barrier().map_err(|e| uep_err(e.to_string())),
+            None => self.cp.barrier().map_err(|e| ep_err(e.into())),
         }
     }
 
@@ -1061,11 +1071,11 @@ impl Runtime {
     fn destroy(&self, py: Python<'_>) -> PyResult<()> {
         let mut st = self.lock(py);
         if st.destroyed {
-            return Err(uep_err("invalid argument: destroy() was called already"));
+            return Err(errors::invalid("destroy() was called already"));
         }
         let r = match st.buffer.as_mut() {
             Some(b) => py.detach(|| b.barrier()).map_err(ep_err),
-            None => self.cp.barrier().map_err(|e| uep_err(e.to_string())),
+            None => self.cp.barrier().map_err(|e| ep_err(e.into())),
         };
         st.buffer = None;
         st.destroyed = true;

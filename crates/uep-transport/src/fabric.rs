@@ -11,6 +11,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::ffi::{self, FiInfo, UepInfoView};
+use crate::WriteOp;
 use crate::{
     check_range, Arrival, Caps, Completion, PeerAddr, RegionRef, Side, Transport, TransportError,
 };
@@ -1246,15 +1247,15 @@ impl Transport for LibfabricTransport {
         Ok(())
     }
 
-    fn post_write(
-        &mut self,
-        peer: usize,
-        local_off: u64,
-        remote_off: u64,
-        len: usize,
-        imm: u32,
-        ctx: u64,
-    ) -> Result<(), TransportError> {
+    fn post_write(&mut self, op: WriteOp) -> Result<(), TransportError> {
+        let WriteOp {
+            peer,
+            local_off,
+            remote_off,
+            len,
+            imm,
+            ctx,
+        } = op;
         self.validate_write(peer, local_off, remote_off, len)?;
         let p = self.peer(peer)?.clone();
         // In range (validated), so this is inside the registered region.

@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::{Arrival, Caps, Completion, PeerAddr, Transport, TransportError};
+use crate::{Arrival, Caps, Completion, PeerAddr, Transport, TransportError, WriteOp};
 
 /// Fault-injection settings. The same seed and the same sequence of calls
 /// (and inner answers) reproduce the same issue order.
@@ -273,9 +273,14 @@ impl<T: Transport> FaultyTransport<T> {
                     remote_off,
                     len,
                     imm,
-                } => self
-                    .inner
-                    .post_write(peer, local_off, remote_off, len, imm, h.ctx),
+                } => self.inner.post_write(WriteOp {
+                    peer,
+                    local_off,
+                    remote_off,
+                    len,
+                    imm,
+                    ctx: h.ctx,
+                }),
                 Op::Imm { peer, imm } => self.inner.post_imm(peer, imm, h.ctx),
             };
             match r {
@@ -335,15 +340,15 @@ impl<T: Transport> Transport for FaultyTransport<T> {
         self.inner.validate_write(peer, local_off, remote_off, len)
     }
 
-    fn post_write(
-        &mut self,
-        peer: usize,
-        local_off: u64,
-        remote_off: u64,
-        len: usize,
-        imm: u32,
-        ctx: u64,
-    ) -> Result<(), TransportError> {
+    fn post_write(&mut self, op: WriteOp) -> Result<(), TransportError> {
+        let WriteOp {
+            peer,
+            local_off,
+            remote_off,
+            len,
+            imm,
+            ctx,
+        } = op;
         // Reject bad posts now, not when the held op is issued much later.
         self.inner
             .validate_write(peer, local_off, remote_off, len)?;
@@ -411,127 +416,37 @@ impl<T: Transport> Transport for FaultyTransport<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{check_range, Side};
-    use std::collections::VecDeque;
+    use crate::mem::{MemNet, MemTransport};
+    use crate::Side;
 
-    /// In-memory transport: records issue order, completes on the next poll,
-    /// and answers WouldBlock when more than `cap` are in flight.
-    struct Mock {
-        caps: Caps,
-        region_len: u64,
-        cap: usize,
-        inflight: VecDeque<(u64, u32)>,
-        issued: Vec<(u64, u32)>,
-        arrivals: VecDeque<u32>,
-    }
-
-    impl Mock {
-        fn new(cap: usize) -> Self {
-            Self {
-                caps: Caps {
-                    ordered: true,
-                    native_atomics: true,
-                    max_write_bytes: 1 << 20,
-                    provider: "mock".into(),
-                },
-                region_len: 4096,
-                cap,
-                inflight: VecDeque::new(),
-                issued: Vec::new(),
-                arrivals: VecDeque::new(),
-            }
-        }
-    }
-
-    impl Transport for Mock {
-        fn caps(&self) -> &Caps {
-            &self.caps
-        }
-        fn local_addr(&self) -> PeerAddr {
-            PeerAddr(vec![1])
-        }
-        fn connect(&mut self, _peers: &[PeerAddr]) -> Result<(), TransportError> {
-            Ok(())
-        }
-        fn validate_write(
-            &self,
-            peer: usize,
-            local_off: u64,
-            remote_off: u64,
-            len: usize,
-        ) -> Result<(), TransportError> {
-            check_range(
-                Side::Local,
-                peer,
-                local_off,
-                remote_off,
-                len as u64,
-                self.region_len,
-            )?;
-            check_range(
-                Side::Remote,
-                peer,
-                local_off,
-                remote_off,
-                len as u64,
-                self.region_len,
-            )
-        }
-        fn post_write(
-            &mut self,
-            peer: usize,
-            local_off: u64,
-            remote_off: u64,
-            len: usize,
-            imm: u32,
-            ctx: u64,
-        ) -> Result<(), TransportError> {
-            self.validate_write(peer, local_off, remote_off, len)?;
-            self.post_imm(peer, imm, ctx)
-        }
-        fn post_imm(&mut self, _peer: usize, imm: u32, ctx: u64) -> Result<(), TransportError> {
-            if self.inflight.len() >= self.cap {
-                return Err(TransportError::WouldBlock);
-            }
-            self.inflight.push_back((ctx, imm));
-            self.issued.push((ctx, imm));
-            self.arrivals.push_back(imm);
-            Ok(())
-        }
-        fn post_atomic_add(
-            &mut self,
-            _: usize,
-            _: u64,
-            _: u64,
-            _: u64,
-        ) -> Result<(), TransportError> {
-            Ok(())
-        }
-        fn poll_send(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
-            let n = self.inflight.len();
-            out.extend(
-                self.inflight
-                    .drain(..)
-                    .map(|(ctx, _)| Completion::Write { ctx }),
-            );
-            Ok(n)
-        }
-        fn poll_recv(&mut self, out: &mut Vec<Arrival>) -> Result<usize, TransportError> {
-            let n = self.arrivals.len();
-            out.extend(self.arrivals.drain(..).map(|imm| Arrival { imm }));
-            Ok(n)
-        }
+    /// Ranks 0 and 1 of an in-memory network of 4 KiB regions that answers
+    /// WouldBlock past `cap` operations in flight: rank 0's endpoint, and rank 1's.
+    fn pair(cap: usize) -> (MemNet, MemTransport, MemTransport) {
+        let net = MemNet::with_max_in_flight(2, cap);
+        let region = || uep_shm::Region::anonymous(4096).unwrap();
+        let (a, b) = (net.endpoint(0, region()), net.endpoint(1, region()));
+        (net, a, b)
     }
 
     /// Posts `n` writes then one signal, polling on back-pressure, and drains.
+    /// Returns the (ctx, imm) of each post in the order the network saw them, the
+    /// completions, and the injector's counts.
     fn run(cfg: FaultConfig, cap: usize, n: u64) -> (Vec<(u64, u32)>, Vec<u64>, FaultStats) {
-        let mut t = FaultyTransport::new(Mock::new(cap), cfg).unwrap();
+        let (net, t, mut peer) = pair(cap);
+        let mut t = FaultyTransport::new(t, cfg).unwrap();
         let mut done = Vec::new();
         let mut arr = Vec::new();
         for i in 0..=n {
             loop {
                 let r = if i < n {
-                    t.post_write(1, i * 8, i * 8, 8, i as u32, i)
+                    t.post_write(WriteOp {
+                        peer: 1,
+                        local_off: i * 8,
+                        remote_off: i * 8,
+                        len: 8,
+                        imm: i as u32,
+                        ctx: i,
+                    })
                 } else {
                     t.post_imm(1, u32::MAX, i)
                 };
@@ -539,7 +454,7 @@ mod tests {
                     Ok(()) => break,
                     Err(TransportError::WouldBlock) => {
                         t.poll_send(&mut done).unwrap();
-                        t.poll_recv(&mut arr).unwrap();
+                        peer.poll_recv(&mut arr).unwrap();
                     }
                     Err(e) => panic!("{e}"),
                 }
@@ -548,13 +463,26 @@ mod tests {
         let mut polls = 0;
         while t.held() > 0 || done.len() < (n + 1) as usize {
             t.poll_send(&mut done).unwrap();
-            t.poll_recv(&mut arr).unwrap();
+            peer.poll_recv(&mut arr).unwrap();
             polls += 1;
             assert!(polls < 10_000, "fault injector never drained");
         }
         assert_eq!(arr.len(), (n + 1) as usize);
         let ctxs = done.iter().map(|c| c.ctx()).collect();
-        (t.inner().issued.clone(), ctxs, t.fault_stats())
+        // Writes carry their index as the immediate; the signal (u32::MAX) is post n.
+        let issued = (net.posts().iter())
+            .map(|p| {
+                (
+                    if p.imm == u32::MAX {
+                        n
+                    } else {
+                        u64::from(p.imm)
+                    },
+                    p.imm,
+                )
+            })
+            .collect();
+        (issued, ctxs, t.fault_stats())
     }
 
     #[test]
@@ -621,8 +549,17 @@ mod tests {
 
     #[test]
     fn rejects_bad_posts_and_configs() {
-        let mut t = FaultyTransport::new(Mock::new(4), FaultConfig::default()).unwrap();
-        let e = t.post_write(0, 4090, 0, 8, 1, 1).unwrap_err();
+        let mut t = FaultyTransport::new(pair(4).1, FaultConfig::default()).unwrap();
+        let e = t
+            .post_write(WriteOp {
+                peer: 0,
+                local_off: 4090,
+                remote_off: 0,
+                len: 8,
+                imm: 1,
+                ctx: 1,
+            })
+            .unwrap_err();
         assert!(
             matches!(
                 e,
@@ -639,7 +576,7 @@ mod tests {
             Err(TransportError::Unsupported { .. })
         ));
         assert!(!t.caps().ordered && !t.caps().native_atomics);
-        assert_eq!(t.caps().provider, "faulty(mock)");
+        assert_eq!(t.caps().provider, "faulty(mem)");
         for bad in [
             FaultConfig {
                 window: 0,
@@ -658,7 +595,7 @@ mod tests {
                 ..FaultConfig::default()
             },
         ] {
-            assert!(FaultyTransport::new(Mock::new(1), bad).is_err());
+            assert!(FaultyTransport::new(pair(1).1, bad).is_err());
         }
     }
 }

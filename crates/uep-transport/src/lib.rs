@@ -21,6 +21,7 @@
 mod fabric;
 mod faulty;
 mod ffi;
+pub mod mem;
 mod region;
 pub mod stream;
 
@@ -31,6 +32,53 @@ pub use faulty::{FaultConfig, FaultStats, FaultyTransport};
 pub use region::{HeapRegion, RegionRef};
 
 use std::fmt;
+
+/// Opens a rank's transports, one per proxy thread: the seam through which a network
+/// path gets its wire (libfabric by default, [`mem::MemNet`] in tests).
+pub trait Connector: Send + Sync + fmt::Debug {
+    /// Rank `rank`'s transport for proxy thread `thread`, registering `region`; the
+    /// path connects it to the same thread of every peer.
+    fn open(
+        &self,
+        rank: usize,
+        thread: usize,
+        region: &uep_shm::Region,
+    ) -> Result<Box<dyn Transport>, TransportError>;
+}
+
+/// Opens libfabric transports with the given options.
+#[derive(Clone, Debug, Default)]
+pub struct LibfabricConnector(pub FabricOptions);
+
+impl Connector for LibfabricConnector {
+    fn open(
+        &self,
+        _rank: usize,
+        _thread: usize,
+        region: &uep_shm::Region,
+    ) -> Result<Box<dyn Transport>, TransportError> {
+        let registered = RegionRef::from_shm(region)?;
+        Ok(Box::new(LibfabricTransport::new(&self.0, registered)?))
+    }
+}
+
+impl Connector for Vec<mem::MemNet> {
+    /// An endpoint of network `thread` (one network per proxy thread).
+    fn open(
+        &self,
+        rank: usize,
+        thread: usize,
+        region: &uep_shm::Region,
+    ) -> Result<Box<dyn Transport>, TransportError> {
+        let net = self.get(thread).ok_or_else(|| {
+            TransportError::Invalid(format!(
+                "mem transport: {} networks for proxy thread {thread}",
+                self.len()
+            ))
+        })?;
+        Ok(Box::new(net.endpoint(rank, region.clone())))
+    }
+}
 
 /// What a transport can do; fixed for the transport's lifetime.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,6 +135,31 @@ impl Completion {
             Completion::Write { ctx } | Completion::Atomic { ctx } => ctx,
         }
     }
+}
+
+/// One one-sided write: `len` bytes from the local region at `local_off` to `peer`'s
+/// region at `remote_off`, carrying the immediate `imm`; `ctx` names it in its
+/// completion.
+///
+/// ```
+/// use uep_transport::WriteOp;
+/// let op = WriteOp { peer: 1, local_off: 0, remote_off: 4096, len: 64, imm: 7, ctx: 42 };
+/// assert_eq!(op.len, 64);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteOp {
+    /// The target rank.
+    pub peer: usize,
+    /// Where the bytes are in the local region.
+    pub local_off: u64,
+    /// Where they go in the peer's region.
+    pub remote_off: u64,
+    /// Bytes to write.
+    pub len: usize,
+    /// The 32-bit immediate the peer's arrival carries.
+    pub imm: u32,
+    /// Comes back in the write's [`Completion::Write`].
+    pub ctx: u64,
 }
 
 /// A receive-side event: a write carrying `imm` landed in the local region.
@@ -249,19 +322,10 @@ pub trait Transport: Send {
         len: usize,
     ) -> Result<(), TransportError>;
 
-    /// Writes `len` bytes from the local region at `local_off` to `peer`'s
-    /// region at `remote_off`, carrying `imm`; `ctx` comes back in the
-    /// matching [`Completion::Write`]. The local bytes must stay unchanged
-    /// until then.
-    fn post_write(
-        &mut self,
-        peer: usize,
-        local_off: u64,
-        remote_off: u64,
-        len: usize,
-        imm: u32,
-        ctx: u64,
-    ) -> Result<(), TransportError>;
+    /// Posts `op`: its bytes from the local region to the peer's, carrying its
+    /// immediate; its `ctx` comes back in the matching [`Completion::Write`]. The
+    /// local bytes must stay unchanged until then.
+    fn post_write(&mut self, op: WriteOp) -> Result<(), TransportError>;
 
     /// A zero-length write that carries only `imm` (a signal).
     fn post_imm(&mut self, peer: usize, imm: u32, ctx: u64) -> Result<(), TransportError>;
@@ -314,16 +378,8 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     ) -> Result<(), TransportError> {
         (**self).validate_write(peer, local_off, remote_off, len)
     }
-    fn post_write(
-        &mut self,
-        peer: usize,
-        local_off: u64,
-        remote_off: u64,
-        len: usize,
-        imm: u32,
-        ctx: u64,
-    ) -> Result<(), TransportError> {
-        (**self).post_write(peer, local_off, remote_off, len, imm, ctx)
+    fn post_write(&mut self, op: WriteOp) -> Result<(), TransportError> {
+        (**self).post_write(op)
     }
     fn post_imm(&mut self, peer: usize, imm: u32, ctx: u64) -> Result<(), TransportError> {
         (**self).post_imm(peer, imm, ctx)

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::{
     Arrival, Completion, FabricOptions, HeapRegion, LibfabricTransport, RegionRef, Transport,
-    TransportError,
+    TransportError, WriteOp,
 };
 
 /// Timed runs of each measurement; the best one counts (the others absorb
@@ -268,7 +268,14 @@ fn stream(
         while posted < n && posted - completed < STREAM_WINDOW as u64 {
             let slot = (posted % STREAM_WINDOW as u64) * msg as u64;
             // The immediate names the message, as a proxy's carries a sequence.
-            match tx.post_write(1, 0, slot, msg, posted as u32, posted) {
+            match tx.post_write(WriteOp {
+                peer: 1,
+                local_off: 0,
+                remote_off: slot,
+                len: msg,
+                imm: posted as u32,
+                ctx: posted,
+            }) {
                 Ok(()) => posted += 1,
                 Err(TransportError::WouldBlock) => break,
                 Err(e) => {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use uep_transport::{
     list_providers, Arrival, Completion, FabricOptions, FaultConfig, FaultyTransport, HeapRegion,
-    LibfabricTransport, PeerAddr, RegionRef, Side, Transport, TransportError,
+    LibfabricTransport, PeerAddr, RegionRef, Side, Transport, TransportError, WriteOp,
 };
 
 const PROVIDER: &str = "tcp;ofi_rxm";
@@ -119,7 +119,14 @@ fn write_with_imm_lands_bit_exact() {
     let (mut done, mut arr) = empty(2);
     // The first post to a peer may answer WouldBlock while ofi_rxm connects.
     post_retry(&mut ts, &mut done, &mut arr, 0, |t| {
-        t.post_write(1, 100, 1000, data.len(), 0xDEAD_BEEF, 42)
+        t.post_write(WriteOp {
+            peer: 1,
+            local_off: 100,
+            remote_off: 1000,
+            len: data.len(),
+            imm: 0xDEAD_BEEF,
+            ctx: 42,
+        })
     });
     pump_until(&mut ts, &mut done, &mut arr, "write+imm", |d, a| {
         !d[0].is_empty() && !a[1].is_empty()
@@ -139,7 +146,14 @@ fn write_with_imm_lands_bit_exact() {
     let back = pattern(2, 33);
     rs[1].write(0, &back).unwrap();
     post_retry(&mut ts, &mut done, &mut arr, 1, |t| {
-        t.post_write(0, 0, 60_000, back.len(), 7, 8)
+        t.post_write(WriteOp {
+            peer: 0,
+            local_off: 0,
+            remote_off: 60_000,
+            len: back.len(),
+            imm: 7,
+            ctx: 8,
+        })
     });
     pump_until(&mut ts, &mut done, &mut arr, "reverse write", |d, a| {
         !d[1].is_empty() && !a[0].is_empty()
@@ -166,7 +180,14 @@ fn many_writes_varied_sizes_arrive_exactly_once() {
             let src = (k * 4096) % MIB;
             rs[from].write(src, &data).unwrap();
             post_retry(&mut ts, &mut done, &mut arr, from, |t| {
-                t.post_write(1, src as u64, dst as u64, len, imm, imm as u64)
+                t.post_write(WriteOp {
+                    peer: 1,
+                    local_off: src as u64,
+                    remote_off: dst as u64,
+                    len,
+                    imm,
+                    ctx: imm as u64,
+                })
             });
             // The source must stay unchanged until completion: wait for it.
             pump_until(&mut ts, &mut done, &mut arr, "source completion", |d, _| {
@@ -235,7 +256,16 @@ fn out_of_region_posts_are_rejected_before_sending() {
     }
     let (mut done, mut arr) = empty(2);
 
-    let e = pair[0].post_write(1, 4000, 0, 200, 1, 1).unwrap_err();
+    let e = pair[0]
+        .post_write(WriteOp {
+            peer: 1,
+            local_off: 4000,
+            remote_off: 0,
+            len: 200,
+            imm: 1,
+            ctx: 1,
+        })
+        .unwrap_err();
     match &e {
         TransportError::OutOfBounds {
             side,
@@ -254,7 +284,16 @@ fn out_of_region_posts_are_rejected_before_sending() {
     }
     let msg = e.to_string();
     assert!(msg.contains("peer 1") && msg.contains("4096"), "{msg}");
-    let e = pair[0].post_write(1, 0, 8100, 100, 2, 2).unwrap_err();
+    let e = pair[0]
+        .post_write(WriteOp {
+            peer: 1,
+            local_off: 0,
+            remote_off: 8100,
+            len: 100,
+            imm: 2,
+            ctx: 2,
+        })
+        .unwrap_err();
     assert!(
         matches!(
             e,
@@ -268,16 +307,39 @@ fn out_of_region_posts_are_rejected_before_sending() {
         "{e}"
     );
     let e = pair[0]
-        .post_write(1, 0, u64::MAX - 10, 100, 3, 3)
+        .post_write(WriteOp {
+            peer: 1,
+            local_off: 0,
+            remote_off: u64::MAX - 10,
+            len: 100,
+            imm: 3,
+            ctx: 3,
+        })
         .unwrap_err();
     assert!(matches!(e, TransportError::OutOfBounds { .. }), "{e}");
-    let e = pair[0].post_write(7, 0, 0, 8, 4, 4).unwrap_err();
+    let e = pair[0]
+        .post_write(WriteOp {
+            peer: 7,
+            local_off: 0,
+            remote_off: 0,
+            len: 8,
+            imm: 4,
+            ctx: 4,
+        })
+        .unwrap_err();
     assert!(matches!(e, TransportError::BadPeer { peer: 7, .. }), "{e}");
     let e = pair[0].post_imm(5, 4, 4).unwrap_err();
     assert!(matches!(e, TransportError::BadPeer { peer: 5, .. }), "{e}");
     // In-bounds at the very edge is fine (remote end == region length).
     post_retry(&mut pair, &mut done, &mut arr, 0, |t| {
-        t.post_write(1, 0, 8192 - 64, 64, 9, 9)
+        t.post_write(WriteOp {
+            peer: 1,
+            local_off: 0,
+            remote_off: 8192 - 64,
+            len: 64,
+            imm: 9,
+            ctx: 9,
+        })
     });
     pump_until(&mut pair, &mut done, &mut arr, "edge write", |d, a| {
         !d[0].is_empty() && !a[1].is_empty()
@@ -331,7 +393,14 @@ fn burst_of_10k_small_writes_handles_would_block() {
     for i in 0..N {
         let off = u64::from(i) * 64;
         blocked += post_retry(&mut ts, &mut done, &mut arr, 0, |t| {
-            t.post_write(1, off, off, 8, i, u64::from(i))
+            t.post_write(WriteOp {
+                peer: 1,
+                local_off: off,
+                remote_off: off,
+                len: 8,
+                imm: i,
+                ctx: u64::from(i),
+            })
         });
     }
     assert!(
@@ -375,7 +444,14 @@ fn faulty_over_libfabric_delivers_exactly_once_and_reorders() {
             let off = i as usize * 32_768;
             rs[0].write(off, &data).unwrap();
             post_retry(&mut fs, &mut done, &mut arr, 0, |t| {
-                t.post_write(1, off as u64, off as u64, len, i, u64::from(i))
+                t.post_write(WriteOp {
+                    peer: 1,
+                    local_off: off as u64,
+                    remote_off: off as u64,
+                    len,
+                    imm: i,
+                    ctx: u64::from(i),
+                })
             });
             expect.insert(i, (off, data));
         }
@@ -500,7 +576,14 @@ fn other_providers_carry_write_and_imm() {
         rs[0].write(10, &data).unwrap();
         let (mut done, mut arr) = empty(2);
         post_retry(&mut ts, &mut done, &mut arr, 0, |t| {
-            t.post_write(1, 10, 50_000, data.len(), 11, 1)
+            t.post_write(WriteOp {
+                peer: 1,
+                local_off: 10,
+                remote_off: 50_000,
+                len: data.len(),
+                imm: 11,
+                ctx: 1,
+            })
         });
         post_retry(&mut ts, &mut done, &mut arr, 0, |t| t.post_imm(1, 12, 2));
         pump_until(&mut ts, &mut done, &mut arr, prov, |d, a| {
@@ -536,7 +619,14 @@ fn sockets_native_atomic_add_after_write() {
     let (mut done, mut arr) = empty(2);
     rs[0].write(0, &[9u8; 16]).unwrap();
     post_retry(&mut ts, &mut done, &mut arr, 0, |t| {
-        t.post_write(1, 0, 64, 16, 1, 1)
+        t.post_write(WriteOp {
+            peer: 1,
+            local_off: 0,
+            remote_off: 64,
+            len: 16,
+            imm: 1,
+            ctx: 1,
+        })
     });
     post_retry(&mut ts, &mut done, &mut arr, 0, |t| {
         t.post_atomic_add(1, 128, 40, 2)
@@ -615,7 +705,14 @@ fn transports_move_to_proxy_threads() {
         while done.len() < N as usize {
             if i < N {
                 let off = u64::from(i) * 8;
-                match tx.post_write(1, off, off, 8, i, u64::from(i)) {
+                match tx.post_write(WriteOp {
+                    peer: 1,
+                    local_off: off,
+                    remote_off: off,
+                    len: 8,
+                    imm: i,
+                    ctx: u64::from(i),
+                }) {
                     Ok(()) => i += 1,
                     Err(TransportError::WouldBlock) => {}
                     Err(e) => panic!("{e}"),

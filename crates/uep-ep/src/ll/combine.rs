@@ -12,9 +12,20 @@ use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::error::{EpError, Result};
 use crate::invalid;
-use crate::net::Write;
+use crate::net::Staged;
 use crate::packet::{ll_combine_groups, Channel, LlCombinePacket, LL_BUFFERS};
 use crate::quant::reduce_rows;
+
+/// A combine's packet to a source on another node: where each local expert's rows
+/// start in it, how many there are, and the fence groups of adjacent experts.
+struct Remote {
+    first: Vec<usize>,
+    counts: Vec<usize>,
+    groups: Vec<std::ops::Range<usize>>,
+    /// `[local expert]`: its group.
+    group_of: Vec<usize>,
+    staged: Staged,
+}
 
 impl Buffer {
     /// Low-latency combine: expert outputs `y` (`[E/R, R*M, H]` bf16, laid out like the
@@ -245,15 +256,32 @@ impl Buffer {
                 sinks.push(Some((self.peer_region(src)?, areas.combine_x, None)));
             } else {
                 let net = self.net()?;
-                let staged = net.stage(ch, src, &wait)?;
-                let mut first = Vec::with_capacity(epr);
-                let mut n = 0;
-                for le in 0..epr {
-                    first.push(n);
-                    n += handle.layout_range[le * r_n + src].1 as usize;
+                let mut staged = net.stage(ch, src, &wait)?;
+                let counts: Vec<usize> = (0..epr)
+                    .map(|le| handle.layout_range[le * r_n + src].1 as usize)
+                    .collect();
+                let first: Vec<usize> = counts
+                    .iter()
+                    .scan(0, |n, &c| Some(std::mem::replace(n, *n + c)))
+                    .collect();
+                let n = counts.iter().sum();
+                // Adjacent experts are fenced in groups (each its own key and signal);
+                // the kernel pushes each expert's block under its group's key.
+                let groups = ll_combine_groups(&counts, 2 * h);
+                let mut group_of = vec![0; epr];
+                for (g, experts) in groups.iter().enumerate() {
+                    group_of[experts.clone()].fill(g);
                 }
+                net.fence_blocks(&mut staged, groups.len())?;
                 let p = LlCombinePacket::layout(n, h).at_base(staged.area.offset());
-                sinks.push(Some((local, p.rows, Some((first, staged)))));
+                let remote = Remote {
+                    first,
+                    counts,
+                    groups,
+                    group_of,
+                    staged,
+                };
+                sinks.push(Some((local, p.rows, Some(remote))));
             }
         }
         // A zero-copy combine moves no row here: the node's sources read theirs from the
@@ -282,10 +310,20 @@ impl Buffer {
                                     handle.src_info[row] as usize * k
                                         + handle.src_slot[row] as usize
                                 }
-                                Some((first, _)) => first[le] + j - begin as usize,
+                                Some(remote) => remote.first[le] + j - begin as usize,
                             };
                             region
                                 .put(rows.row(at, h)?.cast::<bf16>(), &y[row * h..(row + 1) * h])?;
+                        }
+                        // The expert's block leaves while the next expert packs.
+                        if let (Some(remote), true) = (remote, n > 0) {
+                            let block =
+                                rows.rows(remote.first[le]..remote.first[le] + n as usize, h)?;
+                            let port = remote.staged.port();
+                            port.put_in(
+                                remote.group_of[le],
+                                remote.staged.write_of(block.cast())?,
+                            )?;
                         }
                     }
                 }
@@ -298,37 +336,24 @@ impl Buffer {
                 Some((region, _, None)) => region
                     .word(self.map.control.ll_combine_done, c * r_n + me)?
                     .store(seq as u64, Ordering::Release),
-                Some((_, rows, Some((first, staged)))) => {
-                    // Each local expert's block goes from where its rows are (the combine
-                    // buffer, or the staged packet) to its place in the landing area;
-                    // adjacent experts are fenced in groups, each with its own count
-                    // signal: no staging copy and no ordered announcement.
-                    let net = self.net()?;
-                    let landing = net.areas().landing(ch, me)?;
-                    let counts: Vec<usize> = (0..epr)
-                        .map(|le| handle.layout_range[le * r_n + r].1 as usize)
-                        .collect();
-                    let mut blocks = Vec::new();
-                    for group in ll_combine_groups(&counts, 2 * h) {
-                        let mut writes = Vec::with_capacity(group.len());
-                        for le in group.filter(|&le| counts[le] > 0) {
-                            let (begin, n) = (handle.layout_range[le * r_n + r].0, counts[le]);
-                            let staged_rows = rows.rows(first[le]..first[le] + n, h)?;
-                            let from = if zero_copy {
-                                let row = le * r_n * m + begin as usize;
-                                areas.combine_send.rows(row..row + n, h)?
-                            } else {
-                                staged_rows
-                            };
-                            let to = Area::<u16>::new(
-                                staged_rows.offset() - staged.area.offset() + landing.offset(),
-                                staged_rows.len(),
-                            );
-                            writes.push(Write::new(from.cast(), to.cast(), local.len())?);
+                Some((_, rows, Some(remote))) => {
+                    // Zero copy: each local expert's block goes from the combine buffer
+                    // to its place in the landing area, fenced in the kernel's groups.
+                    // Copied: the kernel pushed every block; only the signals remain.
+                    let mut blocks = vec![Vec::new(); remote.groups.len()];
+                    if zero_copy {
+                        for (g, experts) in remote.groups.iter().enumerate() {
+                            for le in experts.clone().filter(|&le| remote.counts[le] > 0) {
+                                let (first, n) = (remote.first[le], remote.counts[le]);
+                                let row =
+                                    le * r_n * m + handle.layout_range[le * r_n + r].0 as usize;
+                                let from = areas.combine_send.rows(row..row + n, h)?;
+                                let at = rows.rows(first..first + n, h)?;
+                                blocks[g].push(remote.staged.write_from(from.cast(), at.cast())?);
+                            }
                         }
-                        blocks.push(writes);
                     }
-                    packets[r] = net.send_fenced(staged, &blocks)?;
+                    packets[r] = self.net()?.send_fenced(remote.staged, &blocks)?;
                 }
             }
         }

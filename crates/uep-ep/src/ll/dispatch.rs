@@ -628,7 +628,7 @@ impl Buffer {
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
         let (groups, row_bytes) = (h / 128, if use_fp8 { h } else { 2 * h });
         let local = self.symm.local();
-        let bad = |what: String| invalid!("rank {src}'s LL packet for rank {me}: {what}");
+        let bad = |what: String| crate::protocol!("rank {src}'s LL packet for rank {me}: {what}");
         let head = LlDispatchPacket::layout(epr, 0, 0, 0, 0).at_base(base);
         let header = local.get_vec(head.counts)?;
         let n = local.get_vec(head.tokens)?[0] as usize;

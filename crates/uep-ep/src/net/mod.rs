@@ -41,9 +41,7 @@ use uep_bootstrap::ControlPlane;
 use uep_fifo::{Fifo, FifoAlloc, Slot};
 use uep_proxy::{cmds, ArrivalWatch, CounterLayout, Proxy};
 use uep_shm::Region;
-use uep_transport::{
-    FaultConfig, FaultyTransport, LibfabricTransport, PeerAddr, RegionRef, Transport,
-};
+use uep_transport::{FaultConfig, FaultyTransport, PeerAddr, Transport};
 use uep_wire::BarrierScope;
 
 use crate::area::{Area, Mem};
@@ -143,6 +141,12 @@ impl Staged {
     /// The write of `part` (a part of [`Staged::area`]) into the same place of the
     /// packet's landing area at the peer.
     pub fn write_of(&self, part: Area<u8>) -> Result<Write> {
+        self.write_from(part, part)
+    }
+
+    /// The write of `src` (anywhere in this rank's region, e.g. rows a zero-copy send
+    /// leaves where they are) to where `part` of [`Staged::area`] lands at the peer.
+    pub fn write_from(&self, src: Area<u8>, part: Area<u8>) -> Result<Write> {
         let at = part.offset().checked_sub(self.area.offset());
         let fits = at.is_some_and(|at| at + part.len() <= self.area.len());
         let (Some(at), true) = (at, fits) else {
@@ -152,7 +156,7 @@ impl Staged {
             )));
         };
         Write::new(
-            part,
+            src,
             self.landing.slice(at..at + part.len())?,
             self.region_len,
         )
@@ -248,14 +252,14 @@ impl NetPath {
             .map(|h| String::from_utf8_lossy(&h).into_owned())
             .collect();
         let liveness = Liveness::start(cp, &topo, &host, &hosts, cfg.liveness, cfg.proxy.timeout)?;
+        let connector = cfg.connector();
         let mut transports: Vec<Box<dyn Transport>> = Vec::with_capacity(threads);
         for t in 0..threads {
-            let registered = RegionRef::from_shm(region)
-                .map_err(transport_err(format!("rank {me}: registering memory")))?;
-            let mut tr: Box<dyn Transport> = Box::new(
-                LibfabricTransport::new(&cfg.fabric, registered)
-                    .map_err(transport_err(format!("rank {me}: opening libfabric")))?,
-            );
+            let mut tr = connector
+                .open(me, t, region)
+                .map_err(transport_err(format!(
+                    "rank {me}: opening the transport of proxy thread {t}"
+                )))?;
             let addrs = cp.all_gather(&tr.local_addr().0)?;
             let peers: Vec<PeerAddr> = addrs
                 .into_iter()
@@ -366,12 +370,10 @@ impl NetPath {
         let landing = self.areas.landing(ch, self.me)?;
         self.wait_sent(ch, dst, wait)?;
         let (thread, fifo) = self.fifo_of(dst)?;
-        // A fenced packet's kernel-pushed writes count towards its first block's key.
+        // A fenced packet has one block until the caller says otherwise
+        // (`NetPath::fence_blocks`).
         let counting = match ch.is_fenced() {
-            true => {
-                let (kind, key) = self.fence_key(ch, 0)?;
-                Counting::Fenced { kind, key }
-            }
+            true => Counting::Fenced(vec![self.fence_key(ch, 0)?]),
             false => Counting::Ordered,
         };
         let port = Port::open(PortInit {
@@ -530,11 +532,7 @@ impl NetPath {
             )));
         }
         for (g, block) in blocks.iter().enumerate() {
-            let pushed = if g == 0 {
-                staged.port.writes() as usize
-            } else {
-                0
-            };
+            let pushed = staged.port.writes(g) as usize;
             self.send_block(&staged, g, &coalesce(block), pushed)?;
         }
         let sent = &self.fenced[staged.ch.index() * self.num_ranks + staged.dst];
@@ -575,6 +573,17 @@ impl NetPath {
             staged.port.push(encode(self.me, cmd)?)?;
         }
         self.sent_bytes.fetch_add(total as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Make `staged`'s packet one of `blocks` fenced blocks, so that kernels may push
+    /// each block's writes ([`Port::put_in`]) before [`NetPath::send_fenced`] signals
+    /// them.
+    pub fn fence_blocks(&self, staged: &mut Staged, blocks: usize) -> Result<()> {
+        let keys = (0..blocks.max(1))
+            .map(|g| self.fence_key(staged.ch, g))
+            .collect::<Result<_>>()?;
+        staged.port.set_blocks(keys);
         Ok(())
     }
 

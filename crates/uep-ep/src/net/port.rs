@@ -23,14 +23,14 @@ use crate::error::{EpError, Result};
 use crate::packet::Channel;
 
 /// How a port's writes are counted at the receiver.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Counting {
     /// Normal mode: writes of the ordered stream, covered by the announcement that
     /// follows them in the same FIFO.
     Ordered,
-    /// Low-latency mode: arrivals of fence key `(kind, key)`, counted by the receiving
-    /// proxy against the block's count signal.
-    Fenced { kind: u8, key: u16 },
+    /// Low-latency mode: arrivals of the fence keys `(kind, key)` of the packet's
+    /// blocks, each counted by the receiving proxy against its block's count signal.
+    Fenced(Vec<(u8, u16)>),
 }
 
 /// The kernels' end of the FIFO that carries one packet to one peer; see the module
@@ -51,8 +51,9 @@ pub struct Port {
     proxy_timeout: Duration,
     /// Largest single write.
     write_bytes: usize,
-    /// Writes pushed so far (for a fenced port: arrivals the signal must count).
-    writes: AtomicU64,
+    /// `[block]`: writes pushed so far (for a fenced port: arrivals each block's signal
+    /// must count; one entry for an ordered port).
+    writes: Vec<AtomicU64>,
     /// Bytes of this rank's whole network path handed to the proxy.
     sent_bytes: Arc<AtomicU64>,
 }
@@ -81,11 +82,14 @@ impl Port {
             me: init.me,
             dst: init.dst,
             ch: init.ch,
+            writes: match &init.counting {
+                Counting::Ordered => vec![AtomicU64::new(0)],
+                Counting::Fenced(keys) => keys.iter().map(|_| AtomicU64::new(0)).collect(),
+            },
             counting: init.counting,
             deadline: init.deadline,
             proxy_timeout: init.proxy_timeout,
             write_bytes: init.write_bytes,
-            writes: AtomicU64::new(0),
             sent_bytes: init.sent_bytes,
         }
     }
@@ -94,23 +98,41 @@ impl Port {
     /// the proxy thread. From any kernel thread; the writes of one thread stay in the
     /// order it pushed them.
     pub fn put(&self, w: Write) -> Result<()> {
-        self.push_write(w)?;
+        self.put_in(0, w)
+    }
+
+    /// [`Port::put`] for block `block` of a fenced packet: its writes count towards
+    /// that block's key.
+    pub fn put_in(&self, block: usize, w: Write) -> Result<()> {
+        self.push_block(block, w)?;
         self.wake();
         Ok(())
     }
 
     /// Push `w` (cut into pieces) without waking the proxy.
     pub(crate) fn push_write(&self, w: Write) -> Result<()> {
+        self.push_block(0, w)
+    }
+
+    /// Push `w` (cut into pieces) as part of block `block`, without waking the proxy.
+    fn push_block(&self, block: usize, w: Write) -> Result<()> {
+        let count = self.writes.get(block).ok_or_else(|| {
+            EpError::internal(format!(
+                "a packet to rank {} has no block {block}",
+                self.dst
+            ))
+        })?;
         for p in w.pieces(self.write_bytes) {
             let (src, dst, len) = (p.src as u64, p.dst as u64, p.len as u32);
-            let cmd = match self.counting {
+            let cmd = match &self.counting {
                 Counting::Ordered => cmds::normal_write(self.dst, src, dst, len, ORDERED_STREAM, 0),
-                Counting::Fenced { kind, key } => {
+                Counting::Fenced(keys) => {
+                    let (kind, key) = keys[block];
                     cmds::ll_write(self.dst, src, dst, len, kind, key)
                 }
             };
             self.push(encode(self.me, cmd)?)?;
-            self.writes.fetch_add(1, Ordering::Relaxed);
+            count.fetch_add(1, Ordering::Relaxed);
         }
         self.sent_bytes.fetch_add(w.len() as u64, Ordering::Relaxed);
         Ok(())
@@ -137,9 +159,18 @@ impl Port {
         }
     }
 
-    /// Writes pushed so far.
-    pub(crate) fn writes(&self) -> u64 {
-        self.writes.load(Ordering::Relaxed)
+    /// Writes pushed so far in block `block` (0 past the last block).
+    pub(crate) fn writes(&self, block: usize) -> u64 {
+        self.writes
+            .get(block)
+            .map_or(0, |w| w.load(Ordering::Relaxed))
+    }
+
+    /// Count the writes of a fenced packet of `keys.len()` blocks under `keys`, from
+    /// now on (before any is pushed).
+    pub(crate) fn set_blocks(&mut self, keys: Vec<(u8, u16)>) {
+        self.writes = keys.iter().map(|_| AtomicU64::new(0)).collect();
+        self.counting = Counting::Fenced(keys);
     }
 
     /// Largest single write.

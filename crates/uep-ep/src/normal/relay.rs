@@ -17,9 +17,9 @@ use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed};
 use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::error::Result;
-use crate::invalid;
 use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
+use crate::protocol;
 use crate::quant::reduce_rows;
 use crate::wait::Wait;
 
@@ -86,14 +86,14 @@ impl Buffer {
         let head = head[0];
         let n = head.tokens as usize;
         if n > t_max {
-            return Err(invalid!(
+            return Err(protocol!(
                 "rank {me}: rank {src}'s dispatch packet announces {n} tokens, more than num_max_dispatch_tokens_per_rank = {t_max}"
             ));
         }
         let n_direct = head.direct_tokens();
         let mine = matrix[src * r_n + me] as usize;
         if head.has(DispatchHeader::DIRECT) && n_direct != mine || n_direct > n {
-            return Err(invalid!(
+            return Err(protocol!(
                 "rank {me}: rank {src}'s dispatch packet says {n_direct} of its {n} tokens came straight here; its counts announced {mine}"
             ));
         }
@@ -110,7 +110,7 @@ impl Buffer {
         };
         let p = DispatchPacket::layout(n, n_direct, fmt).at_base(landing.offset());
         if p.len > landing.len() {
-            return Err(invalid!(
+            return Err(protocol!(
                 "rank {me}: rank {src}'s dispatch packet of {} bytes overflows its {}-byte landing area",
                 p.len,
                 landing.len()
@@ -163,14 +163,14 @@ impl Buffer {
                 .unwrap_or(0)
                 != 0
             {
-                return Err(invalid!(
+                return Err(protocol!(
                     "rank {me}: rank {src}'s dispatch packet names local ranks {:#x} of a node of {}",
                     masks[j],
                     topo.ranks_per_node
                 ));
             }
             if masks[j] == 0 {
-                return Err(invalid!(
+                return Err(protocol!(
                     "rank {me}: rank {src}'s dispatch packet carries token {} for no rank",
                     tokens[j]
                 ));
@@ -199,7 +199,7 @@ impl Buffer {
                 let at = pos[l];
                 pos[l] += 1;
                 if at >= start(r) + matrix[src * r_n + r] as usize {
-                    return Err(invalid!(
+                    return Err(protocol!(
                         "rank {me}: rank {src}'s dispatch packet sends rank {r} more tokens than its counts announced ({})",
                         matrix[src * r_n + r]
                     ));
@@ -230,7 +230,7 @@ impl Buffer {
             }
         }
         if rest != n - n_direct {
-            return Err(invalid!(
+            return Err(protocol!(
                 "rank {me}: rank {src}'s dispatch packet carries {} rows for other ranks, but its masks name {rest}",
                 n - n_direct
             ));
@@ -238,7 +238,7 @@ impl Buffer {
         for (l, r) in topo.node_ranks(topo.node).enumerate() {
             let announced = matrix[src * r_n + r] as usize;
             if pos[l] != start(r) + announced {
-                return Err(invalid!(
+                return Err(protocol!(
                     "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {announced}",
                     pos[l] - start(r)
                 ));

@@ -1,0 +1,119 @@
+//! One verified step of each mode: dispatch the inputs every rank can regenerate, apply
+//! an identity expert, combine, and check every output against the reference bit for
+//! bit. Shared by `uep bench --soak`, the EP layer's in-process tests and the CLI.
+
+use half::bf16;
+use uep_ep::{Buffer, DispatchArgs, LlCombineInput, Result};
+
+use crate::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
+use crate::check::{self, Mismatches};
+use crate::workload::{without_ranks, JobShape, RankInput, TokenData};
+
+/// How a step casts and sends its rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepOpts {
+    /// Dispatch FP8 rows (per-128 scales).
+    pub fp8: bool,
+    /// Low-latency FP8 with power-of-two scales.
+    pub round_scale: bool,
+    /// Normal dispatch's `expert_alignment` (0 or 1: none).
+    pub expert_alignment: usize,
+    /// Low-latency combine from the combine buffer (zero copy) instead of rows.
+    pub zero_copy: bool,
+}
+
+/// A normal dispatch and combine of `inputs` (every rank's), checked into `bad`; `y`
+/// is the expert's output rows, reused across steps.
+pub fn normal_step(
+    buffer: &mut Buffer,
+    inputs: Vec<RankInput>,
+    shape: &JobShape,
+    opts: StepOpts,
+    bad: &mut Mismatches,
+    y: &mut Vec<bf16>,
+) -> Result<()> {
+    let (rank, h) = (buffer.rank(), shape.hidden);
+    let case = NormalCase::new(inputs, shape, rank, opts.fp8, opts.expert_alignment.max(1))?;
+    let mine = &case.sent[rank];
+    let out = buffer.dispatch(
+        DispatchArgs::new(case.x(rank))
+            .topk(&mine.topk_idx, Some(&mine.topk_weights))
+            .layout(&case.layout)
+            .expert_alignment(opts.expert_alignment.max(1)),
+    )?;
+    check::normal_dispatch(bad, &out, &case.expected, h);
+    let n = out.handle.num_recv_tokens;
+    y.resize(n * h, bf16::ZERO);
+    identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, y)?;
+    let w = out.recv_topk_weights.map(<[f32]>::to_vec);
+    let handle = out.handle;
+    let combined = buffer.combine(y, w.as_deref(), &handle)?;
+    bad.bits(
+        "combine.combined_x",
+        &combined.combined_x,
+        &case.expected_combine.0,
+    );
+    Ok(())
+}
+
+/// A low-latency dispatch and combine of `inputs` (every rank's, bf16), checked into
+/// `bad`; in elastic mode each output against the reference without the ranks that
+/// call masked. `ll_y` holds the expert's rows when the combine does not send from the
+/// combine buffer.
+pub fn ll_step(
+    buffer: &mut Buffer,
+    inputs: &[RankInput],
+    shape: &JobShape,
+    max_tokens: usize,
+    opts: StepOpts,
+    bad: &mut Mismatches,
+    ll_y: &mut [bf16],
+) -> Result<()> {
+    let (rank, h) = (buffer.rank(), shape.hidden);
+    let rows_per_expert = buffer.num_ranks() * max_tokens;
+    let mine = &inputs[rank];
+    let TokenData::Bf16(x) = &mine.x else {
+        return Err(uep_ep::EpError::InvalidArgument(
+            "a low-latency step takes bf16 inputs (it casts them itself)".into(),
+        ));
+    };
+    let case = |masked: &[bool]| -> Result<LlCase> {
+        let seen: Vec<RankInput> = match masked.iter().any(|&m| m) {
+            true => without_ranks(inputs, shape, masked),
+            false => inputs.to_vec(),
+        };
+        LlCase::new(rank, seen, shape, max_tokens, opts.fp8, opts.round_scale)
+    };
+    let mut out = buffer.low_latency_dispatch(x, &mine.topk_idx, opts.fp8, opts.round_scale)?;
+    let dispatched = case(&out.handle.masked)?;
+    check::ll_dispatch(bad, &out, &dispatched.expected, h);
+    let y = match (opts.zero_copy, out.combine_buffer.take()) {
+        (true, Some(buffer)) => buffer,
+        (true, None) => {
+            return Err(uep_ep::EpError::Internal(
+                "no combine buffer after a low-latency dispatch".into(),
+            ))
+        }
+        (false, _) => &mut *ll_y,
+    };
+    for (le, &n) in out.recv_count.iter().enumerate() {
+        let begin = le * rows_per_expert;
+        let layout = ScaleLayout::ColumnMajor { rows_per_expert };
+        identity_expert(out.recv_x, begin..begin + n as usize, h, layout, y)?;
+    }
+    let handle = out.handle;
+    let input = match opts.zero_copy {
+        true => LlCombineInput::ZeroCopy,
+        false => LlCombineInput::Rows(ll_y),
+    };
+    let combined =
+        buffer.low_latency_combine(input, &mine.topk_idx, &mine.topk_weights, &handle)?;
+    // A rank masked between dispatch and combine leaves the combine without its experts.
+    let combine_mask = buffer.low_latency_last_combine_mask();
+    let expected = match buffer.is_elastic() && combine_mask != handle.masked {
+        true => case(&combine_mask)?.expected_combine,
+        false => dispatched.expected_combine,
+    };
+    bad.bits("ll_combine.combined_x", &combined, &expected);
+    Ok(())
+}
