@@ -12,9 +12,31 @@ use crate::area::{Area, Mem};
 use crate::buffer::Buffer;
 use crate::error::{EpError, Result};
 use crate::invalid;
+use crate::map::LlAreas;
 use crate::net::Staged;
 use crate::packet::{ll_combine_groups, Channel, LlCombinePacket, LL_BUFFERS};
 use crate::quant::reduce_rows;
+
+/// Where a combine's rows for one source go: a same-node source's combine rows, or the
+/// packet for a source on another node (`None`: a masked source gets nothing).
+type CombineSink<'a> = Option<(&'a uep_shm::Region, Area<u16>, Option<Remote>)>;
+
+/// This rank's own rows of a combine: (token * K + slot, expert row) of each, read
+/// straight from the expert outputs by the reduction.
+fn own_rows(handle: &LlHandle, me: usize, r_n: usize, areas: &LlAreas) -> Vec<(usize, usize)> {
+    let (m, k) = (areas.shape.max_tokens, areas.shape.topk);
+    let mut own = Vec::new();
+    for le in 0..areas.shape.experts_per_rank(r_n) {
+        let (begin, n) = handle.layout_range[le * r_n + me];
+        for row in (begin..begin + n).map(|j| le * r_n * m + j as usize) {
+            own.push((
+                handle.src_info[row] as usize * k + handle.src_slot[row] as usize,
+                row,
+            ));
+        }
+    }
+    own
+}
 
 /// A combine's packet to a source on another node: where each local expert's rows
 /// start in it, how many there are, and the fence groups of adjacent experts.
@@ -228,9 +250,7 @@ impl Buffer {
         let y = self.ll_combine_rows(input, seq)?;
         let c = seq as usize % LL_BUFFERS;
         let areas = self.ll_areas(c)?;
-        let s = areas.shape;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
-        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
         let wait = self.ll_wait();
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
@@ -243,7 +263,7 @@ impl Buffer {
                 format!("rank {me}: LL combine {seq}: waiting for rank {src} to release combine area {c}")
             }
         };
-        let mut sinks = Vec::with_capacity(r_n);
+        let mut sinks: Vec<CombineSink<'_>> = Vec::with_capacity(r_n);
         for src in 0..r_n {
             // Area c of rank src was last used by combine seq - 3. Elastic mode: nothing
             // goes back to a masked rank.
@@ -255,33 +275,8 @@ impl Buffer {
             } else if self.topo.is_local(src) {
                 sinks.push(Some((self.peer_region(src)?, areas.combine_x, None)));
             } else {
-                let net = self.net()?;
-                let mut staged = net.stage(ch, src, &wait)?;
-                let counts: Vec<usize> = (0..epr)
-                    .map(|le| handle.layout_range[le * r_n + src].1 as usize)
-                    .collect();
-                let first: Vec<usize> = counts
-                    .iter()
-                    .scan(0, |n, &c| Some(std::mem::replace(n, *n + c)))
-                    .collect();
-                let n = counts.iter().sum();
-                // Adjacent experts are fenced in groups (each its own key and signal);
-                // the kernel pushes each expert's block under its group's key.
-                let groups = ll_combine_groups(&counts, 2 * h);
-                let mut group_of = vec![0; epr];
-                for (g, experts) in groups.iter().enumerate() {
-                    group_of[experts.clone()].fill(g);
-                }
-                net.fence_blocks(&mut staged, groups.len())?;
-                let p = LlCombinePacket::layout(n, h).at_base(staged.area.offset());
-                let remote = Remote {
-                    first,
-                    counts,
-                    groups,
-                    group_of,
-                    staged,
-                };
-                sinks.push(Some((local, p.rows, Some(remote))));
+                let (rows, remote) = self.ll_combine_remote(ch, src, handle, &areas, &wait)?;
+                sinks.push(Some((local, rows, Some(remote))));
             }
         }
         // A zero-copy combine moves no row here: the node's sources read theirs from the
@@ -293,42 +288,119 @@ impl Buffer {
             zero_copy_word.store(seq as u64, Ordering::Relaxed);
         } else {
             zero_copy_word.store(0, Ordering::Relaxed);
+            self.ll_combine_pack(&sinks, handle, y, &areas)?;
         }
-        self.device
-            .launch(if zero_copy { 0 } else { epr }, |experts| {
-                for le in experts {
-                    for (src, sink) in sinks.iter().enumerate() {
-                        // Our own rows are read straight from `y` by the reduction.
-                        let (Some((region, rows, remote)), false) = (sink, src == me) else {
-                            continue;
+        let packets = self.ll_combine_publish(sinks, seq, handle, &areas, zero_copy)?;
+        Ok(LlCombinePending {
+            buffer_id: self.id,
+            seq,
+            num_tokens: handle.num_tokens,
+            topk_idx: topk_idx.to_vec(),
+            topk_weights: topk_weights.to_vec(),
+            own: own_rows(handle, me, r_n, &areas),
+            y_len: y.len(),
+            zero_copy,
+            packets,
+        })
+    }
+
+    /// The packet of a combine to `src` on another node: staged, its rows' area, and
+    /// its fence groups of adjacent experts (each its own key and signal), under whose
+    /// keys the kernel pushes each expert's block.
+    fn ll_combine_remote(
+        &self,
+        ch: Channel,
+        src: usize,
+        handle: &LlHandle,
+        areas: &LlAreas,
+        wait: &crate::wait::Wait<'_>,
+    ) -> Result<(Area<u16>, Remote)> {
+        let (r_n, h) = (self.topo.num_ranks, areas.shape.hidden);
+        let epr = areas.shape.experts_per_rank(r_n);
+        let net = self.net()?;
+        let mut staged = net.stage(ch, src, wait)?;
+        let counts: Vec<usize> = (0..epr)
+            .map(|le| handle.layout_range[le * r_n + src].1 as usize)
+            .collect();
+        let first: Vec<usize> = (counts.iter())
+            .scan(0, |n, &c| Some(std::mem::replace(n, *n + c)))
+            .collect();
+        let groups = ll_combine_groups(&counts, 2 * h);
+        let mut group_of = vec![0; epr];
+        for (g, experts) in groups.iter().enumerate() {
+            group_of[experts.clone()].fill(g);
+        }
+        net.fence_blocks(&mut staged, groups.len())?;
+        let p = LlCombinePacket::layout(counts.iter().sum(), h).at_base(staged.area.offset());
+        let remote = Remote {
+            first,
+            counts,
+            groups,
+            group_of,
+            staged,
+        };
+        Ok((p.rows, remote))
+    }
+
+    /// The kernel, in parallel over local experts: each expert output row to its
+    /// source's `[token, slot]` row on this node, or into the packet for a source on
+    /// another node, whose block (the expert's rows) it pushes as soon as it is copied.
+    fn ll_combine_pack(
+        &self,
+        sinks: &[CombineSink<'_>],
+        handle: &LlHandle,
+        y: &[bf16],
+        areas: &LlAreas,
+    ) -> Result<()> {
+        let s = areas.shape;
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
+        self.device.launch(epr, |experts| {
+            for le in experts {
+                for (src, sink) in sinks.iter().enumerate() {
+                    // Our own rows are read straight from `y` by the reduction.
+                    let (Some((region, rows, remote)), false) = (sink, src == me) else {
+                        continue;
+                    };
+                    let (begin, n) = handle.layout_range[le * r_n + src];
+                    for j in begin as usize..(begin + n) as usize {
+                        let row = le * r_n * m + j;
+                        let at = match remote {
+                            None => {
+                                handle.src_info[row] as usize * k + handle.src_slot[row] as usize
+                            }
+                            Some(remote) => remote.first[le] + j - begin as usize,
                         };
-                        let (begin, n) = handle.layout_range[le * r_n + src];
-                        for j in begin as usize..(begin + n) as usize {
-                            let row = le * r_n * m + j;
-                            let at = match remote {
-                                None => {
-                                    handle.src_info[row] as usize * k
-                                        + handle.src_slot[row] as usize
-                                }
-                                Some(remote) => remote.first[le] + j - begin as usize,
-                            };
-                            region
-                                .put(rows.row(at, h)?.cast::<bf16>(), &y[row * h..(row + 1) * h])?;
-                        }
-                        // The expert's block leaves while the next expert packs.
-                        if let (Some(remote), true) = (remote, n > 0) {
-                            let block =
-                                rows.rows(remote.first[le]..remote.first[le] + n as usize, h)?;
-                            let port = remote.staged.port();
-                            port.put_in(
-                                remote.group_of[le],
-                                remote.staged.write_of(block.cast())?,
-                            )?;
-                        }
+                        region.put(rows.row(at, h)?.cast::<bf16>(), &y[row * h..(row + 1) * h])?;
+                    }
+                    // The expert's block leaves while the next expert packs.
+                    if let (Some(remote), true) = (remote, n > 0) {
+                        let block =
+                            rows.rows(remote.first[le]..remote.first[le] + n as usize, h)?;
+                        let write = remote.staged.write_of(block.cast())?;
+                        remote.staged.port().put_in(remote.group_of[le], write)?;
                     }
                 }
-                Ok(())
-            })?;
+            }
+            Ok(())
+        })
+    }
+
+    /// After the kernel: the epoch into each same-node source, and the signals of each
+    /// other node's packet (with its blocks, from the combine buffer, in a zero-copy
+    /// combine, where no kernel ran). Returns each packet's number among the fenced
+    /// sends of its area to that peer (0 where none was sent).
+    fn ll_combine_publish(
+        &self,
+        sinks: Vec<CombineSink<'_>>,
+        seq: u32,
+        handle: &LlHandle,
+        areas: &LlAreas,
+        zero_copy: bool,
+    ) -> Result<Vec<u64>> {
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (m, h) = (areas.shape.max_tokens, areas.shape.hidden);
+        let c = seq as usize % LL_BUFFERS;
         let mut packets = vec![0; r_n];
         for (r, sink) in sinks.into_iter().enumerate() {
             match sink {
@@ -337,45 +409,21 @@ impl Buffer {
                     .word(self.map.control.ll_combine_done, c * r_n + me)?
                     .store(seq as u64, Ordering::Release),
                 Some((_, rows, Some(remote))) => {
-                    // Zero copy: each local expert's block goes from the combine buffer
-                    // to its place in the landing area, fenced in the kernel's groups.
-                    // Copied: the kernel pushed every block; only the signals remain.
                     let mut blocks = vec![Vec::new(); remote.groups.len()];
-                    if zero_copy {
-                        for (g, experts) in remote.groups.iter().enumerate() {
-                            for le in experts.clone().filter(|&le| remote.counts[le] > 0) {
-                                let (first, n) = (remote.first[le], remote.counts[le]);
-                                let row =
-                                    le * r_n * m + handle.layout_range[le * r_n + r].0 as usize;
-                                let from = areas.combine_send.rows(row..row + n, h)?;
-                                let at = rows.rows(first..first + n, h)?;
-                                blocks[g].push(remote.staged.write_from(from.cast(), at.cast())?);
-                            }
+                    for (g, experts) in remote.groups.iter().enumerate().filter(|_| zero_copy) {
+                        for le in experts.clone().filter(|&le| remote.counts[le] > 0) {
+                            let (first, n) = (remote.first[le], remote.counts[le]);
+                            let row = le * r_n * m + handle.layout_range[le * r_n + r].0 as usize;
+                            let from = areas.combine_send.rows(row..row + n, h)?;
+                            let at = rows.rows(first..first + n, h)?;
+                            blocks[g].push(remote.staged.write_from(from.cast(), at.cast())?);
                         }
                     }
                     packets[r] = self.net()?.send_fenced(remote.staged, &blocks)?;
                 }
             }
         }
-        let mut own = Vec::new();
-        for le in 0..epr {
-            let (begin, n) = handle.layout_range[le * r_n + me];
-            for row in (begin..begin + n).map(|j| le * r_n * m + j as usize) {
-                let i = handle.src_info[row] as usize * k + handle.src_slot[row] as usize;
-                own.push((i, row));
-            }
-        }
-        Ok(LlCombinePending {
-            buffer_id: self.id,
-            seq,
-            num_tokens: handle.num_tokens,
-            topk_idx: topk_idx.to_vec(),
-            topk_weights: topk_weights.to_vec(),
-            own,
-            y_len: y.len(),
-            zero_copy,
-            packets,
-        })
+        Ok(packets)
     }
 
     /// Receive: wait for every source, then reduce each token's rows where they landed:

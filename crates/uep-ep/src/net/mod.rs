@@ -234,13 +234,6 @@ impl NetPath {
     ) -> Result<NetPath> {
         let (me, num_ranks) = (topo.rank, topo.num_ranks);
         let threads = cfg.proxy.threads.max(1);
-        let faults = Arc::new(AtomicU64::new(0));
-        let transport_err = |context: String| {
-            move |source| EpError::Transport {
-                context: context.clone(),
-                source: Box::new(source),
-            }
-        };
         let host = cfg.fabric.node.clone().unwrap_or_else(|| {
             std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_owned())
@@ -252,34 +245,8 @@ impl NetPath {
             .map(|h| String::from_utf8_lossy(&h).into_owned())
             .collect();
         let liveness = Liveness::start(cp, &topo, &host, &hosts, cfg.liveness, cfg.proxy.timeout)?;
-        let connector = cfg.connector();
-        let mut transports: Vec<Box<dyn Transport>> = Vec::with_capacity(threads);
-        for t in 0..threads {
-            let mut tr = connector
-                .open(me, t, region)
-                .map_err(transport_err(format!(
-                    "rank {me}: opening the transport of proxy thread {t}"
-                )))?;
-            let addrs = cp.all_gather(&tr.local_addr().0)?;
-            let peers: Vec<PeerAddr> = addrs
-                .into_iter()
-                .enumerate()
-                .map(|(r, a)| PeerAddr(if r == me { Vec::new() } else { a }))
-                .collect();
-            tr.connect(&peers).map_err(transport_err(format!(
-                "rank {me}: connecting proxy thread {t}"
-            )))?;
-            if let Some(f) = &cfg.faults {
-                let f = FaultConfig {
-                    seed: f.seed ^ ((me * threads + t) as u64 * 0x9e37_79b9),
-                    ..f.clone()
-                };
-                let faulty = FaultyTransport::new(tr, f)
-                    .map_err(transport_err(format!("rank {me}: fault injector")))?;
-                tr = Box::new(faulty.mirror_injected(faults.clone()));
-            }
-            transports.push(tr);
-        }
+        let faults = Arc::new(AtomicU64::new(0));
+        let transports = open_transports(cp, me, region, cfg, &faults)?;
         let fence_keys = LL_BUFFERS * areas.fence_experts;
         if fence_keys > uep_wire::MAX_LOCAL_EXPERTS {
             return Err(crate::invalid!(
@@ -862,6 +829,52 @@ impl Remote for NetPath {
              node, the link to it, or its processes stopped answering"
         ))
     }
+}
+
+/// This rank's transports, one per proxy thread (`cfg`'s connector, each behind a fault
+/// injector whose injections count into `faults` when `cfg.faults` says so), each
+/// connected to the same thread of every peer (addresses exchanged over `cp`).
+fn open_transports(
+    cp: &dyn ControlPlane,
+    me: usize,
+    region: &Region,
+    cfg: &NetConfig,
+    faults: &Arc<AtomicU64>,
+) -> Result<Vec<Box<dyn Transport>>> {
+    let threads = cfg.proxy.threads.max(1);
+    let transport_err = |context: String| {
+        move |source| EpError::Transport {
+            context: context.clone(),
+            source: Box::new(source),
+        }
+    };
+    let connector = cfg.connector();
+    let mut transports: Vec<Box<dyn Transport>> = Vec::with_capacity(threads);
+    for t in 0..threads {
+        let mut tr = connector
+            .open(me, t, region)
+            .map_err(transport_err(format!(
+                "rank {me}: opening the transport of proxy thread {t}"
+            )))?;
+        let addrs = cp.all_gather(&tr.local_addr().0)?;
+        let peers: Vec<PeerAddr> = (addrs.into_iter().enumerate())
+            .map(|(r, a)| PeerAddr(if r == me { Vec::new() } else { a }))
+            .collect();
+        tr.connect(&peers).map_err(transport_err(format!(
+            "rank {me}: connecting proxy thread {t}"
+        )))?;
+        if let Some(f) = &cfg.faults {
+            let f = FaultConfig {
+                seed: f.seed ^ ((me * threads + t) as u64 * 0x9e37_79b9),
+                ..f.clone()
+            };
+            let faulty = FaultyTransport::new(tr, f)
+                .map_err(transport_err(format!("rank {me}: fault injector")))?;
+            tr = Box::new(faulty.mirror_injected(faults.clone()));
+        }
+        transports.push(tr);
+    }
+    Ok(transports)
 }
 
 /// The size of the pieces a fenced block of `len` bytes in `writes` separate writes is
