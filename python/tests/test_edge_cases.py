@@ -42,8 +42,11 @@ def test_a_killed_peer_is_noticed_at_once(mode):
     results = launch("dead_peer", 4, env={"UEP_TIMEOUT_S": "60"}, killed=(3,), mode=mode)
     for r in results[:3]:
         assert "rank 3" in r["error"] and "died" in r["error"], r
-        assert r["type"] == "PeerLostError", r
+        # Whoever notices first raises PeerLostError and tells the others, who may hear
+        # it from that rank first (PeerAbortedError, naming the death too).
+        assert r["type"] in ("PeerLostError", "PeerAbortedError"), r
         assert r["seconds"] < 5, r
+    assert any(r["type"] == "PeerLostError" for r in results[:3]), results
 
 
 def test_an_absent_peer_times_out_with_a_message():

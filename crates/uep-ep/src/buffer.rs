@@ -1,86 +1,78 @@
 //! The `Buffer`: one per rank, owning the registered memory every EP call works in.
 //!
-//! Every public call that communicates is *collective* and runs through
-//! [`Buffer::collective`], the one place where an error becomes the abort broadcast:
-//! the failing rank writes why into every rank of its node (and, through the proxy,
-//! of the other nodes), so that nobody waits for it, and every later call on any rank's
-//! Buffer fails at once instead of pairing with the wrong call of another rank.
+//! It holds what every call works with ([`Ctx`]: topology, symmetric memory, the
+//! device, the network path, the elastic mask) and, beside it, the state each mode
+//! keeps between calls ([`NormalState`], [`LlState`]); each public call lends the
+//! context and its mode's state to the operation (`normal/`, `ll/`, `elastic`). Every
+//! call that communicates is *collective* and runs through [`Ctx::collective`], the one
+//! place where an error becomes the abort broadcast: the failing rank writes why into
+//! every rank of its node (and, through the proxy, of the other nodes), so that nobody
+//! waits for it, and every later call on any rank's Buffer fails at once instead of
+//! pairing with the wrong call of another rank.
 
+use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use half::bf16;
 use uep_bootstrap::ControlPlane;
-use uep_shm::Region;
 
 use crate::area::Mem;
 use crate::config::BufferConfig;
+use crate::ctx::{Ctx, ABORT_LINGER};
 use crate::device::{Device, HostDevice};
-use crate::elastic::Elastic;
 use crate::error::{EpError, Result};
 use crate::invalid;
-use crate::map::{RegionMap, ABORT_MSG_BYTES};
+use crate::layout::DispatchLayout;
+use crate::ll::{LlCombineInput, LlCombinePending, LlDispatchOutput, LlHandle, LlPending, LlState};
+use crate::map::RegionMap;
+use crate::mask::Elastic;
 use crate::net::{NetPath, LL_BUFFERS};
+use crate::normal::{
+    CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, NormalHandle, NormalState,
+};
 use crate::symm::{Bank, Lease, Symmetric};
 use crate::topology::Topology;
-use crate::wait::{abort_reason, Peer, Wait};
-
-/// How long a failing rank spends telling the other nodes (its own deadline if shorter).
-/// It raises only after, and survivors promise to raise within two seconds of a death;
-/// a peer this misses still learns from its liveness watch once this rank exits. (At
-/// 2 s, a write to a peer that was itself exiting once held a survivor's report to
-/// 2.4 s in CI.)
-const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(1);
-/// How long a Buffer that told other nodes of a failure keeps its proxy when dropped.
-const ABORT_LINGER: Duration = Duration::from_millis(300);
-
-/// Sequence numbers of the collective calls; equal on every rank between calls.
-#[derive(Debug, Default)]
-pub(crate) struct Seqs {
-    pub dispatch: u32,
-    pub combine: u32,
-    pub ll: u32,
-    pub ll_combine: u32,
-    pub barrier: u64,
-    /// Per LL buffer: a dispatch whose receive (hook) has not run yet.
-    pub ll_unreceived: [Option<u32>; LL_BUFFERS],
-    /// Per LL combine area: a combine whose receive has not run yet.
-    pub ll_combine_unreceived: [Option<u32>; LL_BUFFERS],
-}
-
-/// Output banks that can be leased (see [`Bank`]).
-#[derive(Debug)]
-pub(crate) struct Banks {
-    pub normal: Option<[Bank; 2]>,
-    pub ll: Option<[Bank; LL_BUFFERS]>,
-}
+use crate::wait::abort_reason;
 
 /// One rank's handle on expert-parallel communication: registered memory mapped by the
 /// node's ranks, and the calls of the DeepEP programming model.
+///
+/// ```no_run
+/// # fn main() -> uep_ep::Result<()> {
+/// use half::bf16;
+/// use uep_ep::{Buffer, BufferConfig, DispatchArgs, Tokens};
+/// // Every rank of the job, started by torchrun, mpirun, srun or `uep`:
+/// let world = uep_bootstrap::WorldInfo::from_env().expect("a launcher's environment");
+/// let group = uep_bootstrap::Group::connect(&world, std::time::Duration::from_secs(60))
+///     .expect("the rendezvous");
+/// // 16 experts, hidden 256, top-2, up to 64 tokens a call in normal mode.
+/// let mut buffer = Buffer::new(group, BufferConfig::new(16, 256, 2, 64, 0))?;
+/// let x = vec![bf16::ONE; 8 * 256];
+/// let topk_idx: Vec<i64> = (0..8 * 2).map(|i| (i % 16) as i64).collect();
+/// let out = buffer.dispatch(DispatchArgs::new(Tokens::Bf16(&x)).topk(&topk_idx, None))?;
+/// let rows = out.handle.num_recv_tokens;
+/// let handle = out.handle;
+/// let combined = buffer.combine(&vec![bf16::ONE; rows * 256], None, &handle)?;
+/// assert_eq!(combined.combined_x.len(), 8 * 256);
+/// # Ok(())
+/// # }
+/// ```
 pub struct Buffer {
-    pub(crate) cp: Arc<dyn ControlPlane>,
-    pub(crate) cfg: BufferConfig,
-    pub(crate) topo: Topology,
-    pub(crate) map: RegionMap,
-    pub(crate) symm: Symmetric,
-    pub(crate) device: HostDevice,
-    /// Identifies this Buffer in the handles it returns.
-    pub(crate) id: u64,
-    pub(crate) seq: Seqs,
-    pub(crate) banks: Banks,
-    /// The network path, when some ranks are on other nodes. Its proxy writes into
-    /// `symm`'s memory (holding a handle on it): `Drop` stops it first.
-    pub(crate) net: Option<NetPath>,
-    /// The mask of an elastic Buffer (see [`crate::elastic`]).
-    pub(crate) elastic: Option<std::cell::RefCell<Elastic>>,
+    cx: Ctx,
+    normal: NormalState,
+    ll: LlState,
+    /// Barriers so far (equal on every rank between calls).
+    barriers: u64,
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        let Some(net) = self.net.take() else {
+        let Some(net) = self.cx.net.take() else {
             return;
         };
-        if net.abort_sent() || abort_reason(self.symm.local(), &self.map.control).is_some() {
+        if net.abort_sent() || abort_reason(self.cx.symm.local(), &self.cx.map.control).is_some() {
             // After telling other nodes of a failure, keep the proxy a moment: a send
             // completion only says the bytes left; closing the connections at once could
             // lose them. No drain: a failed job's peers may never complete anything.
@@ -97,9 +89,9 @@ impl Drop for Buffer {
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Buffer")
-            .field("topology", &self.topo)
-            .field("cfg", &self.cfg)
-            .field("bytes", &self.map.total)
+            .field("topology", &self.cx.topo)
+            .field("cfg", &self.cx.cfg)
+            .field("bytes", &self.cx.map.total)
             .finish_non_exhaustive()
     }
 }
@@ -114,166 +106,84 @@ impl Buffer {
 
     /// [`Buffer::new`] on a shared control plane.
     pub fn with_control_plane(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<Buffer> {
-        let (rank, num_ranks) = (cp.rank(), cp.world_size());
-        if let Err(e) = cfg.validate(num_ranks) {
-            cp.abort(&e.to_string());
-            return Err(e);
-        }
-        // Hosts (which ranks share memory) and a job id for the segment names, in one
-        // exchange.
-        let token = rand::random::<u64>();
-        let hello = format!("{token:016x} {}", uep_bootstrap::host_id());
-        let hellos = cp.all_gather(hello.as_bytes())?;
-        let hellos: Vec<String> = hellos
-            .iter()
-            .map(|h| String::from_utf8_lossy(h).into_owned())
-            .collect();
-        let job = hellos[0].split(' ').next().unwrap_or("0").to_string();
-        let hosts: Vec<String> = hellos
-            .iter()
-            .map(|h| h.split_once(' ').map_or("", |(_, host)| host).to_string())
-            .collect();
-        let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
-        let map = RegionMap::new(&cfg, num_ranks, topo.num_nodes > 1);
-        // Every rank must agree on the shapes: compare them first, so a mismatch is a
-        // clear error rather than a size mismatch of segments.
-        let fingerprint = cfg.fingerprint(map.total);
-        let all = cp.all_gather(fingerprint.as_bytes())?;
-        if let Some((peer, other)) = all
-            .iter()
-            .enumerate()
-            .find(|(_, f)| f.as_slice() != fingerprint.as_bytes())
-        {
-            return Err(invalid!(
-                "rank {rank} and rank {peer} were given different Buffer configs: {fingerprint} vs {}",
-                String::from_utf8_lossy(other)
-            ));
-        }
-        let name = uep_shm::segment_name(&job, rank, std::process::id());
-        let own = uep_shm::Segment::create(&name, map.total);
-        // Everyone takes part in every exchange, failed or not, so nobody waits.
-        let names = cp.all_gather(own.as_ref().map(|_| name.as_bytes()).unwrap_or(b""))?;
-        let own = own?;
-        own.region()
-            .word(map.control.pid, 0)?
-            .store(std::process::id() as u64, Ordering::Release);
-        let names: Vec<String> = names
-            .iter()
-            .map(|n| String::from_utf8_lossy(n).into_owned())
-            .collect();
-        if let Some(peer) = names.iter().position(String::is_empty) {
-            return Err(EpError::Resource(format!(
-                "rank {peer} could not create its shared memory segment of {} bytes",
-                map.total
-            )));
-        }
-        let local: Vec<usize> = topo.node_ranks(topo.node).collect();
-        let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
-        // Everyone has mapped everything (or failed) past this exchange; then the names go.
-        let verdicts = cp.all_gather(&[symm.is_ok() as u8])?;
-        let mut symm = symm?;
-        if let Some(peer) = verdicts.iter().position(|v| v.first() != Some(&1)) {
-            return Err(EpError::Resource(format!(
-                "rank {peer} could not map the shared memory of its node"
-            )));
-        }
-        symm.unlink()?;
-        // An elastic job's proxies outlive a peer's failure.
-        let mut net_cfg = cfg.net.clone();
-        net_cfg.proxy.elastic |= cfg.elastic;
-        let device = HostDevice::new(cfg.device_threads);
-        let net = match map.net {
-            Some(areas) if topo.num_nodes > 1 => Some(NetPath::start(
-                cp.as_ref(),
-                topo,
-                symm.local(),
-                areas,
-                &net_cfg,
-                device.fifo_alloc(),
-            )?),
-            _ => None,
-        };
-        let banks = Banks {
-            normal: map
+        let (cx, num_ranks) = open(cp, cfg)?;
+        let map = &cx.map;
+        let normal = NormalState {
+            banks: map
                 .normal
                 .map(|n| [Bank::new(n.banks[0].area), Bank::new(n.banks[1].area)]),
-            ll: map.ll.map(|ll| ll.map(|a| Bank::new(a.bank))),
+            ..NormalState::default()
         };
-        let elastic = cfg
-            .elastic
-            .then(|| std::cell::RefCell::new(Elastic::new(num_ranks)));
+        let ll = LlState {
+            banks: map.ll.map(|ll| ll.map(|a| Bank::new(a.bank))),
+            ..LlState::default()
+        };
+        debug_assert_eq!(num_ranks, cx.topo.num_ranks);
         Ok(Buffer {
-            device,
-            cp,
-            topo,
-            map,
-            symm,
-            id: rand::random::<u64>() ^ ((rank as u64) << 48) ^ std::process::id() as u64,
-            cfg,
-            seq: Seqs::default(),
-            banks,
-            net,
-            elastic,
+            cx,
+            normal,
+            ll,
+            barriers: 0,
         })
     }
 
     /// This rank.
     pub fn rank(&self) -> usize {
-        self.topo.rank
+        self.cx.topo.rank
     }
 
     /// Number of ranks.
     pub fn num_ranks(&self) -> usize {
-        self.topo.num_ranks
+        self.cx.topo.num_ranks
     }
 
     /// Where the ranks sit (nodes, this rank's node and index).
     pub fn topology(&self) -> Topology {
-        self.topo
+        self.cx.topo
     }
 
     /// The config.
     pub fn config(&self) -> &BufferConfig {
-        &self.cfg
+        &self.cx.cfg
     }
 
     /// Bytes of registered memory this rank owns.
     pub fn bytes(&self) -> usize {
-        self.map.total
+        self.cx.map.total
     }
 
     /// Set the deadline of every wait.
     pub fn set_timeout(&mut self, timeout: Duration) {
-        self.cfg.timeout = timeout;
+        self.cx.cfg.timeout = timeout;
     }
 
     /// The control plane (for out-of-band collectives such as result checks).
     pub fn control_plane(&self) -> &dyn ControlPlane {
-        self.cp.as_ref()
+        self.cx.cp.as_ref()
     }
 
     /// Bytes this rank has handed to its proxy for ranks on other nodes so far: every
     /// packet (token rows, their metadata and headers), as sent, not as computed.
     pub fn net_bytes_sent(&self) -> u64 {
-        self.net.as_ref().map_or(0, NetPath::sent_bytes)
+        self.cx.net.as_ref().map_or(0, NetPath::sent_bytes)
     }
 
     /// Keeps this rank's registered memory mapped while held, even past the Buffer:
     /// for a binding that hands a view of it (the combine buffer) to code that keeps it.
     pub fn memory_keepalive(&self) -> std::sync::Arc<dyn std::any::Any + Send + Sync> {
-        self.symm.local().keepalive()
+        self.cx.symm.local().keepalive()
     }
 
     /// The addresses of this rank's registered memory, for a binding to check that a
     /// caller's output does not overlap what the Buffer reads (the combine buffer).
     pub fn memory_span(&self) -> std::ops::Range<usize> {
-        let local = self.symm.local();
+        let local = self.cx.symm.local();
         local.as_ptr() as usize..local.as_ptr() as usize + local.len()
     }
 
     /// Faults injected into this rank's network path so far (see `NetConfig::faults`).
     pub fn faults_injected(&self) -> u64 {
-        self.net.as_ref().map_or(0, NetPath::faults_injected)
+        self.cx.net.as_ref().map_or(0, NetPath::faults_injected)
     }
 
     /// The outputs of the normal dispatch `handle` describes (x, scales, top-k ids,
@@ -282,18 +192,15 @@ impl Buffer {
     /// package's tensors). Without a copy; an output still held when its bank is
     /// reused is copied then (see [`Bank`]).
     pub fn lease_dispatch(&mut self, handle: &crate::NormalHandle) -> Result<Lease> {
-        if handle.buffer_id != self.id {
+        if handle.buffer_id != self.cx.id {
             return Err(invalid!(
                 "the handle was made by another Buffer (or another rank)"
             ));
         }
-        let parts = self.dispatch_areas(handle)?;
-        let banks = self
-            .banks
-            .normal
-            .as_mut()
+        let parts = self.cx.dispatch_areas(handle)?;
+        let banks = (self.normal.banks.as_mut())
             .ok_or_else(|| invalid!("this Buffer has no normal-mode buffers"))?;
-        Lease::of(&mut banks[handle.bank], &self.symm, &parts, &parts)
+        Lease::of(&mut banks[handle.bank], &self.cx.symm, &parts, &parts)
     }
 
     /// The rows and column-major scales (empty for bf16) of low-latency buffer `buffer`
@@ -306,9 +213,9 @@ impl Buffer {
         fp8: bool,
         handle: Option<&crate::LlHandle>,
     ) -> Result<Lease> {
-        let areas = self.ll_areas(buffer)?;
+        let areas = self.cx.ll_areas(buffer)?;
         let s = areas.shape;
-        let (r_n, m) = (self.topo.num_ranks, s.max_tokens);
+        let (r_n, m) = (self.cx.topo.num_ranks, s.max_tokens);
         let rows_per_expert = r_n * m;
         let epr = s.experts_per_rank(r_n);
         let (rb, groups) = if fp8 {
@@ -335,129 +242,14 @@ impl Buffer {
             }
             None => keep.extend([x, scales]),
         }
-        let banks = self
-            .banks
-            .ll
-            .as_mut()
+        let banks = (self.ll.banks.as_mut())
             .ok_or_else(|| invalid!("this Buffer has no low-latency buffers"))?;
         Lease::of(
             &mut banks[buffer % LL_BUFFERS],
-            &self.symm,
+            &self.cx.symm,
             &[x, scales],
             &keep,
         )
-    }
-
-    /// The waits of a call starting now.
-    pub(crate) fn wait(&self) -> Wait<'_> {
-        Wait::new(
-            self.cfg.timeout,
-            self.symm.local(),
-            &self.map.control,
-            self.net.as_ref().map(|n| n as &dyn crate::wait::Remote),
-        )
-    }
-
-    /// Who `rank` is for a wait: its region when it shares this host (so that its
-    /// process is watched).
-    pub(crate) fn peer(&self, rank: usize) -> Peer<'_> {
-        Peer {
-            rank,
-            region: self.symm.peer(rank),
-        }
-    }
-
-    /// The region of `peer` (a rank of this node).
-    pub(crate) fn peer_region(&self, peer: usize) -> Result<&Region> {
-        self.symm.peer(peer).ok_or_else(|| {
-            EpError::internal(format!(
-                "rank {peer} shares no memory with rank {}",
-                self.topo.rank
-            ))
-        })
-    }
-
-    /// The network path (several nodes only).
-    pub(crate) fn net(&self) -> Result<&NetPath> {
-        self.net.as_ref().ok_or_else(|| {
-            EpError::internal(format!(
-                "rank {} has no network path (one node)",
-                self.topo.rank
-            ))
-        })
-    }
-
-    /// Run one collective call `f`: refuse it on a Buffer whose job already failed, and
-    /// turn its error into the abort broadcast, unless every rank found it together
-    /// ([`EpError::Capacity`]).
-    pub(crate) fn collective<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
-        self.ensure_usable()?;
-        f(self).map_err(|e| {
-            if !matches!(e, EpError::Capacity { .. } | EpError::Unusable { .. }) {
-                self.broadcast_failure(&e);
-            }
-            e
-        })
-    }
-
-    /// Calls after a failure would pair with the wrong calls of other ranks: refuse them.
-    fn ensure_usable(&self) -> Result<()> {
-        match abort_reason(self.symm.local(), &self.map.control) {
-            None => Ok(()),
-            Some((peer, reason)) => Err(EpError::Unusable {
-                rank: self.topo.rank,
-                peer,
-                reason,
-            }),
-        }
-    }
-
-    /// Tell every rank that this one failed with `e`: its message and (if no rank failed
-    /// first) its abort word into every region of the node, this rank's included, and
-    /// through the proxy into the regions of the other nodes.
-    fn broadcast_failure(&self, e: &EpError) {
-        let me = self.topo.rank;
-        let mut bytes = format!("rank {me}: {e}").into_bytes();
-        // Cut at a character boundary; the reader stops at the first 0.
-        bytes.truncate(ABORT_MSG_BYTES - 1);
-        while std::str::from_utf8(&bytes).is_err() {
-            bytes.pop();
-        }
-        bytes.push(0);
-        let Ok(slot) = self.map.control.abort_msg_of(me) else {
-            return;
-        };
-        for peer in self.topo.node_ranks(self.topo.node) {
-            let Some(region) = self.symm.peer(peer) else {
-                continue;
-            };
-            if region.put(slot, &bytes).is_ok() {
-                if let Ok(word) = region.word(self.map.control.abort, 0) {
-                    let _ = word.compare_exchange(
-                        0,
-                        me as u64 + 1,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
-                }
-            }
-        }
-        // Only the rank that failed first tells the other nodes: the others of its node
-        // share its abort word, and the ranks of other nodes hear it from it.
-        let origin = self
-            .symm
-            .local()
-            .word(self.map.control.abort, 0)
-            .is_ok_and(|w| w.load(Ordering::Acquire) == me as u64 + 1);
-        if let (Some(net), true) = (&self.net, origin) {
-            let remote: Vec<usize> = (0..self.topo.num_ranks)
-                .filter(|&r| !self.topo.is_local(r))
-                .collect();
-            let wait = self.wait().sooner(Instant::now() + ABORT_SEND_TIMEOUT);
-            if let Err(why) = net.send_abort(&self.map.control, &remote, &wait) {
-                tracing::warn!(rank = me, "could not tell the other nodes: {why}");
-            }
-        }
     }
 
     /// Give up on this job: tell every rank that this one failed because of `reason`
@@ -466,10 +258,10 @@ impl Buffer {
     /// (the Python package). Returns the error that was broadcast.
     pub fn abort(&mut self, reason: &str) -> EpError {
         let e = invalid!("{reason}");
-        if self.ensure_usable().is_ok() {
-            self.broadcast_failure(&e);
+        if self.cx.ensure_usable().is_ok() {
+            self.cx.broadcast_failure(&e);
         }
-        self.cp.abort(reason);
+        self.cx.cp.abort(reason);
         e
     }
 
@@ -480,56 +272,305 @@ impl Buffer {
     /// On an elastic Buffer it is an agreement round instead (every rank not masked
     /// meets every other), which also spreads the mask.
     pub fn barrier(&mut self) -> Result<()> {
-        self.collective(|b| {
-            if b.elastic.is_some() {
-                return b.agree("barrier").map(drop);
+        let seq = &mut self.barriers;
+        self.cx.collective(|cx| {
+            if cx.elastic.is_some() {
+                return cx.agree("barrier").map(drop);
             }
-            b.seq.barrier += 1;
-            b.barrier_phases(b.seq.barrier)
+            *seq += 1;
+            cx.barrier_phases(*seq)
         })
     }
 
-    fn barrier_phases(&self, seq: u64) -> Result<()> {
-        let (me, topo, c) = (self.topo.rank, self.topo, &self.map.control);
-        let wait = self.wait();
-        for peer in topo.node_ranks(topo.node) {
-            self.peer_region(peer)?
-                .word(c.barrier, me)?
-                .store(seq, Ordering::Release);
-        }
-        let local = self.symm.local();
-        for peer in topo.node_ranks(topo.node) {
-            let what =
-                || format!("rank {me}: barrier {seq}: waiting for rank {peer} (barrier[{peer}])");
-            wait.at_least(
-                local.word(c.barrier, peer)?,
-                seq,
-                Some(self.peer(peer)),
-                &what,
-            )?;
-        }
-        if topo.num_nodes == 1 {
-            return Ok(());
-        }
-        let leader = topo.node * topo.ranks_per_node;
-        if me == leader {
-            self.net()?.barrier(seq, &wait)?;
-            for peer in topo.node_ranks(topo.node).filter(|&p| p != me) {
-                self.peer_region(peer)?
-                    .word(c.barrier_release, 0)?
-                    .store(seq, Ordering::Release);
-            }
-        } else {
-            let what = || {
-                format!("rank {me}: barrier {seq}: waiting for rank {leader} to meet the other nodes (barrier_release)")
-            };
-            wait.at_least(
-                local.word(c.barrier_release, 0)?,
-                seq,
-                Some(self.peer(leader)),
-                &what,
-            )?;
-        }
-        Ok(())
+    /// Compute the dispatch layout of `topk_idx` (`[T, K]`) for this Buffer's ranks and
+    /// normal-mode experts.
+    pub fn get_dispatch_layout(&self, topk_idx: &[i64]) -> Result<DispatchLayout> {
+        self.cx.get_dispatch_layout(topk_idx)
     }
+
+    /// Normal dispatch: every token once to every rank hosting one of its experts.
+    /// Collective. Bad input is rejected before anything is sent, and peers are told.
+    /// If any rank dispatches more tokens than the Buffer's `max_tokens`, every rank
+    /// returns [`EpError::Capacity`] and the Buffer stays usable.
+    pub fn dispatch(&mut self, args: DispatchArgs<'_>) -> Result<DispatchOutput<'_>> {
+        self.cx.require_every_rank("dispatch")?;
+        let st = &mut self.normal;
+        let handle = self.cx.collective(|cx| cx.dispatch_call(st, &args))?;
+        self.cx.dispatch_output(handle)
+    }
+
+    /// Normal combine: every received row back to its source, summed there per token.
+    /// `x` is `[rows, H]` bf16 (rows past the received count are ignored), `topk_weights`
+    /// `[rows, K]`. Collective.
+    pub fn combine(
+        &mut self,
+        x: &[bf16],
+        topk_weights: Option<&[f32]>,
+        handle: &NormalHandle,
+    ) -> Result<CombineOutput> {
+        let (h, k) = match self.cx.map.normal {
+            Some(a) => (a.shape.hidden, a.shape.topk),
+            None => (0, 0),
+        };
+        let t_n = handle.num_tokens;
+        let mut combined_x = vec![bf16::ZERO; t_n * h];
+        let mut combined_w = topk_weights.map(|_| vec![0f32; t_n * k]);
+        let args = CombineArgs {
+            topk_weights,
+            ..Default::default()
+        };
+        self.combine_into(x, args, handle, &mut combined_x, combined_w.as_deref_mut())?;
+        Ok(CombineOutput {
+            combined_x,
+            combined_topk_weights: combined_w,
+        })
+    }
+
+    /// [`Buffer::combine`] into caller-owned outputs (`[T, H]` and `[T, K]`), so a loop
+    /// of steps allocates nothing, with DeepEP's biases (`args.bias`).
+    pub fn combine_into(
+        &mut self,
+        x: &[bf16],
+        args: CombineArgs<'_>,
+        handle: &NormalHandle,
+        combined_x: &mut [bf16],
+        combined_topk_weights: Option<&mut [f32]>,
+    ) -> Result<()> {
+        self.cx.require_every_rank("combine")?;
+        let st = &mut self.normal;
+        self.cx.collective(|cx| {
+            cx.combine_call(st, x, &args, handle, combined_x, combined_topk_weights)
+        })
+    }
+
+    /// Low-latency dispatch of `x` (`[T, H]` bf16) by `topk_idx` (`[T, K]`), optionally
+    /// cast to FP8 (`round_scale`: power-of-two scales). Collective: the send half and
+    /// the receive half together.
+    pub fn low_latency_dispatch(
+        &mut self,
+        x: &[bf16],
+        topk_idx: &[i64],
+        use_fp8: bool,
+        round_scale: bool,
+    ) -> Result<LlDispatchOutput<'_>> {
+        let pending = self.low_latency_dispatch_send(x, topk_idx, use_fp8, round_scale)?;
+        self.low_latency_dispatch_recv(pending)
+    }
+
+    /// The send half of [`Buffer::low_latency_dispatch`]: returns once this rank's
+    /// copies are on their way. Receive them with
+    /// [`Buffer::low_latency_dispatch_recv`]; at most two dispatches may wait for it.
+    pub fn low_latency_dispatch_send(
+        &mut self,
+        x: &[bf16],
+        topk_idx: &[i64],
+        use_fp8: bool,
+        round_scale: bool,
+    ) -> Result<LlPending> {
+        let st = &mut self.ll;
+        self.cx
+            .collective(|cx| cx.ll_send(st, x, topk_idx, use_fp8, round_scale))
+    }
+
+    /// The receive half of a low-latency dispatch: waits for every source's copies and
+    /// packs them. Collective (every rank receives the same step).
+    pub fn low_latency_dispatch_recv(
+        &mut self,
+        pending: LlPending,
+    ) -> Result<LlDispatchOutput<'_>> {
+        let st = &mut self.ll;
+        let (handle, wait_ns) = self.cx.collective(|cx| cx.ll_recv(st, &pending))?;
+        self.cx.ll_output(&self.ll, handle, wait_ns)
+    }
+
+    /// Low-latency combine: expert outputs `y` (`[E/R, R*M, H]` bf16, laid out like the
+    /// dispatch's `recv_x`) back to their tokens, weighted by `topk_weights` (`[T, K]`),
+    /// with the same `topk_idx` as the dispatch of `handle`. Returns `[T, H]`. Collective.
+    /// `y` may also be [`LlCombineInput::ZeroCopy`]: the rows were written into the
+    /// combine buffer and go from there.
+    pub fn low_latency_combine<'y>(
+        &mut self,
+        y: impl Into<LlCombineInput<'y>>,
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &LlHandle,
+    ) -> Result<Vec<bf16>> {
+        let y = y.into();
+        let h = self.cx.ll_areas(0).map_or(0, |a| a.shape.hidden);
+        let mut out = vec![bf16::ZERO; handle.num_tokens * h];
+        let pending = self.low_latency_combine_send(y, topk_idx, topk_weights, handle)?;
+        self.low_latency_combine_recv(pending, y, &mut out)?;
+        Ok(out)
+    }
+
+    /// The send half of [`Buffer::low_latency_combine`]: every expert output row on its
+    /// way to its source. Finish with [`Buffer::low_latency_combine_recv`] and the same `y`.
+    pub fn low_latency_combine_send<'y>(
+        &mut self,
+        y: impl Into<LlCombineInput<'y>>,
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &LlHandle,
+    ) -> Result<LlCombinePending> {
+        let (y, st) = (y.into(), &mut self.ll);
+        self.cx
+            .collective(|cx| cx.ll_combine_send_call(st, y, topk_idx, topk_weights, handle))
+    }
+
+    /// The receive half of a low-latency combine: waits for every expert output of this
+    /// rank's tokens and writes `sum_k w_k * y_k` into `out` (`[T, H]`). `y` must be the
+    /// one passed to the send half (this rank's own expert outputs are read from it).
+    pub fn low_latency_combine_recv<'y>(
+        &mut self,
+        pending: LlCombinePending,
+        y: impl Into<LlCombineInput<'y>>,
+        out: &mut [bf16],
+    ) -> Result<()> {
+        let (y, st) = (y.into(), &mut self.ll);
+        self.cx
+            .collective(|cx| cx.ll_combine_recv_call(st, &pending, y, out))
+    }
+
+    /// The next combine's buffer (`[E/R, R*M, H]` bf16), for the caller to write expert
+    /// outputs into before a [`LlCombineInput::ZeroCopy`] combine (DeepEP's
+    /// `get_next_low_latency_combine_buffer`). Waits until the combine that last used
+    /// it is done with it: what it sent from there has left, and the node's ranks that
+    /// read their rows there received it. Only this rank writes the buffer, and only
+    /// through this slice.
+    pub fn low_latency_combine_buffer(&mut self) -> Result<&mut [bf16]> {
+        self.cx.next_combine_buffer(&mut self.ll)
+    }
+
+    /// Whether this Buffer is elastic (`BufferConfig::elastic`).
+    pub fn is_elastic(&self) -> bool {
+        self.cx.elastic.is_some()
+    }
+
+    /// `[rank]`: whether the rank is masked (DeepEP's
+    /// `low_latency_query_mask_buffer`): the mask the last low-latency call used, and
+    /// the caller's own changes since; all `false` on a Buffer that is not elastic.
+    /// A rank found gone during a call's agreement round counted in that call, so it
+    /// appears here once the next call begins.
+    pub fn low_latency_mask(&self) -> Vec<bool> {
+        self.cx.low_latency_mask()
+    }
+
+    /// Why each masked rank was masked (`None` for the others).
+    pub fn low_latency_mask_reasons(&self) -> Vec<Option<String>> {
+        self.cx.low_latency_mask_reasons()
+    }
+
+    /// The mask the last low-latency combine used (its agreed mask).
+    pub fn low_latency_last_combine_mask(&self) -> Vec<bool> {
+        self.cx.low_latency_last_combine_mask()
+    }
+
+    /// Mask (`mask = true`) or unmask `rank` (DeepEP's
+    /// `low_latency_update_mask_buffer`). A rank found gone cannot be unmasked.
+    pub fn low_latency_update_mask(&mut self, rank: usize, mask: bool) -> Result<()> {
+        self.cx.low_latency_update_mask(rank, mask)
+    }
+
+    /// Unmask every rank that was not found gone (DeepEP's
+    /// `low_latency_clean_mask_buffer`).
+    pub fn low_latency_clean_mask(&mut self) -> Result<()> {
+        self.cx.low_latency_clean_mask()
+    }
+}
+
+/// Meet the other ranks, make and map the registered memory, connect the other nodes:
+/// the context of a new Buffer. Collective.
+fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<(Ctx, usize)> {
+    let (rank, num_ranks) = (cp.rank(), cp.world_size());
+    if let Err(e) = cfg.validate(num_ranks) {
+        cp.abort(&e.to_string());
+        return Err(e);
+    }
+    // Hosts (which ranks share memory) and a job id for the segment names, in one
+    // exchange.
+    let token = rand::random::<u64>();
+    let hello = format!("{token:016x} {}", uep_bootstrap::host_id());
+    let hellos = cp.all_gather(hello.as_bytes())?;
+    let hellos: Vec<String> = hellos
+        .iter()
+        .map(|h| String::from_utf8_lossy(h).into_owned())
+        .collect();
+    let job = hellos[0].split(' ').next().unwrap_or("0").to_string();
+    let hosts: Vec<String> = hellos
+        .iter()
+        .map(|h| h.split_once(' ').map_or("", |(_, host)| host).to_string())
+        .collect();
+    let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
+    let map = RegionMap::new(&cfg, num_ranks, topo.num_nodes > 1);
+    // Every rank must agree on the shapes: compare them first, so a mismatch is a
+    // clear error rather than a size mismatch of segments.
+    let fingerprint = cfg.fingerprint(map.total);
+    let all = cp.all_gather(fingerprint.as_bytes())?;
+    if let Some((peer, other)) = all
+        .iter()
+        .enumerate()
+        .find(|(_, f)| f.as_slice() != fingerprint.as_bytes())
+    {
+        return Err(invalid!(
+            "rank {rank} and rank {peer} were given different Buffer configs: {fingerprint} vs {}",
+            String::from_utf8_lossy(other)
+        ));
+    }
+    let name = uep_shm::segment_name(&job, rank, std::process::id());
+    let own = uep_shm::Segment::create(&name, map.total);
+    // Everyone takes part in every exchange, failed or not, so nobody waits.
+    let names = cp.all_gather(own.as_ref().map(|_| name.as_bytes()).unwrap_or(b""))?;
+    let own = own?;
+    own.region()
+        .word(map.control.pid, 0)?
+        .store(std::process::id() as u64, Ordering::Release);
+    let names: Vec<String> = names
+        .iter()
+        .map(|n| String::from_utf8_lossy(n).into_owned())
+        .collect();
+    if let Some(peer) = names.iter().position(String::is_empty) {
+        return Err(EpError::Resource(format!(
+            "rank {peer} could not create its shared memory segment of {} bytes",
+            map.total
+        )));
+    }
+    let local: Vec<usize> = topo.node_ranks(topo.node).collect();
+    let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
+    // Everyone has mapped everything (or failed) past this exchange; then the names go.
+    let verdicts = cp.all_gather(&[symm.is_ok() as u8])?;
+    let mut symm = symm?;
+    if let Some(peer) = verdicts.iter().position(|v| v.first() != Some(&1)) {
+        return Err(EpError::Resource(format!(
+            "rank {peer} could not map the shared memory of its node"
+        )));
+    }
+    symm.unlink()?;
+    // An elastic job's proxies outlive a peer's failure.
+    let mut net_cfg = cfg.net.clone();
+    net_cfg.proxy.elastic |= cfg.elastic;
+    let device = HostDevice::new(cfg.device_threads);
+    let net = match map.net {
+        Some(areas) if topo.num_nodes > 1 => Some(NetPath::start(
+            cp.as_ref(),
+            topo,
+            symm.local(),
+            areas,
+            &net_cfg,
+            device.fifo_alloc(),
+        )?),
+        _ => None,
+    };
+    let elastic = cfg.elastic.then(|| RefCell::new(Elastic::new(num_ranks)));
+    let cx = Ctx {
+        device,
+        cp,
+        topo,
+        map,
+        symm,
+        id: rand::random::<u64>() ^ ((rank as u64) << 48) ^ std::process::id() as u64,
+        cfg,
+        net,
+        elastic,
+    };
+    Ok((cx, num_ranks))
 }

@@ -7,7 +7,7 @@
 //!   of failing: the call goes on, that rank counts zero tokens, and rows routed to its
 //!   experts contribute nothing. The mask is sticky: later calls skip the rank, send
 //!   it nothing and wait for nothing from it. Callers may mask ranks themselves
-//!   ([`Buffer::low_latency_update_mask`]).
+//!   ([`Buffer::low_latency_update_mask`](crate::Buffer::low_latency_update_mask)).
 //! * **Agreement.** Ranks learn of a death at different moments, so after the receive
 //!   of every low-latency dispatch and combine, the survivors exchange their masks (one
 //!   small message to every rank not found dead, the *agreement round*) and use the
@@ -15,7 +15,7 @@
 //!   in the mask of those it missed, so in everyone's union; one that dies during the
 //!   round itself had delivered all its data, so it counts in this call everywhere and
 //!   is masked from the next. The mask a caller reads
-//!   ([`Buffer::low_latency_mask`]) is the one the last call used: such a rank enters
+//!   ([`Buffer::low_latency_mask`](crate::Buffer::low_latency_mask)) is the one the last call used: such a rank enters
 //!   it when the next call begins (DeepEP's tests check each call's output against the
 //!   mask read right after it). The union is the same on every survivor as long as no
 //!   two deaths interleave with one call's round (a whole node killed at once counts
@@ -27,53 +27,18 @@
 //!   at once (as DeepEP's does).
 //!
 //! A masked rank cannot rejoin this Buffer: it missed calls, so its sequence numbers
-//! differ from the survivors'. [`Buffer::low_latency_clean_mask`] is for ranks masked
+//! differ from the survivors'. [`Buffer::low_latency_clean_mask`](crate::Buffer::low_latency_clean_mask) is for ranks masked
 //! by the caller that never stopped calling.
 
 use std::sync::atomic::Ordering;
 
 use crate::area::Mem;
-use crate::buffer::Buffer;
+use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::liveness::Gone;
+use crate::mask::Elastic;
 use crate::packet::Channel;
-
-/// The mask and what led to it.
-#[derive(Debug)]
-pub(crate) struct Elastic {
-    /// `[rank]`: masked (sticky).
-    masked: Vec<bool>,
-    /// `[rank]`: why it was masked.
-    why: Vec<Option<String>>,
-    /// `[rank]`: found gone (dead or unreachable) rather than masked by the caller:
-    /// nothing is sent to it any more, not even agreement messages.
-    gone: Vec<bool>,
-    /// `[rank]`: found unreachable (for the partition rule).
-    unreachable: Vec<bool>,
-    /// `[rank]`: found gone during the last agreement round, which did not use it:
-    /// masked for every later wait, but left out of what the caller reads until the
-    /// next call begins (module docs).
-    deferred: Vec<bool>,
-    /// Agreement rounds so far (the same count on every survivor).
-    round: u64,
-    /// The mask the last low-latency combine used.
-    pub(crate) last_combine: Vec<bool>,
-}
-
-impl Elastic {
-    pub(crate) fn new(num_ranks: usize) -> Elastic {
-        Elastic {
-            masked: vec![false; num_ranks],
-            why: vec![None; num_ranks],
-            gone: vec![false; num_ranks],
-            unreachable: vec![false; num_ranks],
-            deferred: vec![false; num_ranks],
-            round: 0,
-            last_combine: vec![false; num_ranks],
-        }
-    }
-}
 
 /// A mask as bits, one per rank, in `words` words.
 fn to_words(mask: &[bool], words: usize) -> Vec<u64> {
@@ -93,18 +58,13 @@ fn merge(mask: &mut [bool], words: &[u64]) {
     }
 }
 
-impl Buffer {
-    /// Whether this Buffer is elastic (`BufferConfig::elastic`).
-    pub fn is_elastic(&self) -> bool {
-        self.elastic.is_some()
-    }
-
+impl Ctx {
     /// `[rank]`: whether the rank is masked (DeepEP's
     /// `low_latency_query_mask_buffer`): the mask the last low-latency call used, and
     /// the caller's own changes since; all `false` on a Buffer that is not elastic.
     /// A rank found gone during a call's agreement round counted in that call, so it
     /// appears here once the next call begins.
-    pub fn low_latency_mask(&self) -> Vec<bool> {
+    pub(crate) fn low_latency_mask(&self) -> Vec<bool> {
         match &self.elastic {
             Some(e) => {
                 let e = e.borrow();
@@ -125,7 +85,7 @@ impl Buffer {
     }
 
     /// Why each masked rank was masked (`None` for the others).
-    pub fn low_latency_mask_reasons(&self) -> Vec<Option<String>> {
+    pub(crate) fn low_latency_mask_reasons(&self) -> Vec<Option<String>> {
         match &self.elastic {
             Some(e) => e.borrow().why.clone(),
             None => vec![None; self.topo.num_ranks],
@@ -133,7 +93,7 @@ impl Buffer {
     }
 
     /// The mask the last low-latency combine used (its agreed mask).
-    pub fn low_latency_last_combine_mask(&self) -> Vec<bool> {
+    pub(crate) fn low_latency_last_combine_mask(&self) -> Vec<bool> {
         match &self.elastic {
             Some(e) => e.borrow().last_combine.clone(),
             None => vec![false; self.topo.num_ranks],
@@ -142,7 +102,7 @@ impl Buffer {
 
     /// Mask (`mask = true`) or unmask `rank` (DeepEP's
     /// `low_latency_update_mask_buffer`). A rank found gone cannot be unmasked.
-    pub fn low_latency_update_mask(&mut self, rank: usize, mask: bool) -> Result<()> {
+    pub(crate) fn low_latency_update_mask(&self, rank: usize, mask: bool) -> Result<()> {
         let me = self.topo.rank;
         let n = self.topo.num_ranks;
         let e = self.elastic_state()?;
@@ -165,7 +125,7 @@ impl Buffer {
 
     /// Unmask every rank that was not found gone (DeepEP's
     /// `low_latency_clean_mask_buffer`).
-    pub fn low_latency_clean_mask(&mut self) -> Result<()> {
+    pub(crate) fn low_latency_clean_mask(&self) -> Result<()> {
         let mut e = self.elastic_state()?.borrow_mut();
         for r in 0..e.masked.len() {
             if !e.gone[r] {
@@ -183,7 +143,7 @@ impl Buffer {
     }
 
     /// The waits of a low-latency call: on an elastic Buffer, only the awaited rank's
-    /// loss ends a wait (and [`Buffer::unless_lost`] masks it).
+    /// loss ends a wait (and [`Ctx::unless_lost`] masks it).
     pub(crate) fn ll_wait(&self) -> crate::wait::Wait<'_> {
         match self.elastic {
             Some(_) => self.wait().elastic(),

@@ -23,6 +23,7 @@
 pub mod area;
 pub mod buffer;
 pub mod config;
+mod ctx;
 pub mod device;
 pub mod elastic;
 pub mod error;
@@ -30,6 +31,7 @@ pub mod layout;
 pub mod liveness;
 pub mod ll;
 pub mod map;
+mod mask;
 pub mod net;
 pub mod normal;
 pub mod packet;

@@ -7,9 +7,9 @@ use std::sync::atomic::Ordering;
 
 use half::bf16;
 
-use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle};
+use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle, LlState};
 use crate::area::{Area, Mem};
-use crate::buffer::Buffer;
+use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
@@ -49,94 +49,70 @@ struct Remote {
     staged: Staged,
 }
 
-impl Buffer {
-    /// Low-latency combine: expert outputs `y` (`[E/R, R*M, H]` bf16, laid out like the
-    /// dispatch's `recv_x`) back to their tokens, weighted by `topk_weights` (`[T, K]`),
-    /// with the same `topk_idx` as the dispatch of `handle`. Returns `[T, H]`. Collective.
-    /// `y` may also be [`LlCombineInput::ZeroCopy`]: the rows were written into the
-    /// combine buffer and go from there.
-    pub fn low_latency_combine<'y>(
-        &mut self,
-        y: impl Into<LlCombineInput<'y>>,
-        topk_idx: &[i64],
-        topk_weights: &[f32],
-        handle: &LlHandle,
-    ) -> Result<Vec<bf16>> {
-        let y = y.into();
-        let h = self.ll_areas(0).map_or(0, |a| a.shape.hidden);
-        let mut out = vec![bf16::ZERO; handle.num_tokens * h];
-        let pending = self.low_latency_combine_send(y, topk_idx, topk_weights, handle)?;
-        self.low_latency_combine_recv(pending, y, &mut out)?;
-        Ok(out)
-    }
-
-    /// The send half of [`Buffer::low_latency_combine`]: every expert output row on its
-    /// way to its source. Finish with [`Buffer::low_latency_combine_recv`] and the same `y`.
-    pub fn low_latency_combine_send<'y>(
-        &mut self,
-        y: impl Into<LlCombineInput<'y>>,
+impl Ctx {
+    /// The send half of one low-latency combine (see
+    /// [`crate::Buffer::low_latency_combine_send`]), numbered in `st`.
+    pub(crate) fn ll_combine_send_call(
+        &self,
+        st: &mut LlState,
+        y: LlCombineInput<'_>,
         topk_idx: &[i64],
         topk_weights: &[f32],
         handle: &LlHandle,
     ) -> Result<LlCombinePending> {
-        let y = y.into();
-        self.collective(|b| {
-            b.check_ll_combine(y, topk_idx, topk_weights, handle)?;
-            let seq = b.seq.ll_combine.wrapping_add(1);
-            check_window(&b.seq.ll_combine_unreceived, seq, ("combine", "combines"))?;
-            b.ll_call_begins();
-            b.seq.ll_combine = seq;
-            let pending = b.ll_combine_send(seq, y, topk_idx, topk_weights, handle)?;
-            b.seq.ll_combine_unreceived[seq as usize % LL_BUFFERS] = Some(seq);
-            Ok(pending)
-        })
+        let seq = st.combine.wrapping_add(1);
+        self.check_ll_combine(seq, y, topk_idx, topk_weights, handle)?;
+        check_window(&st.combine_unreceived, seq, ("combine", "combines"))?;
+        self.ll_call_begins();
+        st.combine = seq;
+        let pending = self.ll_combine_send(seq, y, topk_idx, topk_weights, handle)?;
+        st.combine_unreceived[seq as usize % LL_BUFFERS] = Some(seq);
+        Ok(pending)
     }
 
-    /// The receive half of a low-latency combine: waits for every expert output of this
-    /// rank's tokens and writes `sum_k w_k * y_k` into `out` (`[T, H]`). `y` must be the
-    /// one passed to the send half (this rank's own expert outputs are read from it).
-    pub fn low_latency_combine_recv<'y>(
-        &mut self,
-        pending: LlCombinePending,
-        y: impl Into<LlCombineInput<'y>>,
+    /// The receive half of a low-latency combine (see
+    /// [`crate::Buffer::low_latency_combine_recv`]).
+    pub(crate) fn ll_combine_recv_call(
+        &self,
+        st: &mut LlState,
+        pending: &LlCombinePending,
+        y: LlCombineInput<'_>,
         out: &mut [bf16],
     ) -> Result<()> {
-        let y = y.into();
-        self.collective(|b| {
-            let c = pending.seq as usize % LL_BUFFERS;
-            if b.seq.ll_combine_unreceived[c] != Some(pending.seq) {
-                return Err(invalid!(
-                    "low-latency combine {} was received already",
-                    pending.seq
-                ));
-            }
-            if pending.zero_copy != matches!(y, LlCombineInput::ZeroCopy) {
-                return Err(invalid!(
-                    "low-latency combine receive: pass the send half's input (zero-copy or rows) again"
-                ));
-            }
-            let y = b.ll_combine_rows(y, pending.seq)?;
-            b.ll_combine_recv(&pending, y, out)?;
-            b.seq.ll_combine_unreceived[c] = None;
-            Ok(())
-        })
+        let c = pending.seq as usize % LL_BUFFERS;
+        if st.combine_unreceived[c] != Some(pending.seq) {
+            return Err(invalid!(
+                "low-latency combine {} was received already",
+                pending.seq
+            ));
+        }
+        if pending.zero_copy != matches!(y, LlCombineInput::ZeroCopy) {
+            return Err(invalid!(
+                "low-latency combine receive: pass the send half's input (zero-copy or rows) again"
+            ));
+        }
+        let y = self.ll_combine_rows(y, pending.seq)?;
+        self.ll_combine_recv(pending, y, out)?;
+        st.combine_unreceived[c] = None;
+        Ok(())
     }
 
-    /// The next combine's buffer (`[E/R, R*M, H]` bf16), for the caller to write expert
-    /// outputs into before a [`LlCombineInput::ZeroCopy`] combine (DeepEP's
-    /// `get_next_low_latency_combine_buffer`). Waits until the combine that last used
-    /// it is done with it: what it sent from there has left, and the node's ranks that
-    /// read their rows there received it. Only this rank writes the buffer, and only
-    /// through this slice.
-    pub fn low_latency_combine_buffer(&mut self) -> Result<&mut [bf16]> {
-        let area = self.ll_next_combine_area()?.ok_or_else(|| {
+    /// The next combine's buffer (see [`crate::Buffer::low_latency_combine_buffer`]),
+    /// once the combine that last used it is done with it. Only for a caller that holds
+    /// the Buffer mutably, for as long as the slice lives.
+    // The slice is of the registered memory `self` maps, handed out mutably because the
+    // caller holds the Buffer (and so this context) mutably.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn next_combine_buffer(&self, st: &mut LlState) -> Result<&mut [bf16]> {
+        let area = self.ll_next_combine_area(st)?.ok_or_else(|| {
             invalid!(
                 "the next low-latency combine buffer is still read by a combine that was never received (call its hook first)"
             )
         })?;
         // SAFETY: only this rank writes the combine buffer, through slices like this one,
-        // each borrowing the Buffer mutably; the proxy and the node's ranks read it only
-        // for a combine sent from it, and that one is done with it (waited above).
+        // each borrowing the Buffer mutably (this function's contract); the proxy and the
+        // node's ranks read it only for a combine sent from it, and that one is done with
+        // it (waited above).
         let rows: &mut [u16] = unsafe { self.symm.view_mut(area)? };
         Ok(bytemuck::cast_slice_mut(rows))
     }
@@ -145,9 +121,9 @@ impl Buffer {
     /// combine's writes have left, and every live rank of the node received that
     /// combine), or `None` while that combine waits for this rank's own receive (which
     /// reads this rank's own rows from it).
-    pub(crate) fn ll_next_combine_area(&self) -> Result<Option<Area<u16>>> {
-        let c = self.seq.ll_combine.wrapping_add(1) as usize % LL_BUFFERS;
-        if self.seq.ll_combine_unreceived[c].is_some() {
+    pub(crate) fn ll_next_combine_area(&self, st: &LlState) -> Result<Option<Area<u16>>> {
+        let c = st.combine.wrapping_add(1) as usize % LL_BUFFERS;
+        if st.combine_unreceived[c].is_some() {
             return Ok(None);
         }
         let areas = self.ll_areas(c)?;
@@ -155,7 +131,7 @@ impl Buffer {
         // Nothing is read for a masked rank any more (its writes may never finish).
         let live = (0..self.topo.num_ranks).filter(|&r| r != self.topo.rank && !self.masked(r));
         // The combine that last used the buffer.
-        let last = u64::from(self.seq.ll_combine.wrapping_add(1)).saturating_sub(LL_BUFFERS as u64);
+        let last = u64::from(st.combine.wrapping_add(1)).saturating_sub(LL_BUFFERS as u64);
         for r in live {
             if self.topo.is_local(r) {
                 // A same-node source may be reading its rows from the buffer still.
@@ -196,6 +172,7 @@ impl Buffer {
 
     fn check_ll_combine(
         &self,
+        seq: u32,
         input: LlCombineInput<'_>,
         topk_idx: &[i64],
         topk_weights: &[f32],
@@ -209,7 +186,6 @@ impl Buffer {
                 "the handle was made by another Buffer (or another rank)"
             ));
         }
-        let seq = self.seq.ll_combine.wrapping_add(1);
         let y = self.ll_combine_rows(input, seq)?;
         if y.len() != epr * r_n * m * h {
             return Err(invalid!(

@@ -10,10 +10,10 @@ use std::time::Instant;
 use half::bf16;
 use uep_shm::Region;
 
-use super::{check_window, fingerprint, LlDispatchOutput, LlHandle, LlPending};
+use super::{check_window, fingerprint, LlDispatchOutput, LlHandle, LlPending, LlState};
 use crate::area::{Area, Mem};
-use crate::buffer::Buffer;
 use crate::config::Shape;
+use crate::ctx::Ctx;
 use crate::error::Result;
 use crate::invalid;
 use crate::map::LlAreas;
@@ -166,49 +166,12 @@ impl<'a> Rows<'a> {
     }
 }
 
-impl Buffer {
+impl Ctx {
     /// The low-latency areas of buffer `b`.
     pub(crate) fn ll_areas(&self, b: usize) -> Result<LlAreas> {
         self.map.ll.map(|ll| ll[b % LL_BUFFERS]).ok_or_else(|| {
             invalid!("this Buffer has no low-latency buffers (its config has no low-latency shape)")
         })
-    }
-
-    /// Low-latency dispatch of `x` (`[T, H]` bf16) by `topk_idx` (`[T, K]`), optionally
-    /// cast to FP8 (`round_scale`: power-of-two scales). Collective: the send half and
-    /// the receive half together.
-    pub fn low_latency_dispatch(
-        &mut self,
-        x: &[bf16],
-        topk_idx: &[i64],
-        use_fp8: bool,
-        round_scale: bool,
-    ) -> Result<LlDispatchOutput<'_>> {
-        let pending = self.low_latency_dispatch_send(x, topk_idx, use_fp8, round_scale)?;
-        self.low_latency_dispatch_recv(pending)
-    }
-
-    /// The send half of [`Buffer::low_latency_dispatch`]: returns once this rank's
-    /// copies are on their way. Receive them with
-    /// [`Buffer::low_latency_dispatch_recv`]; at most two dispatches may wait for it.
-    pub fn low_latency_dispatch_send(
-        &mut self,
-        x: &[bf16],
-        topk_idx: &[i64],
-        use_fp8: bool,
-        round_scale: bool,
-    ) -> Result<LlPending> {
-        self.collective(|b| b.ll_send(x, topk_idx, use_fp8, round_scale))
-    }
-
-    /// The receive half of a low-latency dispatch: waits for every source's copies and
-    /// packs them. Collective (every rank receives the same step).
-    pub fn low_latency_dispatch_recv(
-        &mut self,
-        pending: LlPending,
-    ) -> Result<LlDispatchOutput<'_>> {
-        let (handle, wait_ns) = self.collective(|b| b.ll_recv(&pending))?;
-        self.ll_output(handle, wait_ns)
     }
 
     fn check_ll_dispatch(
@@ -267,8 +230,11 @@ impl Buffer {
         Ok(())
     }
 
-    fn ll_send(
-        &mut self,
+    /// The send half of one low-latency dispatch (see
+    /// [`crate::Buffer::low_latency_dispatch_send`]), numbered in `st`.
+    pub(crate) fn ll_send(
+        &self,
+        st: &mut LlState,
         x: &[bf16],
         topk_idx: &[i64],
         use_fp8: bool,
@@ -276,18 +242,18 @@ impl Buffer {
     ) -> Result<LlPending> {
         let shape = self.ll_areas(0)?.shape;
         self.check_ll_dispatch(shape, x, topk_idx, use_fp8)?;
-        let seq = self.seq.ll.wrapping_add(1);
+        let seq = st.dispatch.wrapping_add(1);
         let b = seq as usize % LL_BUFFERS;
-        check_window(&self.seq.ll_unreceived, seq, ("dispatch", "dispatches"))?;
+        check_window(&st.unreceived, seq, ("dispatch", "dispatches"))?;
         self.ll_call_begins();
-        self.seq.ll = seq;
+        st.dispatch = seq;
         // The outputs of step seq - 2 that someone still holds leave that bank: peers
         // may write it once this rank entered seq.
-        if let Some(banks) = &mut self.banks.ll {
+        if let Some(banks) = &mut st.banks {
             banks[(seq as usize + 1) % LL_BUFFERS].reclaim()?;
         }
         let pending = self.ll_send_step(seq, x, topk_idx, use_fp8, round_scale)?;
-        self.seq.ll_unreceived[b] = Some(seq);
+        st.unreceived[b] = Some(seq);
         Ok(pending)
     }
 
@@ -501,20 +467,26 @@ impl Buffer {
         Ok(packets)
     }
 
-    fn ll_recv(&mut self, pending: &LlPending) -> Result<(LlHandle, Vec<u64>)> {
+    /// The receive half of a low-latency dispatch (see
+    /// [`crate::Buffer::low_latency_dispatch_recv`]).
+    pub(crate) fn ll_recv(
+        &self,
+        st: &mut LlState,
+        pending: &LlPending,
+    ) -> Result<(LlHandle, Vec<u64>)> {
         if pending.buffer_id != self.id {
             return Err(invalid!(
                 "the low-latency dispatch to receive was sent by another Buffer"
             ));
         }
-        if self.seq.ll_unreceived[pending.buffer] != Some(pending.seq) {
+        if st.unreceived[pending.buffer] != Some(pending.seq) {
             return Err(invalid!(
                 "low-latency dispatch {} was received already",
                 pending.seq
             ));
         }
         let out = self.ll_recv_step(pending)?;
-        self.seq.ll_unreceived[pending.buffer] = None;
+        st.unreceived[pending.buffer] = None;
         Ok(out)
     }
 
@@ -753,14 +725,20 @@ impl Buffer {
         ))
     }
 
-    fn ll_output(&self, handle: LlHandle, wait_ns: Vec<u64>) -> Result<LlDispatchOutput<'_>> {
+    /// The outputs of a received dispatch, borrowing the Buffer.
+    pub(crate) fn ll_output(
+        &self,
+        st: &LlState,
+        handle: LlHandle,
+        wait_ns: Vec<u64>,
+    ) -> Result<LlDispatchOutput<'_>> {
         let (x, scales) = self.ll_output_areas(&handle)?;
         // SAFETY: every source signalled its counts for this step, so its rows are
         // written; peers write this buffer again only for step seq + LL_BUFFERS, which
         // needs this rank to enter a later step first (`&mut self`).
         let (x, scales) = unsafe { (self.symm.view(x)?, self.symm.view(scales)?) };
         let recv_x = RecvTokens::from_bytes(handle.fp8, x, scales);
-        let combine_buffer = match self.ll_next_combine_area()? {
+        let combine_buffer = match self.ll_next_combine_area(st)? {
             // SAFETY: as in `Buffer::low_latency_combine_buffer`: the output borrows the
             // Buffer mutably (`ll_output` runs only at the end of a `&mut self` receive),
             // so this is the one slice of the buffer, and its last combine is done with it.

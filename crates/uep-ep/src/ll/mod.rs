@@ -47,10 +47,11 @@ mod dispatch;
 use half::bf16;
 
 use crate::area::{Area, Mem};
-use crate::buffer::Buffer;
+use crate::ctx::Ctx;
 use crate::error::Result;
 use crate::invalid;
 use crate::packet::{Channel, LL_BUFFERS};
+use crate::symm::Bank;
 use crate::tokens::RecvTokens;
 use crate::wait::Wait;
 
@@ -169,6 +170,20 @@ impl LlPending {
     }
 }
 
+/// What low-latency mode keeps between calls: the numbers of its dispatches and
+/// combines (equal on every rank between calls), the calls whose receive has not run
+/// yet, and the output banks, one per LL buffer.
+#[derive(Debug, Default)]
+pub(crate) struct LlState {
+    pub dispatch: u32,
+    pub combine: u32,
+    /// Per LL buffer: a dispatch whose receive (hook) has not run yet.
+    pub unreceived: [Option<u32>; LL_BUFFERS],
+    /// Per LL combine area: a combine whose receive has not run yet.
+    pub combine_unreceived: [Option<u32>; LL_BUFFERS],
+    pub banks: Option<[Bank; LL_BUFFERS]>,
+}
+
 /// Checks that low-latency call `seq` (a dispatch step, or a combine) may start while
 /// the calls in `unreceived` (one slot per buffer) wait for their receive: at most
 /// two, and the one that last used `seq`'s buffer received. Peers may write call
@@ -188,7 +203,7 @@ pub(crate) fn check_window(
     }
 }
 
-impl Buffer {
+impl Ctx {
     /// Waits until rank `r` has entered call `seq - 1` of a kind of low-latency call, so
     /// that the buffer call `seq` writes there is free (it received the call that last
     /// used it): on this node its `entered` word says so, across nodes a count signal

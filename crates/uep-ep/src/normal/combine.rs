@@ -6,9 +6,9 @@ use std::sync::atomic::Ordering;
 
 use half::bf16;
 
-use super::{CombineArgs, CombineOutput, NormalHandle};
+use super::{CombineArgs, NormalHandle, NormalState};
 use crate::area::{Mem, STREAM_ABOVE};
-use crate::buffer::Buffer;
+use crate::ctx::Ctx;
 use crate::error::Result;
 use crate::invalid;
 use crate::map::NormalAreas;
@@ -31,50 +31,11 @@ struct Gathered<'a> {
     partial_w: Vec<&'a [f32]>,
 }
 
-impl Buffer {
-    /// Normal combine: every received row back to its source, summed there per token.
-    /// `x` is `[rows, H]` bf16 (rows past the received count are ignored), `topk_weights`
-    /// `[rows, K]`. Collective.
-    pub fn combine(
-        &mut self,
-        x: &[bf16],
-        topk_weights: Option<&[f32]>,
-        handle: &NormalHandle,
-    ) -> Result<CombineOutput> {
-        let (h, k) = match self.map.normal {
-            Some(a) => (a.shape.hidden, a.shape.topk),
-            None => (0, 0),
-        };
-        let t_n = handle.num_tokens;
-        let mut combined_x = vec![bf16::ZERO; t_n * h];
-        let mut combined_w = topk_weights.map(|_| vec![0f32; t_n * k]);
-        let args = CombineArgs {
-            topk_weights,
-            ..Default::default()
-        };
-        self.combine_into(x, args, handle, &mut combined_x, combined_w.as_deref_mut())?;
-        Ok(CombineOutput {
-            combined_x,
-            combined_topk_weights: combined_w,
-        })
-    }
-
-    /// [`Buffer::combine`] into caller-owned outputs (`[T, H]` and `[T, K]`), so a loop
-    /// of steps allocates nothing, with DeepEP's biases (`args.bias`).
-    pub fn combine_into(
-        &mut self,
-        x: &[bf16],
-        args: CombineArgs<'_>,
-        handle: &NormalHandle,
-        combined_x: &mut [bf16],
-        combined_topk_weights: Option<&mut [f32]>,
-    ) -> Result<()> {
-        self.require_every_rank("combine")?;
-        self.collective(|b| b.combine_call(x, &args, handle, combined_x, combined_topk_weights))
-    }
-
-    fn combine_call(
-        &mut self,
+impl Ctx {
+    /// One normal combine (see [`crate::Buffer::combine_into`]), numbered in `st`.
+    pub(crate) fn combine_call(
+        &self,
+        st: &mut NormalState,
         x: &[bf16],
         args: &CombineArgs<'_>,
         handle: &NormalHandle,
@@ -83,8 +44,8 @@ impl Buffer {
     ) -> Result<()> {
         let areas = self.normal_areas()?;
         self.check_combine(&areas, x, args, handle, combined_x, combined_w.as_deref())?;
-        self.seq.combine = self.seq.combine.wrapping_add(1);
-        let seq = self.seq.combine;
+        st.combine = st.combine.wrapping_add(1);
+        let seq = st.combine;
         let wait = self.wait();
         self.send_rows(&areas, x, args, handle)?;
         self.publish_rows(seq)?;

@@ -8,10 +8,12 @@ use std::sync::atomic::Ordering;
 
 use uep_shm::Region;
 
-use super::{column_sum, localize, DispatchArgs, DispatchOutput, NormalHandle, Relayed};
+use super::{
+    column_sum, localize, DispatchArgs, DispatchOutput, NormalHandle, NormalState, Relayed,
+};
 use crate::area::{Area, Mem, STREAM_ABOVE};
-use crate::buffer::Buffer;
 use crate::config::Shape;
+use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::layout::{get_dispatch_layout, DispatchLayout};
@@ -367,7 +369,7 @@ impl TokenRows {
     }
 }
 
-impl Buffer {
+impl Ctx {
     /// The normal-mode shape, if this Buffer has one.
     pub(crate) fn normal_areas(&self) -> Result<NormalAreas> {
         self.map.normal.ok_or_else(|| {
@@ -377,7 +379,7 @@ impl Buffer {
 
     /// Compute the dispatch layout of `topk_idx` (`[T, K]`) for this Buffer's ranks and
     /// normal-mode experts.
-    pub fn get_dispatch_layout(&self, topk_idx: &[i64]) -> Result<DispatchLayout> {
+    pub(crate) fn get_dispatch_layout(&self, topk_idx: &[i64]) -> Result<DispatchLayout> {
         let s = self.normal_areas()?.shape;
         get_dispatch_layout(
             topk_idx,
@@ -388,25 +390,20 @@ impl Buffer {
         )
     }
 
-    /// Normal dispatch: every token once to every rank hosting one of its experts.
-    /// Collective. Bad input is rejected before anything is sent, and peers are told.
-    /// If any rank dispatches more tokens than the Buffer's `max_tokens`, every rank
-    /// returns [`EpError::Capacity`] and the Buffer stays usable.
-    pub fn dispatch(&mut self, args: DispatchArgs<'_>) -> Result<DispatchOutput<'_>> {
-        self.require_every_rank("dispatch")?;
-        let handle = self.collective(|b| b.dispatch_call(&args))?;
-        self.dispatch_output(handle)
-    }
-
-    fn dispatch_call(&mut self, args: &DispatchArgs<'_>) -> Result<NormalHandle> {
+    /// One normal dispatch (see [`crate::Buffer::dispatch`]), numbered in `st`.
+    pub(crate) fn dispatch_call(
+        &self,
+        st: &mut NormalState,
+        args: &DispatchArgs<'_>,
+    ) -> Result<NormalHandle> {
         let areas = self.normal_areas()?;
         let routing = self.check_dispatch(args, areas.shape)?;
         let t_n = args.x.num_tokens(areas.shape.hidden)?;
-        self.seq.dispatch = self.seq.dispatch.wrapping_add(1);
-        let seq = self.seq.dispatch;
+        st.dispatch = st.dispatch.wrapping_add(1);
+        let seq = st.dispatch;
         // Peers write this call's bank once they have its notify: outputs of the call
         // before the last that someone still holds must leave it first.
-        if let Some(banks) = &mut self.banks.normal {
+        if let Some(banks) = &mut st.banks {
             banks[(seq % 2) as usize].reclaim()?;
         }
         let wait = self.wait();
@@ -415,7 +412,7 @@ impl Buffer {
         let mut plan = self.plan(seq, &areas, &counts, &routing, args, t_n, &wait)?;
         let _landing = self.net.as_ref().map(|n| n.watch_arrivals());
         self.pack(&plan, &areas, args, &routing)?;
-        self.publish(&mut plan)?;
+        self.publish(seq, &mut plan)?;
         let relay = self.relay_dispatch(seq, &areas, &counts.matrix, &wait)?;
         self.finish(seq, &areas, counts, routing, relay, &plan, args, t_n, &wait)
     }
@@ -822,9 +819,8 @@ impl Buffer {
     /// Phase 4, publish: a release store of the epoch into each same-node rank; the
     /// packet to each other node, after the direct rows no kernel thread pushed,
     /// announcing it and every direct row.
-    fn publish(&self, plan: &mut Plan<'_>) -> Result<()> {
+    fn publish(&self, seq: u32, plan: &mut Plan<'_>) -> Result<()> {
         let (me, topo) = (self.topo.rank, self.topo);
-        let seq = self.seq.dispatch;
         let total = self.symm.local().len();
         for (d, dest) in plan.dests.iter().enumerate() {
             match *dest {
@@ -969,7 +965,7 @@ impl Buffer {
         ])
     }
 
-    fn dispatch_output(&self, handle: NormalHandle) -> Result<DispatchOutput<'_>> {
+    pub(crate) fn dispatch_output(&self, handle: NormalHandle) -> Result<DispatchOutput<'_>> {
         let [x, scales, idx, w] = self.dispatch_areas(&handle)?;
         // SAFETY: every source published (dispatch_done = this call's epoch) that its
         // rows are written; peers write these areas again only after this rank's next

@@ -34,7 +34,17 @@ mod relay;
 use half::bf16;
 
 use crate::layout::DispatchLayout;
+use crate::symm::Bank;
 use crate::tokens::{RecvTokens, Tokens};
+
+/// What normal mode keeps between calls: the calls' numbers (equal on every rank
+/// between calls) and the two output banks, one per call in turn.
+#[derive(Debug, Default)]
+pub(crate) struct NormalState {
+    pub dispatch: u32,
+    pub combine: u32,
+    pub banks: Option<[Bank; 2]>,
+}
 
 /// Arguments of [`Buffer::dispatch`](crate::Buffer::dispatch); build with
 /// [`DispatchArgs::new`] and the setters.

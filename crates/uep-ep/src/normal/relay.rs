@@ -15,7 +15,7 @@ use half::bf16;
 
 use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed};
 use crate::area::{Area, Mem};
-use crate::buffer::Buffer;
+use crate::ctx::Ctx;
 use crate::error::Result;
 use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
@@ -39,7 +39,7 @@ struct RelayPacket {
     masks: Vec<u64>,
 }
 
-impl Buffer {
+impl Ctx {
     /// Dispatch phase 5: take the packet of each rank on another node that has this
     /// rank's local index, and store each token into the output rows of the ranks of this
     /// node its mask names (source rank ascending, token order kept); then publish the

@@ -1,0 +1,208 @@
+//! What every operation of a Buffer works with: the control plane, the topology, the
+//! symmetric memory and its map, the device, the network path and the elastic mask,
+//! fixed when the Buffer is made. The operations (`normal`, `ll`, `elastic`) borrow it
+//! and keep their own state (sequence numbers, output banks) beside it in the Buffer.
+//! It is also where an error becomes the abort broadcast ([`Ctx::collective`]).
+
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use uep_bootstrap::ControlPlane;
+use uep_shm::Region;
+
+use crate::area::Mem;
+use crate::config::BufferConfig;
+use crate::device::HostDevice;
+use crate::error::{EpError, Result};
+use crate::map::{RegionMap, ABORT_MSG_BYTES};
+use crate::mask::Elastic;
+use crate::net::NetPath;
+use crate::symm::Symmetric;
+use crate::topology::Topology;
+use crate::wait::{abort_reason, Peer, Wait};
+
+/// How long a failing rank spends telling the other nodes (its own deadline if shorter).
+/// It raises only after, and survivors promise to raise within two seconds of a death;
+/// a peer this misses still learns from its liveness watch once this rank exits. (At
+/// 2 s, a write to a peer that was itself exiting once held a survivor's report to
+/// 2.4 s in CI.)
+const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a Buffer that told other nodes of a failure keeps its proxy when dropped.
+pub(crate) const ABORT_LINGER: Duration = Duration::from_millis(300);
+
+/// The context of every operation of one rank's Buffer (module docs).
+pub(crate) struct Ctx {
+    pub cp: Arc<dyn ControlPlane>,
+    pub cfg: BufferConfig,
+    pub topo: Topology,
+    pub map: RegionMap,
+    pub symm: Symmetric,
+    pub device: HostDevice,
+    /// Identifies the Buffer in the handles it returns.
+    pub id: u64,
+    /// The network path, when some ranks are on other nodes. Its proxy writes into
+    /// `symm`'s memory (holding a handle on it): the Buffer's `Drop` stops it first.
+    pub net: Option<NetPath>,
+    /// The mask of an elastic Buffer (see [`crate::elastic`]).
+    pub elastic: Option<RefCell<Elastic>>,
+}
+
+impl Ctx {
+    /// The waits of a call starting now.
+    pub(crate) fn wait(&self) -> Wait<'_> {
+        Wait::new(
+            self.cfg.timeout,
+            self.symm.local(),
+            &self.map.control,
+            self.net.as_ref().map(|n| n as &dyn crate::wait::Remote),
+        )
+    }
+
+    /// Who `rank` is for a wait: its region when it shares this host (so that its
+    /// process is watched).
+    pub(crate) fn peer(&self, rank: usize) -> Peer<'_> {
+        Peer {
+            rank,
+            region: self.symm.peer(rank),
+        }
+    }
+
+    /// The region of `peer` (a rank of this node).
+    pub(crate) fn peer_region(&self, peer: usize) -> Result<&Region> {
+        self.symm.peer(peer).ok_or_else(|| {
+            EpError::internal(format!(
+                "rank {peer} shares no memory with rank {}",
+                self.topo.rank
+            ))
+        })
+    }
+
+    /// The network path (several nodes only).
+    pub(crate) fn net(&self) -> Result<&NetPath> {
+        self.net.as_ref().ok_or_else(|| {
+            EpError::internal(format!(
+                "rank {} has no network path (one node)",
+                self.topo.rank
+            ))
+        })
+    }
+
+    /// Run one collective call `f`: refuse it on a Buffer whose job already failed, and
+    /// turn its error into the abort broadcast, unless every rank found it together
+    /// ([`EpError::Capacity`]).
+    pub(crate) fn collective<T>(&self, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
+        self.ensure_usable()?;
+        f(self).map_err(|e| {
+            if !matches!(e, EpError::Capacity { .. } | EpError::Unusable { .. }) {
+                self.broadcast_failure(&e);
+            }
+            e
+        })
+    }
+
+    /// Calls after a failure would pair with the wrong calls of other ranks: refuse them.
+    pub(crate) fn ensure_usable(&self) -> Result<()> {
+        match abort_reason(self.symm.local(), &self.map.control) {
+            None => Ok(()),
+            Some((peer, reason)) => Err(EpError::Unusable {
+                rank: self.topo.rank,
+                peer,
+                reason,
+            }),
+        }
+    }
+
+    /// Tell every rank that this one failed with `e`: its message and (if no rank failed
+    /// first) its abort word into every region of the node, this rank's included, and
+    /// through the proxy into the regions of the other nodes.
+    pub(crate) fn broadcast_failure(&self, e: &EpError) {
+        let me = self.topo.rank;
+        let mut bytes = format!("rank {me}: {e}").into_bytes();
+        // Cut at a character boundary; the reader stops at the first 0.
+        bytes.truncate(ABORT_MSG_BYTES - 1);
+        while std::str::from_utf8(&bytes).is_err() {
+            bytes.pop();
+        }
+        bytes.push(0);
+        let Ok(slot) = self.map.control.abort_msg_of(me) else {
+            return;
+        };
+        for peer in self.topo.node_ranks(self.topo.node) {
+            let Some(region) = self.symm.peer(peer) else {
+                continue;
+            };
+            if region.put(slot, &bytes).is_ok() {
+                if let Ok(word) = region.word(self.map.control.abort, 0) {
+                    let _ = word.compare_exchange(
+                        0,
+                        me as u64 + 1,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                }
+            }
+        }
+        // Only the rank that failed first tells the other nodes: the others of its node
+        // share its abort word, and the ranks of other nodes hear it from it.
+        let origin = self
+            .symm
+            .local()
+            .word(self.map.control.abort, 0)
+            .is_ok_and(|w| w.load(Ordering::Acquire) == me as u64 + 1);
+        if let (Some(net), true) = (&self.net, origin) {
+            let remote: Vec<usize> = (0..self.topo.num_ranks)
+                .filter(|&r| !self.topo.is_local(r))
+                .collect();
+            let wait = self.wait().sooner(Instant::now() + ABORT_SEND_TIMEOUT);
+            if let Err(why) = net.send_abort(&self.map.control, &remote, &wait) {
+                tracing::warn!(rank = me, "could not tell the other nodes: {why}");
+            }
+        }
+    }
+
+    pub(crate) fn barrier_phases(&self, seq: u64) -> Result<()> {
+        let (me, topo, c) = (self.topo.rank, self.topo, &self.map.control);
+        let wait = self.wait();
+        for peer in topo.node_ranks(topo.node) {
+            self.peer_region(peer)?
+                .word(c.barrier, me)?
+                .store(seq, Ordering::Release);
+        }
+        let local = self.symm.local();
+        for peer in topo.node_ranks(topo.node) {
+            let what =
+                || format!("rank {me}: barrier {seq}: waiting for rank {peer} (barrier[{peer}])");
+            wait.at_least(
+                local.word(c.barrier, peer)?,
+                seq,
+                Some(self.peer(peer)),
+                &what,
+            )?;
+        }
+        if topo.num_nodes == 1 {
+            return Ok(());
+        }
+        let leader = topo.node * topo.ranks_per_node;
+        if me == leader {
+            self.net()?.barrier(seq, &wait)?;
+            for peer in topo.node_ranks(topo.node).filter(|&p| p != me) {
+                self.peer_region(peer)?
+                    .word(c.barrier_release, 0)?
+                    .store(seq, Ordering::Release);
+            }
+        } else {
+            let what = || {
+                format!("rank {me}: barrier {seq}: waiting for rank {leader} to meet the other nodes (barrier_release)")
+            };
+            wait.at_least(
+                local.word(c.barrier_release, 0)?,
+                seq,
+                Some(self.peer(leader)),
+                &what,
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,38 @@
+//! The state of elastic mode: which ranks are masked and why (see [`crate::elastic`]
+//! for what masking does and how the survivors agree on it).
+
+/// The mask and what led to it.
+#[derive(Debug)]
+pub(crate) struct Elastic {
+    /// `[rank]`: masked (sticky).
+    pub(crate) masked: Vec<bool>,
+    /// `[rank]`: why it was masked.
+    pub(crate) why: Vec<Option<String>>,
+    /// `[rank]`: found gone (dead or unreachable) rather than masked by the caller:
+    /// nothing is sent to it any more, not even agreement messages.
+    pub(crate) gone: Vec<bool>,
+    /// `[rank]`: found unreachable (for the partition rule).
+    pub(crate) unreachable: Vec<bool>,
+    /// `[rank]`: found gone during the last agreement round, which did not use it:
+    /// masked for every later wait, but left out of what the caller reads until the
+    /// next call begins (module docs).
+    pub(crate) deferred: Vec<bool>,
+    /// Agreement rounds so far (the same count on every survivor).
+    pub(crate) round: u64,
+    /// The mask the last low-latency combine used.
+    pub(crate) last_combine: Vec<bool>,
+}
+
+impl Elastic {
+    pub(crate) fn new(num_ranks: usize) -> Elastic {
+        Elastic {
+            masked: vec![false; num_ranks],
+            why: vec![None; num_ranks],
+            gone: vec![false; num_ranks],
+            unreachable: vec![false; num_ranks],
+            deferred: vec![false; num_ranks],
+            round: 0,
+            last_combine: vec![false; num_ranks],
+        }
+    }
+}
