@@ -228,7 +228,7 @@ fn open_buffer(
     }
     cfg.elastic = args.elastic;
     let provider = cfg.net.fabric.provider.clone();
-    uep_ep::wait::set_spin_only(args.spin_waits);
+    uep_ep::set_spin_only(args.spin_waits);
     let buffer = Buffer::new(group, cfg)?;
     Ok((buffer, Setup { threads, provider }))
 }

@@ -75,11 +75,6 @@ impl<T> Area<T> {
         self.len
     }
 
-    /// Whether the area holds no values.
-    pub fn is_empty(self) -> bool {
-        self.len == 0
-    }
-
     /// Size in bytes.
     pub fn bytes(self) -> usize {
         self.len * Self::SIZE
@@ -124,6 +119,12 @@ impl<T> Area<T> {
         self.slice(0..len)
     }
 
+    /// The byte range the area covers.
+    #[cfg(test)]
+    pub fn byte_range(self) -> Range<usize> {
+        self.offset..self.end()
+    }
+
     /// The same bytes as values of `U` (whole values only).
     pub fn cast<U>(self) -> Area<U> {
         Area::new(self.offset, self.bytes() / std::mem::size_of::<U>().max(1))
@@ -133,11 +134,6 @@ impl<T> Area<T> {
     /// at the packet's offset.
     pub fn at_base(self, base: usize) -> Area<T> {
         Area::new(base + self.offset, self.len)
-    }
-
-    /// The byte range the area covers.
-    pub fn byte_range(self) -> Range<usize> {
-        self.offset..self.end()
     }
 }
 
@@ -174,11 +170,6 @@ impl Layout {
     /// Bytes laid out so far.
     pub fn len(&self) -> usize {
         self.at
-    }
-
-    /// Whether nothing was laid out.
-    pub fn is_empty(&self) -> bool {
-        self.at == 0
     }
 }
 

@@ -16,8 +16,6 @@ use crate::liveness::LivenessConfig;
 /// (DeepEP's CPU timeout).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(100);
 
-pub use crate::topology::MAX_RANKS_PER_NODE;
-
 /// The shape one mode's calls may use: they may dispatch up to `max_tokens` tokens of
 /// `hidden` channels with `topk` slots to `num_experts` experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -254,14 +254,14 @@ impl From<uep_bootstrap::BootstrapError> for EpError {
 /// Build an [`EpError::InvalidArgument`] with `format!` syntax.
 #[macro_export]
 macro_rules! invalid {
-    ($($arg:tt)*) => { $crate::error::EpError::InvalidArgument(format!($($arg)*)) };
+    ($($arg:tt)*) => { $crate::EpError::InvalidArgument(format!($($arg)*)) };
 }
 
 /// Build an [`EpError::Protocol`] (a peer's data broke the protocol) with `format!`
 /// syntax.
 #[macro_export]
 macro_rules! protocol {
-    ($($arg:tt)*) => { $crate::error::EpError::Protocol(format!($($arg)*)) };
+    ($($arg:tt)*) => { $crate::EpError::Protocol(format!($($arg)*)) };
 }
 
 /// How a peer was found gone.

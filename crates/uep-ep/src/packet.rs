@@ -35,8 +35,20 @@ pub enum Channel {
 /// nodes may write a step's rows as soon as this rank entered the step before it.
 pub const LL_BUFFERS: usize = 3;
 
-/// Number of [`Channel`]s.
-pub const CHANNELS: usize = 3 + 2 * LL_BUFFERS + 2;
+/// Agreement rounds alternate between two channels (round parity).
+const AGREE_PARITIES: usize = 2;
+
+// The first index of each kind of channel: each kind follows the one before, as many
+// as it has (one; one per LL buffer; one per parity).
+const NOTIFY: usize = 0;
+const DISPATCH: usize = NOTIFY + 1;
+const COMBINE: usize = DISPATCH + 1;
+const LL_DISPATCH: usize = COMBINE + 1;
+const LL_COMBINE: usize = LL_DISPATCH + LL_BUFFERS;
+const AGREE: usize = LL_COMBINE + LL_BUFFERS;
+
+/// Number of [`Channel`]s: one past the last kind's last index.
+pub const CHANNELS: usize = AGREE + AGREE_PARITIES;
 
 impl Channel {
     /// Whether the channel's packets go through the proxy's partial-completion fence
@@ -51,18 +63,18 @@ impl Channel {
     /// The channel's index, `0..CHANNELS`.
     pub fn index(self) -> usize {
         match self {
-            Channel::Notify => 0,
-            Channel::Dispatch => 1,
-            Channel::Combine => 2,
-            Channel::LlDispatch(b) => 3 + b as usize % LL_BUFFERS,
-            Channel::LlCombine(b) => 3 + LL_BUFFERS + b as usize % LL_BUFFERS,
-            Channel::Agree(p) => 3 + 2 * LL_BUFFERS + p as usize % 2,
+            Channel::Notify => NOTIFY,
+            Channel::Dispatch => DISPATCH,
+            Channel::Combine => COMBINE,
+            Channel::LlDispatch(b) => LL_DISPATCH + b as usize % LL_BUFFERS,
+            Channel::LlCombine(b) => LL_COMBINE + b as usize % LL_BUFFERS,
+            Channel::Agree(p) => AGREE + p as usize % AGREE_PARITIES,
         }
     }
 
     /// The agreement channel of round parity `parity`.
     pub fn agree(parity: usize) -> Channel {
-        Channel::Agree((parity % 2) as u8)
+        Channel::Agree((parity % AGREE_PARITIES) as u8)
     }
 
     /// The low-latency dispatch channel of buffer `b`.
@@ -76,12 +88,13 @@ impl Channel {
     }
 
     /// Every channel, in index order.
+    #[cfg(test)]
     pub fn all() -> impl Iterator<Item = Channel> {
         [Channel::Notify, Channel::Dispatch, Channel::Combine]
             .into_iter()
             .chain((0..LL_BUFFERS).map(Channel::ll_dispatch))
             .chain((0..LL_BUFFERS).map(Channel::ll_combine))
-            .chain((0..2).map(Channel::agree))
+            .chain((0..AGREE_PARITIES).map(Channel::agree))
     }
 }
 

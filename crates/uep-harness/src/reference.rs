@@ -8,10 +8,10 @@
 use half::bf16;
 
 use crate::workload::{JobShape, RankInput, TokenData};
-use uep_ep::error::Result;
 use uep_ep::invalid;
-use uep_ep::layout::{get_dispatch_layout, DispatchLayout};
 use uep_ep::quant::{quantize_token, FP8_GROUP};
+use uep_ep::Result;
+use uep_ep::{get_dispatch_layout, DispatchLayout};
 
 /// What one rank receives from normal dispatch (docs/architecture.md, normal mode).
 ///

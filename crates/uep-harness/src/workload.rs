@@ -12,9 +12,9 @@ use rand::seq::index::sample;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use uep_ep::error::{EpError, Result};
 use uep_ep::invalid;
 use uep_ep::quant::{quantize, FP8_GROUP};
+use uep_ep::{EpError, Result};
 
 /// Token activations of one rank, row-major.
 #[derive(Debug, Clone, PartialEq)]

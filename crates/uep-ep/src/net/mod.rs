@@ -769,11 +769,6 @@ impl NetPath {
         self.faults.load(Ordering::Relaxed)
     }
 
-    /// The liveness watch over the ranks on other nodes.
-    pub fn liveness(&self) -> &Liveness {
-        &self.liveness
-    }
-
     /// Stop sending to `rank` (masked in elastic mode): its proxy operations in flight
     /// are given up on, later ones dropped.
     pub fn mark_lost(&self, rank: usize) {
