@@ -114,10 +114,7 @@ impl Buffer {
                 .map(|n| [Bank::new(n.banks[0].area), Bank::new(n.banks[1].area)]),
             ..NormalState::default()
         };
-        let ll = LlState {
-            banks: map.ll.map(|ll| ll.map(|a| Bank::new(a.bank))),
-            ..LlState::default()
-        };
+        let ll = LlState::new(map.ll.map(|ll| ll.map(|a| Bank::new(a.bank))));
         debug_assert_eq!(num_ranks, cx.topo.num_ranks);
         Ok(Buffer {
             cx,
@@ -295,8 +292,8 @@ impl Buffer {
     pub fn dispatch(&mut self, args: DispatchArgs<'_>) -> Result<DispatchOutput<'_>> {
         self.cx.require_every_rank("dispatch")?;
         let st = &mut self.normal;
-        let handle = self.cx.collective(|cx| cx.dispatch_call(st, &args))?;
-        self.cx.dispatch_output(handle)
+        let dispatched = self.cx.collective(|cx| cx.dispatch_call(st, &args))?;
+        self.cx.dispatch_output(dispatched)
     }
 
     /// Normal combine: every received row back to its source, summed there per token.
@@ -379,8 +376,8 @@ impl Buffer {
         pending: LlPending,
     ) -> Result<LlDispatchOutput<'_>> {
         let st = &mut self.ll;
-        let (handle, wait_ns) = self.cx.collective(|cx| cx.ll_recv(st, &pending))?;
-        self.cx.ll_output(&self.ll, handle, wait_ns)
+        let received = self.cx.collective(|cx| cx.ll_recv(st, &pending))?;
+        self.cx.ll_output(&mut self.ll, received)
     }
 
     /// Low-latency combine: expert outputs `y` (`[E/R, R*M, H]` bf16, laid out like the

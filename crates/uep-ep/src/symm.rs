@@ -1,10 +1,12 @@
 //! Symmetric memory: this rank's region, the mapped regions of the ranks on its node,
 //! and the banks of output rows that can outlive a call.
 //!
-//! Peers and the NIC write this rank's region while it runs, so taking a Rust slice of
-//! it is `unsafe`: the caller states which protocol step guarantees that nobody writes
-//! the area while the slice lives. Everything else goes through copies and atomics
-//! ([`crate::area::Mem`]).
+//! Peers and the NIC write this rank's region while it runs, so a Rust slice of it is
+//! taken only with a proof that nobody writes the area while the slice lives, as a
+//! type: [`Published`] (made from what a wait acquired: the writers are done for this
+//! call) or [`Exclusive`] (areas this rank alone writes, reached only while the Buffer
+//! is held mutably); a staging area is its `Staged`'s alone (`net`). Everything else
+//! goes through copies and atomics (`Mem`).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -16,6 +18,7 @@ use uep_shm::{Region, Segment, View};
 use crate::area::Area;
 use crate::error::Result;
 use crate::map::BankArea;
+use crate::wait::Seen;
 
 /// This rank's region and the regions of the ranks it shares memory with.
 pub struct Symmetric {
@@ -72,40 +75,80 @@ impl Symmetric {
         }
     }
 
-    /// Borrow `area` of this rank's region.
-    ///
-    /// # Safety
-    /// Nobody (no peer, no proxy thread, no transport) may write `area` while the slice
-    /// lives. The callers' argument is always the same shape: the writers of the area
-    /// have published that they are done with it for this call (the caller acquired
-    /// their epoch, count or packet), and they write it again only after this rank
-    /// enters its next call on the same area, which needs `&mut Buffer`.
-    #[allow(unsafe_code)]
-    pub unsafe fn view<T: Pod>(&self, area: Area<T>) -> Result<&[T]> {
-        // SAFETY: no concurrent writer (the caller's contract); bounds and alignment
-        // are checked by `slice`.
-        Ok(unsafe { self.own.region().slice::<T>(area.offset(), area.len())? })
+    /// This rank's memory as published for the call whose wait acquired `seen`.
+    pub fn published(&self, _seen: &Seen) -> Published<'_> {
+        Published {
+            own: self.own.region(),
+        }
     }
 
-    /// Borrow `area` of this rank's region mutably.
-    ///
-    /// # Safety
-    /// Nobody else (no peer, no proxy thread, no transport, no other slice) may read or
-    /// write `area` while the slice lives.
-    #[allow(unsafe_code, clippy::mut_from_ref)]
-    pub unsafe fn view_mut<T: Pod>(&self, area: Area<T>) -> Result<&mut [T]> {
-        // SAFETY: exclusive (the caller's contract); bounds and alignment are checked by
-        // `slice_mut`.
-        Ok(unsafe {
+    /// `area` of this rank's region (the low-latency combine buffer), written by this
+    /// rank alone: `_key` is the Buffer's one [`Exclusive`], which only a call holding
+    /// the Buffer mutably can lend, so no other slice of the area is alive while this
+    /// one is, and the proxy and peers read it only for a combine sent from it, which
+    /// the caller has waited out.
+    #[allow(clippy::mut_from_ref)]
+    pub fn exclusive<'a, T: Pod>(
+        &'a self,
+        area: Area<T>,
+        _key: &'a mut Exclusive,
+    ) -> Result<&'a mut [T]> {
+        // SAFETY: exclusive (the key's borrow, above); bounds and alignment are checked
+        // by `slice_mut`.
+        #[allow(unsafe_code)]
+        let rows = unsafe {
             self.own
                 .region()
                 .slice_mut::<T>(area.offset(), area.len())?
-        })
+        };
+        Ok(rows)
     }
 
     /// A new mapping of `bank`, for outputs that outlive the call.
     fn map_bank(&self, bank: BankArea) -> Result<View> {
         Ok(self.own.view(bank.bytes.offset(), bank.bytes.len())?)
+    }
+}
+
+/// This rank's memory (and its node's) as published to it for one call: reading an
+/// area that peers or the proxy write takes one, made from what a wait acquired
+/// ([`Seen`]). The argument, made once here: the writers of what is read through it
+/// published that they are done with it for this call (the wait acquired their epoch,
+/// count signal or announcement), and they write it again only after this rank enters
+/// its next call on the same areas, which needs the Buffer mutably, while a
+/// `Published`, and every slice read through it, borrows the Buffer's context.
+#[derive(Clone, Copy, Debug)]
+pub struct Published<'a> {
+    own: &'a Region,
+}
+
+impl<'a> Published<'a> {
+    /// `area` of this rank's region.
+    pub fn view<T: Pod>(self, area: Area<T>) -> Result<&'a [T]> {
+        self.view_of(self.own, area)
+    }
+
+    /// `area` of `region` (this rank's, or a same-node peer's whose publication the
+    /// wait acquired).
+    pub fn view_of<T: Pod>(self, region: &'a Region, area: Area<T>) -> Result<&'a [T]> {
+        // SAFETY: no writer while the slice lives (the type's argument, above); bounds
+        // and alignment are checked by `slice`.
+        #[allow(unsafe_code)]
+        let rows = unsafe { region.slice::<T>(area.offset(), area.len())? };
+        Ok(rows)
+    }
+}
+
+/// The key to the areas this rank alone writes (the low-latency combine buffers): one a
+/// Buffer, in its low-latency state, so `&mut` access to it means the Buffer is held
+/// mutably ([`Symmetric::exclusive`]).
+#[derive(Debug)]
+pub struct Exclusive(());
+
+impl Exclusive {
+    /// The Buffer's key; made once, when the Buffer is.
+    pub(crate) fn for_new_buffer() -> Exclusive {
+        Exclusive(())
     }
 }
 

@@ -214,30 +214,31 @@ impl<'a> Wait<'a> {
         }
     }
 
-    /// Wait until `word >= target` (acquire loads); returns the value seen.
+    /// Wait until `word >= target` (acquire loads); returns what was seen.
     pub fn at_least(
         &self,
         word: &AtomicU64,
         target: u64,
         peer: Option<Peer<'_>>,
         what: &dyn Fn() -> String,
-    ) -> Result<u64> {
+    ) -> Result<Seen> {
         let seen = || format!("expected >= {target}, saw {}", word.load(Ordering::Acquire));
-        self.until(peer, what, &seen, || {
+        let value = self.until(peer, what, &seen, || {
             let v = word.load(Ordering::Acquire);
             (v >= target).then_some(v)
-        })
+        })?;
+        Ok(Seen { value })
     }
 
-    /// Wait until the high 32 bits of `word` (an epoch) equal `epoch`; returns the low
-    /// 32 bits (the value published with it).
+    /// Wait until the high 32 bits of `word` (an epoch) equal `epoch`; what was seen
+    /// holds the low 32 bits (the value published with it).
     pub fn epoch(
         &self,
         word: &AtomicU64,
         epoch: u32,
         peer: Option<Peer<'_>>,
         what: &dyn Fn() -> String,
-    ) -> Result<u32> {
+    ) -> Result<Seen> {
         let seen = || {
             let v = word.load(Ordering::Acquire);
             format!(
@@ -246,10 +247,11 @@ impl<'a> Wait<'a> {
                 v as u32
             )
         };
-        self.until(peer, what, &seen, || {
+        let value = self.until(peer, what, &seen, || {
             let v = word.load(Ordering::Acquire);
-            ((v >> 32) as u32 == epoch).then_some(v as u32)
-        })
+            ((v >> 32) as u32 == epoch).then_some(u64::from(v as u32))
+        })?;
+        Ok(Seen { value })
     }
 
     /// The abort word, the watched peer's process and the proxy: `Err` if the wait is
@@ -300,6 +302,22 @@ impl<'a> Wait<'a> {
             }),
             None => Ok(()),
         }
+    }
+}
+
+/// What a wait on a writer's word acquired: the value it saw, and the proof that the
+/// writer published what it wrote before (its epoch, count or announcement). Only the
+/// waits make one; reading a published area takes one
+/// ([`Symmetric::published`](crate::symm::Symmetric::published)).
+#[derive(Debug)]
+pub struct Seen {
+    value: u64,
+}
+
+impl Seen {
+    /// The value the wait saw.
+    pub fn value(&self) -> u64 {
+        self.value
     }
 }
 
@@ -414,7 +432,7 @@ mod tests {
             c2.store(epoch_word(5, 42), Ordering::Release);
         });
         let w = Wait::new(Duration::from_secs(5), &r, &map.control, None);
-        assert_eq!(w.epoch(&c, 5, None, &|| "x".into()).unwrap(), 42);
+        assert_eq!(w.epoch(&c, 5, None, &|| "x".into()).unwrap().value(), 42);
         t.join().unwrap();
     }
 }

@@ -1,8 +1,6 @@
 //! Low-latency combine: send (pack each expert output to its source → publish), then
 //! receive (wait → weighted reduce).
 
-#![allow(unsafe_code)]
-
 use std::sync::atomic::Ordering;
 
 use half::bf16;
@@ -16,6 +14,7 @@ use crate::map::LlAreas;
 use crate::net::Staged;
 use crate::packet::{ll_combine_groups, Channel, LlCombinePacket, LL_BUFFERS};
 use crate::quant::reduce_rows;
+use crate::symm::Exclusive;
 
 /// Where a combine's rows for one source go: a same-node source's combine rows, or the
 /// packet for a source on another node (`None`: a masked source gets nothing).
@@ -65,7 +64,7 @@ impl Ctx {
         check_window(&st.combine_unreceived, seq, ("combine", "combines"))?;
         self.ll_call_begins();
         st.combine = seq;
-        let pending = self.ll_combine_send(seq, y, topk_idx, topk_weights, handle)?;
+        let pending = self.ll_combine_send(seq, y, topk_idx, topk_weights, handle, &mut st.key)?;
         st.combine_unreceived[seq as usize % LL_BUFFERS] = Some(seq);
         Ok(pending)
     }
@@ -91,7 +90,7 @@ impl Ctx {
                 "low-latency combine receive: pass the send half's input (zero-copy or rows) again"
             ));
         }
-        let y = self.ll_combine_rows(y, pending.seq)?;
+        let y = self.ll_combine_rows(y, pending.seq, &mut st.key)?;
         self.ll_combine_recv(pending, y, out)?;
         st.combine_unreceived[c] = None;
         Ok(())
@@ -100,20 +99,15 @@ impl Ctx {
     /// The next combine's buffer (see [`crate::Buffer::low_latency_combine_buffer`]),
     /// once the combine that last used it is done with it. Only for a caller that holds
     /// the Buffer mutably, for as long as the slice lives.
-    // The slice is of the registered memory `self` maps, handed out mutably because the
-    // caller holds the Buffer (and so this context) mutably.
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) fn next_combine_buffer(&self, st: &mut LlState) -> Result<&mut [bf16]> {
+    pub(crate) fn next_combine_buffer<'a>(&'a self, st: &'a mut LlState) -> Result<&'a mut [bf16]> {
         let area = self.ll_next_combine_area(st)?.ok_or_else(|| {
             invalid!(
                 "the next low-latency combine buffer is still read by a combine that was never received (call its hook first)"
             )
         })?;
-        // SAFETY: only this rank writes the combine buffer, through slices like this one,
-        // each borrowing the Buffer mutably (this function's contract); the proxy and the
-        // node's ranks read it only for a combine sent from it, and that one is done with
-        // it (waited above).
-        let rows: &mut [u16] = unsafe { self.symm.view_mut(area)? };
+        // The proxy and the node's ranks read the buffer only for a combine sent from it,
+        // and that one is done with it (waited above).
+        let rows: &mut [u16] = self.symm.exclusive(area, &mut st.key)?;
         Ok(bytemuck::cast_slice_mut(rows))
     }
 
@@ -155,16 +149,19 @@ impl Ctx {
 
     /// The expert outputs `input` names for combine `seq`: the caller's rows, or the
     /// combine buffer of `seq`'s area.
-    fn ll_combine_rows<'a>(&'a self, input: LlCombineInput<'a>, seq: u32) -> Result<&'a [bf16]> {
+    /// The expert outputs a combine sends: the caller's rows, or (zero copy) the combine
+    /// buffer, which this rank alone writes (`key`) and the proxy only reads.
+    fn ll_combine_rows<'a>(
+        &'a self,
+        input: LlCombineInput<'a>,
+        seq: u32,
+        key: &'a mut Exclusive,
+    ) -> Result<&'a [bf16]> {
         match input {
             LlCombineInput::Rows(y) => Ok(y),
             LlCombineInput::ZeroCopy => {
                 let area = self.ll_areas(seq as usize % LL_BUFFERS)?.combine_send;
-                // SAFETY: only this rank writes the combine buffer, through the slices
-                // `low_latency_combine_buffer` and a dispatch's output hand out, each
-                // borrowing the Buffer mutably: none is alive during this `&mut self`
-                // call, and the proxy only reads it.
-                let rows: &[u16] = unsafe { self.symm.view(area)? };
+                let rows: &[u16] = self.symm.exclusive(area, key)?;
                 Ok(bytemuck::cast_slice(rows))
             }
         }
@@ -186,11 +183,16 @@ impl Ctx {
                 "the handle was made by another Buffer (or another rank)"
             ));
         }
-        let y = self.ll_combine_rows(input, seq)?;
-        if y.len() != epr * r_n * m * h {
+        let y_len = match input {
+            LlCombineInput::Rows(y) => y.len(),
+            LlCombineInput::ZeroCopy => {
+                self.ll_areas(seq as usize % LL_BUFFERS)?.combine_send.len()
+            }
+        };
+        if y_len != epr * r_n * m * h {
             return Err(invalid!(
                 "combine input has {} values, expected [E/R = {epr}, R*M = {}, hidden = {h}]",
-                y.len(),
+                y_len,
                 r_n * m
             ));
         }
@@ -221,9 +223,10 @@ impl Ctx {
         topk_idx: &[i64],
         topk_weights: &[f32],
         handle: &LlHandle,
+        key: &mut Exclusive,
     ) -> Result<LlCombinePending> {
         let zero_copy = matches!(input, LlCombineInput::ZeroCopy);
-        let y = self.ll_combine_rows(input, seq)?;
+        let y = self.ll_combine_rows(input, seq, key)?;
         let c = seq as usize % LL_BUFFERS;
         let areas = self.ll_areas(c)?;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
@@ -432,6 +435,9 @@ impl Ctx {
         let mut landed = vec![None; r_n];
         // `[src]`: a same-node source that left our rows in its combine buffer.
         let mut in_place = vec![false; r_n];
+        // What the waits acquired (this rank's own publication at least: it is never
+        // masked, and its own rows travel through its combine area too).
+        let mut seen = None;
         for (src, landed) in landed.iter_mut().enumerate() {
             if self.masked(src) {
                 continue;
@@ -442,10 +448,13 @@ impl Ctx {
             if self.topo.is_local(src) {
                 let word = local.word(self.map.control.ll_combine_done, c * r_n + src)?;
                 let done = wait.at_least(word, seq as u64, Some(self.peer(src)), &what);
-                if self.unless_lost(src, done)?.is_some() && src != me {
-                    let region = self.peer_region(src)?;
-                    let zero_copy = region.word(self.map.control.ll_combine_zero_copy, c)?;
-                    in_place[src] = zero_copy.load(Ordering::Acquire) == u64::from(seq);
+                if let Some(done) = self.unless_lost(src, done)? {
+                    seen.get_or_insert(done);
+                    if src != me {
+                        let region = self.peer_region(src)?;
+                        let zero_copy = region.word(self.map.control.ll_combine_zero_copy, c)?;
+                        in_place[src] = zero_copy.load(Ordering::Acquire) == u64::from(seq);
+                    }
                 }
             } else if p.packets[src] > 0 {
                 // A group of the source's experts is usable once its own count signal
@@ -475,10 +484,14 @@ impl Ctx {
             }
             None => vec![false; r_n],
         };
-        // SAFETY: every source published its rows for this combine (its epoch, or the
-        // count signals of its blocks); they write this combine area again only for
-        // combine seq + LL_BUFFERS, which follows this rank's next combine.
-        let rows: &[u16] = unsafe { self.symm.view(areas.combine_x.rows(0..t_n * k, h)?)? };
+        // Every source published its rows for this combine (its epoch, or the count
+        // signals of its blocks); they write this combine area again only for combine
+        // seq + LL_BUFFERS, which follows this rank's next combine.
+        let seen = seen.ok_or_else(|| {
+            EpError::internal(format!("rank {me}: LL combine {seq} waited for no source"))
+        })?;
+        let published = self.symm.published(&seen);
+        let rows: &[u16] = published.view(areas.combine_x.rows(0..t_n * k, h)?)?;
         let y_bits: &[u16] = bytemuck::cast_slice(y);
         let mut from: Vec<&[u16]> = (0..t_n * k).map(|i| &rows[i * h..(i + 1) * h]).collect();
         for &(i, row) in &p.own {
@@ -490,10 +503,10 @@ impl Ctx {
             };
             let n = per_expert[src * epr..(src + 1) * epr].iter().sum();
             let packet = LlCombinePacket::layout(n, h).at_base(at.offset());
-            // SAFETY: every block of ours in the packet was signalled (waited above); the
-            // source writes this landing area again only with its next combine packet of
-            // this area, after this rank's next combines.
-            let landed: &[u16] = unsafe { self.symm.view(packet.rows)? };
+            // Every block of ours in the packet was signalled (waited above); the source
+            // writes this landing area again only with its next combine packet of this
+            // area, after this rank's next combines.
+            let landed: &[u16] = published.view(packet.rows)?;
             let mut j = 0;
             for e in (src * epr) as i64..((src + 1) * epr) as i64 {
                 for (i, _) in p.topk_idx.iter().enumerate().filter(|(_, &v)| v == e) {
@@ -505,11 +518,10 @@ impl Ctx {
         for src in (0..r_n).filter(|&r| in_place[r] && !masked[r]) {
             let region = self.peer_region(src)?;
             let begins = region.get_vec(areas.combine_begin)?;
-            // SAFETY: the source published this combine (its epoch, acquired above, after
-            // its rows and block offsets); it writes its combine buffer again only once
-            // this rank says it received this combine (`ll_combine_received`, below).
-            let ys: &[u16] =
-                unsafe { region.slice(areas.combine_send.offset(), areas.combine_send.len())? };
+            // The source published this combine (its epoch, acquired above, after its
+            // rows and block offsets); it writes its combine buffer again only once this
+            // rank says it received this combine (`ll_combine_received`, below).
+            let ys: &[u16] = published.view_of(region, areas.combine_send)?;
             let block = self.topo.num_ranks * s.max_tokens;
             for le in 0..epr {
                 // Our copies to expert `e` are its rows from `begin` on, in (token, slot)

@@ -1,8 +1,6 @@
 //! Low-latency dispatch: send (enter → quantise → pack → signal), then receive
 //! (wait → pack to the front).
 
-#![allow(unsafe_code)]
-
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -14,14 +12,14 @@ use super::{check_window, fingerprint, LlDispatchOutput, LlHandle, LlPending, Ll
 use crate::area::{Area, Mem};
 use crate::config::Shape;
 use crate::ctx::Ctx;
-use crate::error::Result;
+use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
 use crate::net::Staged;
 use crate::packet::{Channel, LlDispatchPacket, LL_BUFFERS};
 use crate::quant::quantize_token;
 use crate::tokens::RecvTokens;
-use crate::wait::epoch_word;
+use crate::wait::{epoch_word, Seen};
 
 /// Whether the kernel pushes a packet's rows itself: where each row is whole 16-byte
 /// words, as one-sided writes of any run of rows need.
@@ -469,11 +467,7 @@ impl Ctx {
 
     /// The receive half of a low-latency dispatch (see
     /// [`crate::Buffer::low_latency_dispatch_recv`]).
-    pub(crate) fn ll_recv(
-        &self,
-        st: &mut LlState,
-        pending: &LlPending,
-    ) -> Result<(LlHandle, Vec<u64>)> {
+    pub(crate) fn ll_recv(&self, st: &mut LlState, pending: &LlPending) -> Result<Received> {
         if pending.buffer_id != self.id {
             return Err(invalid!(
                 "the low-latency dispatch to receive was sent by another Buffer"
@@ -492,7 +486,7 @@ impl Ctx {
 
     /// The receive half of a step, in phases: wait for every source's counts → agree on
     /// the mask (elastic mode) → pack each expert's rows to the front.
-    fn ll_recv_step(&self, pending: &LlPending) -> Result<(LlHandle, Vec<u64>)> {
+    fn ll_recv_step(&self, pending: &LlPending) -> Result<Received> {
         let (seq, b) = (pending.seq, pending.buffer);
         let areas = self.ll_areas(b)?;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
@@ -501,6 +495,7 @@ impl Ctx {
             mut counts,
             landed,
             wait_ns,
+            seen,
         } = self.ll_wait_counts(pending, &areas)?;
         // Every survivor uses the same mask: what arrived from a source masked anywhere
         // is dropped.
@@ -536,6 +531,7 @@ impl Ctx {
                 masked,
             },
             wait_ns,
+            seen,
         ))
     }
 
@@ -550,6 +546,7 @@ impl Ctx {
         let mut counts = vec![0u32; epr * r_n];
         let mut landed: Vec<Option<Landed>> = (0..r_n).map(|_| None).collect();
         let mut wait_ns = vec![0u64; r_n];
+        let mut seen = None;
         for src in (0..r_n).filter(|&s| !self.masked(s)) {
             let start = Instant::now();
             if self.topo.is_local(src) {
@@ -559,7 +556,7 @@ impl Ctx {
                         format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s count for local expert {le} (ll_count[{b}][{le}][{src}])")
                     });
                     match self.unless_lost(src, count)? {
-                        Some(c) => counts[le * r_n + src] = c,
+                        Some(c) => counts[le * r_n + src] = seen.insert(c).value() as u32,
                         None => break,
                     }
                 }
@@ -587,10 +584,15 @@ impl Ctx {
             }
             wait_ns[src] = start.elapsed().as_nanos() as u64;
         }
+        // This rank's own counts were waited for (it is never masked, and has experts).
+        let seen = seen.ok_or_else(|| {
+            EpError::internal(format!("rank {me}: LL dispatch {seq} waited for no count"))
+        })?;
         Ok(Arrivals {
             counts,
             landed,
             wait_ns,
+            seen,
         })
     }
 
@@ -726,25 +728,23 @@ impl Ctx {
     }
 
     /// The outputs of a received dispatch, borrowing the Buffer.
-    pub(crate) fn ll_output(
-        &self,
-        st: &LlState,
-        handle: LlHandle,
-        wait_ns: Vec<u64>,
-    ) -> Result<LlDispatchOutput<'_>> {
+    pub(crate) fn ll_output<'a>(
+        &'a self,
+        st: &'a mut LlState,
+        (handle, wait_ns, seen): Received,
+    ) -> Result<LlDispatchOutput<'a>> {
         let (x, scales) = self.ll_output_areas(&handle)?;
-        // SAFETY: every source signalled its counts for this step, so its rows are
-        // written; peers write this buffer again only for step seq + LL_BUFFERS, which
-        // needs this rank to enter a later step first (`&mut self`).
-        let (x, scales) = unsafe { (self.symm.view(x)?, self.symm.view(scales)?) };
+        // Every source signalled its counts for this step, so its rows are written; peers
+        // write this buffer again only for step seq + LL_BUFFERS, which needs this rank to
+        // enter a later step first (the Buffer held mutably).
+        let published = self.symm.published(&seen);
+        let (x, scales) = (published.view(x)?, published.view(scales)?);
         let recv_x = RecvTokens::from_bytes(handle.fp8, x, scales);
+        // The next combine's buffer, once its last combine is done with it.
         let combine_buffer = match self.ll_next_combine_area(st)? {
-            // SAFETY: as in `Buffer::low_latency_combine_buffer`: the output borrows the
-            // Buffer mutably (`ll_output` runs only at the end of a `&mut self` receive),
-            // so this is the one slice of the buffer, and its last combine is done with it.
-            Some(area) => Some(bytemuck::cast_slice_mut(unsafe {
-                self.symm.view_mut(area)?
-            })),
+            Some(area) => Some(bytemuck::cast_slice_mut(
+                self.symm.exclusive(area, &mut st.key)?,
+            )),
             None => None,
         };
         Ok(LlDispatchOutput {
@@ -758,6 +758,10 @@ impl Ctx {
 }
 
 /// What an LL receive's first phase found.
+/// A received dispatch: its handle, how long each source was waited for, and what the
+/// waits acquired (to read the outputs with).
+pub(crate) type Received = (LlHandle, Vec<u64>, Seen);
+
 struct Arrivals {
     /// `[E/R, R]` rows from each source (zero from one found gone here).
     counts: Vec<u32>,
@@ -765,6 +769,8 @@ struct Arrivals {
     landed: Vec<Option<Landed>>,
     /// `[R]` how long the wait for each source took.
     wait_ns: Vec<u64>,
+    /// What the waits acquired: every source published its rows.
+    seen: Seen,
 }
 
 /// Whether expert `e` (`-1` for none) is on rank `r`.

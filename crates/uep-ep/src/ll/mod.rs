@@ -51,7 +51,7 @@ use crate::ctx::Ctx;
 use crate::error::Result;
 use crate::invalid;
 use crate::packet::{Channel, LL_BUFFERS};
-use crate::symm::Bank;
+use crate::symm::{Bank, Exclusive};
 use crate::tokens::RecvTokens;
 use crate::wait::Wait;
 
@@ -173,7 +173,7 @@ impl LlPending {
 /// What low-latency mode keeps between calls: the numbers of its dispatches and
 /// combines (equal on every rank between calls), the calls whose receive has not run
 /// yet, and the output banks, one per LL buffer.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct LlState {
     pub dispatch: u32,
     pub combine: u32,
@@ -182,6 +182,22 @@ pub(crate) struct LlState {
     /// Per LL combine area: a combine whose receive has not run yet.
     pub combine_unreceived: [Option<u32>; LL_BUFFERS],
     pub banks: Option<[Bank; LL_BUFFERS]>,
+    /// The key to the combine buffers, which this rank alone writes.
+    pub key: Exclusive,
+}
+
+impl LlState {
+    /// The state of a new Buffer, with its output `banks`.
+    pub fn new(banks: Option<[Bank; LL_BUFFERS]>) -> LlState {
+        LlState {
+            dispatch: 0,
+            combine: 0,
+            unreceived: [None; LL_BUFFERS],
+            combine_unreceived: [None; LL_BUFFERS],
+            banks,
+            key: Exclusive::for_new_buffer(),
+        }
+    }
 }
 
 /// Checks that low-latency call `seq` (a dispatch step, or a combine) may start while

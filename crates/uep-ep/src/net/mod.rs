@@ -33,7 +33,7 @@
 mod port;
 
 use std::cell::{Cell, RefCell};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -127,9 +127,39 @@ pub struct Staged {
     /// Bytes of the registered region.
     region_len: usize,
     port: Port,
+    /// This rank's region, which holds `area`.
+    region: Region,
+    /// `[channel][peer]`: whether a `Staged` of that area exists; this one's is set
+    /// until it drops, so that no two exist at once.
+    claims: Arc<[AtomicBool]>,
+    claim: usize,
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        self.claims[self.claim].store(false, Ordering::Release);
+    }
 }
 
 impl Staged {
+    /// `part` of the staging area, to fill in place. The area is this `Staged`'s alone:
+    /// [`NetPath::stage`] made it once the packet last sent from it had left, no other
+    /// `Staged` of the same area exists while it lives, the proxy reads it only after
+    /// [`NetPath::send`] consumed it, and `&mut self` keeps one slice at a time.
+    pub fn view_mut<T: bytemuck::Pod>(&mut self, part: Area<T>) -> Result<&mut [T]> {
+        let (area, part_bytes) = (self.area.byte_range(), part.offset()..part.end());
+        if part_bytes.start < area.start || part_bytes.end > area.end {
+            return Err(EpError::internal(format!(
+                "{part:?} is not inside the staging area {:?}",
+                self.area
+            )));
+        }
+        // SAFETY: exclusive, as above; bounds and alignment are checked by `slice_mut`.
+        #[allow(unsafe_code)]
+        let rows = unsafe { self.region.slice_mut::<T>(part.offset(), part.len())? };
+        Ok(rows)
+    }
+
     /// Make the port's writes large enough that kernels pushing `bytes` from `lanes`
     /// threads (each flushing runs of at least a write's size, so at most two pieces a
     /// run) stay within what one count signal counts, with room for the block's own.
@@ -185,6 +215,8 @@ pub struct NetPath {
     hosts: Vec<String>,
     threads: usize,
     fifos_per_thread: usize,
+    /// `[channel][dst]`: whether that staging area is staged now (see [`Staged`]).
+    claims: Arc<[AtomicBool]>,
     /// `[channel][dst]`: the Quiet that follows the last packet staged there.
     quiets: RefCell<Vec<Option<PendingQuiet>>>,
     /// Largest single write (see [`NetConfig::write_bytes`]).
@@ -296,6 +328,9 @@ impl NetPath {
             threads,
             fifos_per_thread: cfg.proxy.fifos_per_thread.max(1),
             quiets: RefCell::new(vec![None; CHANNELS * num_ranks]),
+            claims: (0..CHANNELS * num_ranks)
+                .map(|_| AtomicBool::new(false))
+                .collect(),
             write_bytes: (cfg.write_bytes.max(16) / 16 * 16)
                 .min(uep_wire::MAX_WRITE_LEN as usize / 16 * 16),
             received: (0..num_ranks).map(|_| Cell::new(0)).collect(),
@@ -335,12 +370,24 @@ impl NetPath {
     pub fn stage(&self, ch: Channel, dst: usize, wait: &Wait<'_>) -> Result<Staged> {
         let area = self.areas.staging(ch, dst)?;
         let landing = self.areas.landing(ch, self.me)?;
-        self.wait_sent(ch, dst, wait)?;
-        let (thread, fifo) = self.fifo_of(dst)?;
+        let claim = ch.index() * self.num_ranks + dst;
+        if self.claims[claim].swap(true, Ordering::AcqRel) {
+            return Err(EpError::internal(format!(
+                "rank {}: the {ch:?} staging area for rank {dst} is staged twice",
+                self.me
+            )));
+        }
+        // Released again if the wait fails (the Staged below is not made).
+        let unclaim = |e| {
+            self.claims[claim].store(false, Ordering::Release);
+            e
+        };
+        self.wait_sent(ch, dst, wait).map_err(unclaim)?;
+        let (thread, fifo) = self.fifo_of(dst).map_err(unclaim)?;
         // A fenced packet has one block until the caller says otherwise
         // (`NetPath::fence_blocks`).
         let counting = match ch.is_fenced() {
-            true => Counting::Fenced(vec![self.fence_key(ch, 0)?]),
+            true => Counting::Fenced(vec![self.fence_key(ch, 0).map_err(unclaim)?]),
             false => Counting::Ordered,
         };
         let port = Port::open(PortInit {
@@ -363,6 +410,9 @@ impl NetPath {
             landing,
             region_len: self.region.len(),
             port,
+            region: self.region.clone(),
+            claims: self.claims.clone(),
+            claim,
         })
     }
 

@@ -1,7 +1,5 @@
 //! Normal combine: send → publish → relay → gather → reduce.
 
-#![allow(unsafe_code)]
-
 use std::sync::atomic::Ordering;
 
 use half::bf16;
@@ -9,7 +7,7 @@ use half::bf16;
 use super::{CombineArgs, NormalHandle, NormalState};
 use crate::area::{Mem, STREAM_ABOVE};
 use crate::ctx::Ctx;
-use crate::error::Result;
+use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket};
@@ -200,6 +198,7 @@ impl Ctx {
         let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
         let (h, k) = (areas.shape.hidden, areas.shape.topk);
         let local = self.symm.local();
+        let mut seen = None;
         for src in topo.node_ranks(topo.node) {
             let what = || {
                 format!(
@@ -207,8 +206,17 @@ impl Ctx {
                 )
             };
             let word = local.word(self.map.control.combine_done, src)?;
-            wait.at_least(word, seq as u64, Some(self.peer(src)), &what)?;
+            seen = Some(wait.at_least(word, seq as u64, Some(self.peer(src)), &what)?);
         }
+        // The node's ranks (this one among them) published their rows (combine_done =
+        // this call's epoch) and write them again only in their next combine, which
+        // follows this rank's next dispatch; a relay's packet below is announced (the
+        // tail reached it) and its landing area written again only with the relay's next
+        // combine packet, after this rank's next combine.
+        let seen = seen.ok_or_else(|| {
+            EpError::internal(format!("rank {me}: combine {seq} waited for no rank"))
+        })?;
+        let published = self.symm.published(&seen);
         let in_rank = &handle.is_token_in_rank;
         let mut packet_row: Vec<Vec<usize>> = vec![Vec::new(); r_n];
         let mut partial_x: Vec<&[u16]> = vec![&[]; r_n];
@@ -229,23 +237,13 @@ impl Ctx {
                 })
                 .collect();
             let p = CombinePacket::layout(j, h, k).at_base(landing.offset());
-            // SAFETY: the relay's packet was announced (the tail reached it); the relay
-            // writes this landing area again only with its next combine packet, which
-            // follows this rank's next combine.
-            unsafe {
-                partial_x[relay] = self.symm.view(p.x)?;
-                partial_w[relay] = self.symm.view(p.weights)?;
-            }
+            partial_x[relay] = published.view(p.x)?;
+            partial_w[relay] = published.view(p.weights)?;
         }
-        // SAFETY: the node's ranks published their rows (combine_done = this call's
-        // epoch) and write them again only in their next combine, which follows this
-        // rank's next dispatch.
-        let (rows, wrows) = unsafe {
-            (
-                self.symm.view(areas.combine_x)?,
-                self.symm.view(areas.combine_weights)?,
-            )
-        };
+        let (rows, wrows) = (
+            published.view(areas.combine_x)?,
+            published.view(areas.combine_weights)?,
+        );
         Ok(Gathered {
             rows,
             wrows,

@@ -1,7 +1,5 @@
 //! Normal dispatch: notify → plan → pack → publish → relay → finish.
 
-#![allow(unsafe_code)]
-
 use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::atomic::Ordering;
@@ -21,7 +19,7 @@ use crate::map::NormalAreas;
 use crate::net::{Staged, Write};
 use crate::packet::{Channel, DispatchHeader, DispatchPacket, NotifyHead, NotifyPacket, RowFormat};
 use crate::tokens::RecvTokens;
-use crate::wait::Wait;
+use crate::wait::{Seen, Wait};
 
 /// The routing one dispatch works with, whichever way it was given.
 struct Routing<'a> {
@@ -395,7 +393,7 @@ impl Ctx {
         &self,
         st: &mut NormalState,
         args: &DispatchArgs<'_>,
-    ) -> Result<NormalHandle> {
+    ) -> Result<(NormalHandle, Seen)> {
         let areas = self.normal_areas()?;
         let routing = self.check_dispatch(args, areas.shape)?;
         let t_n = args.x.num_tokens(areas.shape.hidden)?;
@@ -872,11 +870,12 @@ impl Ctx {
         args: &DispatchArgs<'_>,
         t_n: usize,
         wait: &Wait<'_>,
-    ) -> Result<NormalHandle> {
+    ) -> Result<(NormalHandle, Seen)> {
         let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
         let k = areas.shape.topk;
         let local = self.symm.local();
         let bank = areas.bank(seq);
+        let mut seen = None;
         for src in 0..r_n {
             let n = counts.matrix[src * r_n + me] as usize;
             let publisher = if topo.is_local(src) {
@@ -887,13 +886,17 @@ impl Ctx {
             let what = || {
                 format!("rank {me}: dispatch {seq}: waiting for rank {src}'s {n} rows (dispatch_done[{src}], published by rank {publisher})")
             };
-            wait.at_least(
+            seen = Some(wait.at_least(
                 local.word(self.map.control.dispatch_done, src)?,
                 seq as u64,
                 Some(self.peer(publisher)),
                 &what,
-            )?;
+            )?);
         }
+        // Every source (this rank among them) published its rows.
+        let seen = seen.ok_or_else(|| {
+            EpError::internal(format!("rank {me}: dispatch {seq} waited for no source"))
+        })?;
         let num_recv = counts.column_sum(r_n, me);
         let rows = if args.num_worst_tokens > 0 {
             args.num_worst_tokens
@@ -921,28 +924,31 @@ impl Ctx {
                 prefix[s * r_n + r] = counts.matrix[s * r_n + r] as i32 + above;
             }
         }
-        Ok(NormalHandle {
-            buffer_id: self.id,
-            rank_prefix_matrix: prefix,
-            is_token_in_rank: routing.in_rank.into_owned(),
-            num_tokens_per_rank: routing.per_rank.into_owned(),
-            num_tokens_per_expert: routing.per_expert.into_owned(),
-            recv_src_idx: local.get_vec(areas.recv_src_idx.prefix(num_recv)?)?,
-            num_recv_tokens_per_expert: counts
-                .recv_per_expert
-                .iter()
-                .map(|n| n.div_ceil(align) * align)
-                .collect(),
-            num_tokens: t_n,
-            num_recv_tokens: num_recv,
-            num_rows: rows,
-            topk: k,
-            bank: (seq % 2) as usize,
-            fp8: plan.fp8,
-            with_topk: plan.with_topk,
-            with_weights: plan.with_weights,
-            relay,
-        })
+        Ok((
+            NormalHandle {
+                buffer_id: self.id,
+                rank_prefix_matrix: prefix,
+                is_token_in_rank: routing.in_rank.into_owned(),
+                num_tokens_per_rank: routing.per_rank.into_owned(),
+                num_tokens_per_expert: routing.per_expert.into_owned(),
+                recv_src_idx: local.get_vec(areas.recv_src_idx.prefix(num_recv)?)?,
+                num_recv_tokens_per_expert: counts
+                    .recv_per_expert
+                    .iter()
+                    .map(|n| n.div_ceil(align) * align)
+                    .collect(),
+                num_tokens: t_n,
+                num_recv_tokens: num_recv,
+                num_rows: rows,
+                topk: k,
+                bank: (seq % 2) as usize,
+                fp8: plan.fp8,
+                with_topk: plan.with_topk,
+                with_weights: plan.with_weights,
+                relay,
+            },
+            seen,
+        ))
     }
 
     /// The output areas of the dispatch `handle` describes: x, scales, top-k ids and
@@ -965,19 +971,22 @@ impl Ctx {
         ])
     }
 
-    pub(crate) fn dispatch_output(&self, handle: NormalHandle) -> Result<DispatchOutput<'_>> {
+    /// The outputs of a dispatch whose waits acquired `seen`, borrowing the Buffer.
+    pub(crate) fn dispatch_output(
+        &self,
+        (handle, seen): (NormalHandle, Seen),
+    ) -> Result<DispatchOutput<'_>> {
         let [x, scales, idx, w] = self.dispatch_areas(&handle)?;
-        // SAFETY: every source published (dispatch_done = this call's epoch) that its
-        // rows are written; peers write these areas again only after this rank's next
-        // notify, which needs `&mut self`, while the output borrows `&self`.
-        let (x, scales, idx, w) = unsafe {
-            (
-                self.symm.view(x)?,
-                self.symm.view::<f32>(scales.cast())?,
-                self.symm.view::<i64>(idx.cast())?,
-                self.symm.view::<f32>(w.cast())?,
-            )
-        };
+        // Every source published (dispatch_done = this call's epoch) that its rows are
+        // written; peers write these areas again only after this rank's next notify,
+        // which needs the Buffer mutably, while the output borrows it.
+        let published = self.symm.published(&seen);
+        let (x, scales, idx, w) = (
+            published.view(x)?,
+            published.view::<f32>(scales.cast())?,
+            published.view::<i64>(idx.cast())?,
+            published.view::<f32>(w.cast())?,
+        );
         let recv_x = RecvTokens::from_bytes(handle.fp8, x, scales);
         Ok(DispatchOutput {
             recv_x,

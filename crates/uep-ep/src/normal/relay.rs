@@ -7,8 +7,6 @@
 //! write their rows for the source's tokens into the relay's slots; the relay reduces
 //! them and sends one partial row per token back.
 
-#![allow(unsafe_code)]
-
 use std::sync::atomic::Ordering;
 
 use half::bf16;
@@ -16,7 +14,7 @@ use half::bf16;
 use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed};
 use crate::area::{Area, Mem};
 use crate::ctx::Ctx;
-use crate::error::Result;
+use crate::error::{EpError, Result};
 use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
 use crate::protocol;
@@ -270,22 +268,26 @@ impl Ctx {
         let me = topo.rank;
         let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
         let local = self.symm.local();
+        let mut seen = None;
         for r in topo.node_ranks(topo.node) {
             let what = || {
                 format!("rank {me}: combine {seq}: waiting for rank {r}'s rows to relay (relay_done[{r}])")
             };
             let word = local.word(self.map.control.relay_done, r)?;
-            wait.at_least(word, seq as u64, Some(self.peer(r)), &what)?;
+            seen = Some(wait.at_least(word, seq as u64, Some(self.peer(r)), &what)?);
         }
-        // SAFETY: every rank of the node published (relay_done = this call's epoch) that
-        // its relay rows are written; they write them again only in their next combine,
-        // which needs this rank's next combine packet, sent only after this call.
-        let (rows, wrows) = unsafe {
-            (
-                self.symm.view(areas.relay_x)?,
-                self.symm.view(areas.relay_weights)?,
-            )
-        };
+        // Every rank of the node (this one among them) published (relay_done = this
+        // call's epoch) that its relay rows are written; they write them again only in
+        // their next combine, which needs this rank's next combine packet, sent only
+        // after this call.
+        let seen = seen.ok_or_else(|| {
+            EpError::internal(format!("rank {me}: combine {seq} waited for no rank"))
+        })?;
+        let published = self.symm.published(&seen);
+        let (rows, wrows) = (
+            published.view(areas.relay_x)?,
+            published.view(areas.relay_weights)?,
+        );
         let x_bits: &[u16] = bytemuck::cast_slice(x);
         let mut w_out = vec![0f32; k];
         let mut parts = Vec::with_capacity(topo.ranks_per_node);
@@ -297,13 +299,10 @@ impl Ctx {
                 mine[handle.recv_src_idx[i] as usize] = i;
             }
             let net = self.net()?;
-            let staged = net.stage(Channel::Combine, src, wait)?;
+            let mut staged = net.stage(Channel::Combine, src, wait)?;
             let n = relayed.tokens.len();
             let p = CombinePacket::layout(n, h, k).at_base(staged.area.offset());
-            // SAFETY: the staging area is this rank's alone from `stage` (the packet sent
-            // from it before has left, its Quiet waited for) until `send` below hands it
-            // to the proxy; the slice ends there, and nothing else names `p.x`.
-            let packet_x: &mut [u16] = unsafe { self.symm.view_mut(p.x)? };
+            let packet_x: &mut [u16] = staged.view_mut(p.x)?;
             // Slot of (source node, local rank l) for token t.
             let slot =
                 |l: usize, t: usize| (topo.node_of(src) * topo.ranks_per_node + l) * t_max + t;
