@@ -37,6 +37,15 @@ fn own_rows(handle: &LlHandle, me: usize, r_n: usize, areas: &LlAreas) -> Vec<(u
     own
 }
 
+/// What a combine's receive waited for: each packet from another node (its landing
+/// area), which same-node sources left our rows in their combine buffer, and what the
+/// waits acquired.
+struct CombineArrivals {
+    landed: Vec<Option<Area<u8>>>,
+    in_place: Vec<bool>,
+    seen: crate::wait::Seen,
+}
+
 /// A combine's packet to a source on another node: where each local expert's rows
 /// start in it, how many there are, and the fence groups of adjacent experts.
 struct Remote {
@@ -413,7 +422,7 @@ impl Ctx {
         let (seq, c) = (p.seq, p.seq as usize % LL_BUFFERS);
         let areas = self.ll_areas(c)?;
         let s = areas.shape;
-        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let r_n = self.topo.num_ranks;
         let (epr, k, h) = (s.experts_per_rank(r_n), s.topk, s.hidden);
         let t_n = p.num_tokens;
         if p.buffer_id != self.id || y.len() != p.y_len || out.len() != t_n * h {
@@ -424,14 +433,58 @@ impl Ctx {
                 out.len()
             ));
         }
-        let wait = self.ll_wait();
-        let local = self.symm.local();
-        let ch = Channel::ll_combine(c);
         // `[E]`: this rank's copies routed to each expert.
         let mut per_expert = vec![0usize; r_n * epr];
         for &e in p.topk_idx.iter().filter(|&&e| e >= 0) {
             per_expert[e as usize] += 1;
         }
+        let arrivals = self.ll_combine_arrivals(p, &areas, &per_expert)?;
+        // Elastic mode: every survivor leaves out the same experts' outputs.
+        let masked = match &self.elastic {
+            Some(el) => {
+                let m = self.agree(&format!("LL combine {seq}"))?;
+                el.borrow_mut().last_combine = m.clone();
+                m
+            }
+            None => vec![false; r_n],
+        };
+        let from = self.ll_combine_sources(p, y, &areas, &arrivals, &masked, &per_expert)?;
+        let (idx, w) = (&p.topk_idx, &p.topk_weights);
+        let local = self.symm.local();
+        self.device.launch_rows(out, h, |first, out| {
+            let mut parts = Vec::with_capacity(k);
+            for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
+                parts.clear();
+                let kept = |e: i64| e >= 0 && !masked[e as usize / epr];
+                for slot in (0..k).filter(|&s| kept(idx[t * k + s])) {
+                    parts.push((from[t * k + slot], w[t * k + slot]));
+                }
+                reduce_rows(&parts, true, out_row);
+            }
+            Ok(())
+        })?;
+        // Same-node sources may rewrite the combine buffers read above.
+        local
+            .word(self.map.control.ll_combine_received, c)?
+            .store(u64::from(seq), Ordering::Release);
+        Ok(())
+    }
+
+    /// Wait for every live source's expert outputs of combine `p`: a same-node source's
+    /// epoch (and whether it left our rows in its combine buffer), the count signals of
+    /// each fence group of a packet from another node.
+    fn ll_combine_arrivals(
+        &self,
+        p: &LlCombinePending,
+        areas: &LlAreas,
+        per_expert: &[usize],
+    ) -> Result<CombineArrivals> {
+        let (seq, c) = (p.seq, p.seq as usize % LL_BUFFERS);
+        let (r_n, me, h) = (self.topo.num_ranks, self.topo.rank, areas.shape.hidden);
+        let epr = areas.shape.experts_per_rank(r_n);
+        let wait = self.ll_wait();
+        let local = self.symm.local();
+        let ch = Channel::ll_combine(c);
         let mut landed = vec![None; r_n];
         // `[src]`: a same-node source that left our rows in its combine buffer.
         let mut in_place = vec![false; r_n];
@@ -475,22 +528,38 @@ impl Ctx {
                 *landed = self.unless_lost(src, arrived)?;
             }
         }
-        // Elastic mode: every survivor leaves out the same experts' outputs.
-        let masked = match &self.elastic {
-            Some(el) => {
-                let m = self.agree(&format!("LL combine {seq}"))?;
-                el.borrow_mut().last_combine = m.clone();
-                m
-            }
-            None => vec![false; r_n],
-        };
         // Every source published its rows for this combine (its epoch, or the count
         // signals of its blocks); they write this combine area again only for combine
         // seq + LL_BUFFERS, which follows this rank's next combine.
         let seen = seen.ok_or_else(|| {
             EpError::internal(format!("rank {me}: LL combine {seq} waited for no source"))
         })?;
-        let published = self.symm.published(&seen);
+        Ok(CombineArrivals {
+            landed,
+            in_place,
+            seen,
+        })
+    }
+
+    /// Where each (token, slot)'s expert output is: this rank's own rows in `y`, a
+    /// same-node source's in its combine rows or (zero copy) its combine buffer, another
+    /// node's in the landed packet; the masked sources' are left out by the reduction.
+    fn ll_combine_sources<'a>(
+        &'a self,
+        p: &LlCombinePending,
+        y: &'a [bf16],
+        areas: &LlAreas,
+        arrivals: &CombineArrivals,
+        masked: &[bool],
+        per_expert: &[usize],
+    ) -> Result<Vec<&'a [u16]>> {
+        let s = areas.shape;
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let (epr, k, h, t_n) = (s.experts_per_rank(r_n), s.topk, s.hidden, p.num_tokens);
+        let CombineArrivals {
+            landed, in_place, ..
+        } = arrivals;
+        let published = self.symm.published(&arrivals.seen);
         let rows: &[u16] = published.view(areas.combine_x.rows(0..t_n * k, h)?)?;
         let y_bits: &[u16] = bytemuck::cast_slice(y);
         let mut from: Vec<&[u16]> = (0..t_n * k).map(|i| &rows[i * h..(i + 1) * h]).collect();
@@ -537,23 +606,6 @@ impl Ctx {
                 }
             }
         }
-        let (idx, w) = (&p.topk_idx, &p.topk_weights);
-        self.device.launch_rows(out, h, |first, out| {
-            let mut parts = Vec::with_capacity(k);
-            for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
-                parts.clear();
-                let kept = |e: i64| e >= 0 && !masked[e as usize / epr];
-                for slot in (0..k).filter(|&s| kept(idx[t * k + s])) {
-                    parts.push((from[t * k + slot], w[t * k + slot]));
-                }
-                reduce_rows(&parts, true, out_row);
-            }
-            Ok(())
-        })?;
-        // Same-node sources may rewrite the combine buffers read above.
-        local
-            .word(self.map.control.ll_combine_received, c)?
-            .store(u64::from(seq), Ordering::Release);
-        Ok(())
+        Ok(from)
     }
 }

@@ -156,23 +156,7 @@ impl Ctx {
         // Rows of the packet that went to none but this rank are not in it.
         let mut rest = 0;
         for j in 0..n {
-            if masks[j]
-                .checked_shr(topo.ranks_per_node as u32)
-                .unwrap_or(0)
-                != 0
-            {
-                return Err(protocol!(
-                    "rank {me}: rank {src}'s dispatch packet names local ranks {:#x} of a node of {}",
-                    masks[j],
-                    topo.ranks_per_node
-                ));
-            }
-            if masks[j] == 0 {
-                return Err(protocol!(
-                    "rank {me}: rank {src}'s dispatch packet carries token {} for no rank",
-                    tokens[j]
-                ));
-            }
+            check_mask(masks[j], tokens[j], topo, src)?;
             let direct_here = head.has(DispatchHeader::DIRECT) && masks[j] >> topo.local & 1 != 0;
             // Where the token's x row (and scales) is: in this rank's own output rows
             // when it went straight there, else the next row of the packet.
@@ -233,12 +217,23 @@ impl Ctx {
                 n - n_direct
             ));
         }
+        self.publish_relayed(seq, src, matrix, &pos)
+    }
+
+    /// After storing `src`'s packet: check that each rank of this node got as many
+    /// tokens as `src`'s counts announced (`pos[l]`: one past its last row), and publish
+    /// `src` to each of them.
+    fn publish_relayed(&self, seq: u32, src: usize, matrix: &[u32], pos: &[usize]) -> Result<()> {
+        let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
         for (l, r) in topo.node_ranks(topo.node).enumerate() {
-            let announced = matrix[src * r_n + r] as usize;
-            if pos[l] != start(r) + announced {
+            let (start, announced) = (
+                column_sum(matrix, r_n, src, r),
+                matrix[src * r_n + r] as usize,
+            );
+            if pos[l] != start + announced {
                 return Err(protocol!(
                     "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {announced}",
-                    pos[l] - start(r)
+                    pos[l] - start
                 ));
             }
             self.peer_region(r)?
@@ -339,4 +334,22 @@ impl Ctx {
         }
         Ok(())
     }
+}
+
+/// A relayed token's mask of this node's ranks: not empty, and naming no rank past the
+/// node's.
+fn check_mask(mask: u64, token: i32, topo: crate::topology::Topology, src: usize) -> Result<()> {
+    let me = topo.rank;
+    if mask.checked_shr(topo.ranks_per_node as u32).unwrap_or(0) != 0 {
+        return Err(protocol!(
+            "rank {me}: rank {src}'s dispatch packet names local ranks {mask:#x} of a node of {}",
+            topo.ranks_per_node
+        ));
+    }
+    if mask == 0 {
+        return Err(protocol!(
+            "rank {me}: rank {src}'s dispatch packet carries token {token} for no rank"
+        ));
+    }
+    Ok(())
 }
