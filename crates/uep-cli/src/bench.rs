@@ -671,6 +671,17 @@ fn report(
             threads
         );
         print!("{}", render_table(&reports));
+        let (cmds, kernel_time) = buffer.kernel_pushes();
+        if cmds > 0 {
+            // Commands pushed by the kernels of rank 0 while they packed (one per
+            // network write of up to --net-write-bytes), over the time those launches ran.
+            println!(
+                "kernel-pushed commands (rank 0): {cmds} in {:.1} ms of packing kernels ({:.0} commands/s, one per write of up to {} bytes)",
+                kernel_time.as_secs_f64() * 1e3,
+                cmds as f64 / kernel_time.as_secs_f64().max(1e-9),
+                args.net_write_bytes.unwrap_or(uep_ep::DEFAULT_WRITE_BYTES)
+            );
+        }
         if total_bad == 0 {
             println!("verified: every output matches the sequential reference bit for bit");
         } else {

@@ -178,6 +178,16 @@ impl Buffer {
         local.as_ptr() as usize..local.as_ptr() as usize + local.len()
     }
 
+    /// Commands this rank's kernels pushed into the proxy's FIFOs so far, and how long
+    /// the kernel launches that push them ran: the kernels' command rate while packing.
+    /// Zero on one node.
+    pub fn kernel_pushes(&self) -> (u64, Duration) {
+        self.cx
+            .net
+            .as_ref()
+            .map_or((0, Duration::ZERO), NetPath::kernel_pushes)
+    }
+
     /// Faults injected into this rank's network path so far (see `NetConfig::faults`).
     pub fn faults_injected(&self) -> u64 {
         self.cx.net.as_ref().map_or(0, NetPath::faults_injected)

@@ -343,6 +343,7 @@ impl Ctx {
         let s = areas.shape;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
+        let started = std::time::Instant::now();
         self.device.launch(epr, |experts| {
             for le in experts {
                 for (src, sink) in sinks.iter().enumerate() {
@@ -371,7 +372,11 @@ impl Ctx {
                 }
             }
             Ok(())
-        })
+        })?;
+        if let Some(net) = &self.net {
+            net.time_kernel(started.elapsed());
+        }
+        Ok(())
     }
 
     /// After the kernel: the epoch into each same-node source, and the signals of each

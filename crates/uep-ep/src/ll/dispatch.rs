@@ -368,6 +368,7 @@ impl Ctx {
         let (groups, row_bytes) = (h / 128, rows.row_bytes);
         let t_n = topk_idx.len() / k.max(1);
         let local = self.symm.local();
+        let started = Instant::now();
         let push_rows = kernel_pushes_rows(row_bytes);
         self.device.launch(t_n, |range| {
             let mut slots = vec![-1i32; k];
@@ -416,7 +417,11 @@ impl Ctx {
                 push_runs(sinks, &mut runs, row_bytes, true)?;
             }
             Ok(())
-        })
+        })?;
+        if let Some(net) = &self.net {
+            net.time_kernel(started.elapsed());
+        }
+        Ok(())
     }
 
     /// After every row (the launch joined every kernel thread): one count per (expert,

@@ -233,6 +233,9 @@ pub struct NetPath {
     faults: Arc<AtomicU64>,
     /// Packet bytes handed to the proxy so far (kernels' pushes included).
     sent_bytes: Arc<AtomicU64>,
+    /// Commands the kernels pushed so far, and how long the launches that may push ran.
+    kernel_cmds: Arc<AtomicU64>,
+    kernel_time: Cell<std::time::Duration>,
     /// Whether this rank has told the other nodes that it failed.
     abort_sent: Cell<bool>,
     /// Whether that message went to any live peer (whose writes may still be leaving).
@@ -338,6 +341,8 @@ impl NetPath {
             fences_expected: (0..areas.fences.len()).map(|_| Cell::new(0)).collect(),
             faults,
             sent_bytes: Arc::new(AtomicU64::new(0)),
+            kernel_cmds: Arc::new(AtomicU64::new(0)),
+            kernel_time: Cell::new(std::time::Duration::ZERO),
             abort_sent: Cell::new(false),
             abort_in_flight: Cell::new(false),
             liveness,
@@ -402,6 +407,7 @@ impl NetPath {
             proxy_timeout: self.proxy.config().timeout,
             write_bytes: self.write_bytes,
             sent_bytes: self.sent_bytes.clone(),
+            kernel_cmds: self.kernel_cmds.clone(),
         });
         Ok(Staged {
             ch,
@@ -812,6 +818,21 @@ impl NetPath {
     /// Packet bytes handed to the proxy so far.
     pub fn sent_bytes(&self) -> u64 {
         self.sent_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Commands the kernels pushed so far, and how long the launches that may push them
+    /// ran (see [`NetPath::time_kernel`]).
+    pub fn kernel_pushes(&self) -> (u64, std::time::Duration) {
+        (
+            self.kernel_cmds.load(Ordering::Relaxed),
+            self.kernel_time.get(),
+        )
+    }
+
+    /// Count `elapsed`, the run of a kernel launch that pushed commands, towards
+    /// [`NetPath::kernel_pushes`].
+    pub fn time_kernel(&self, elapsed: std::time::Duration) {
+        self.kernel_time.set(self.kernel_time.get() + elapsed);
     }
 
     /// Faults injected so far (0 without `NetConfig::faults`).

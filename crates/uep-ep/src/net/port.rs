@@ -56,6 +56,8 @@ pub struct Port {
     writes: Vec<AtomicU64>,
     /// Bytes of this rank's whole network path handed to the proxy.
     sent_bytes: Arc<AtomicU64>,
+    /// Commands the kernels pushed, on this rank's whole network path.
+    kernel_cmds: Arc<AtomicU64>,
 }
 
 /// Everything a [`Port`] is opened with.
@@ -71,6 +73,7 @@ pub(crate) struct PortInit {
     pub proxy_timeout: Duration,
     pub write_bytes: usize,
     pub sent_bytes: Arc<AtomicU64>,
+    pub kernel_cmds: Arc<AtomicU64>,
 }
 
 impl Port {
@@ -91,6 +94,7 @@ impl Port {
             proxy_timeout: init.proxy_timeout,
             write_bytes: init.write_bytes,
             sent_bytes: init.sent_bytes,
+            kernel_cmds: init.kernel_cmds,
         }
     }
 
@@ -104,18 +108,21 @@ impl Port {
     /// [`Port::put`] for block `block` of a fenced packet: its writes count towards
     /// that block's key.
     pub fn put_in(&self, block: usize, w: Write) -> Result<()> {
-        self.push_block(block, w)?;
+        let pushed = self.push_block(block, w)?;
+        self.kernel_cmds.fetch_add(pushed, Ordering::Relaxed);
         self.wake();
         Ok(())
     }
 
     /// Push `w` (cut into pieces) without waking the proxy.
     pub(crate) fn push_write(&self, w: Write) -> Result<()> {
-        self.push_block(0, w)
+        self.push_block(0, w).map(drop)
     }
 
-    /// Push `w` (cut into pieces) as part of block `block`, without waking the proxy.
-    fn push_block(&self, block: usize, w: Write) -> Result<()> {
+    /// Push `w` (cut into pieces) as part of block `block`, without waking the proxy;
+    /// returns the commands pushed.
+    fn push_block(&self, block: usize, w: Write) -> Result<u64> {
+        let mut pushed = 0;
         let count = self.writes.get(block).ok_or_else(|| {
             EpError::internal(format!(
                 "a packet to rank {} has no block {block}",
@@ -133,9 +140,10 @@ impl Port {
             };
             self.push(encode(self.me, cmd)?)?;
             count.fetch_add(1, Ordering::Relaxed);
+            pushed += 1;
         }
         self.sent_bytes.fetch_add(w.len() as u64, Ordering::Relaxed);
-        Ok(())
+        Ok(pushed)
     }
 
     /// Push one command, waiting while the FIFO is full until the call's deadline.

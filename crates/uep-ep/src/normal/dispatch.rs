@@ -810,8 +810,13 @@ impl Ctx {
             shape: areas.shape,
             region_len: self.symm.local().len(),
         };
+        let started = std::time::Instant::now();
         self.device
-            .launch(t_n, |range| kernel.run(range.start / per, range))
+            .launch(t_n, |range| kernel.run(range.start / per, range))?;
+        if let Some(net) = &self.net {
+            net.time_kernel(started.elapsed());
+        }
+        Ok(())
     }
 
     /// Phase 4, publish: a release store of the epoch into each same-node rank; the
