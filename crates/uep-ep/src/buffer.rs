@@ -23,6 +23,7 @@ use crate::config::BufferConfig;
 use crate::ctx::{Ctx, ABORT_LINGER};
 use crate::device::{Device, HostDevice};
 use crate::error::{EpError, Result};
+use crate::exchange;
 use crate::invalid;
 use crate::layout::DispatchLayout;
 use crate::ll::{LlCombineInput, LlCombinePending, LlDispatchOutput, LlHandle, LlPending, LlState};
@@ -493,60 +494,45 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<(Ctx, usize)> {
         cp.abort(&e.to_string());
         return Err(e);
     }
-    // Hosts (which ranks share memory) and a job id for the segment names, in one
-    // exchange.
-    let token = rand::random::<u64>();
-    let hello = format!("{token:016x} {}", uep_bootstrap::host_id());
-    let hellos = cp.all_gather(hello.as_bytes())?;
-    let hellos: Vec<String> = hellos
-        .iter()
-        .map(|h| String::from_utf8_lossy(h).into_owned())
-        .collect();
-    let job = hellos[0].split(' ').next().unwrap_or("0").to_string();
-    let hosts: Vec<String> = hellos
-        .iter()
-        .map(|h| h.split_once(' ').map_or("", |(_, host)| host).to_string())
-        .collect();
+    // Hosts (which ranks share memory) and a job id for the segment names (rank 0's
+    // token), in one exchange.
+    let hello = (rand::random::<u64>(), uep_bootstrap::host_id());
+    let hellos = exchange::all_gather(cp.as_ref(), "hello", &hello)?;
+    let job = format!("{:016x}", hellos[0].0);
+    let hosts: Vec<String> = hellos.into_iter().map(|(_, host)| host).collect();
     let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
     let map = RegionMap::new(&cfg, num_ranks, topo.num_nodes > 1);
     // Every rank must agree on the shapes: compare them first, so a mismatch is a
     // clear error rather than a size mismatch of segments.
     let fingerprint = cfg.fingerprint(map.total);
-    let all = cp.all_gather(fingerprint.as_bytes())?;
-    if let Some((peer, other)) = all
-        .iter()
-        .enumerate()
-        .find(|(_, f)| f.as_slice() != fingerprint.as_bytes())
-    {
+    let all = exchange::all_gather(cp.as_ref(), "config", &fingerprint)?;
+    if let Some((peer, other)) = all.iter().enumerate().find(|(_, f)| **f != fingerprint) {
         return Err(invalid!(
-            "rank {rank} and rank {peer} were given different Buffer configs: {fingerprint} vs {}",
-            String::from_utf8_lossy(other)
+            "rank {rank} and rank {peer} were given different Buffer configs: {fingerprint} vs {other}"
         ));
     }
     let name = uep_shm::segment_name(&job, rank, std::process::id());
     let own = uep_shm::Segment::create(&name, map.total);
     // Everyone takes part in every exchange, failed or not, so nobody waits.
-    let names = cp.all_gather(own.as_ref().map(|_| name.as_bytes()).unwrap_or(b""))?;
+    let mine = own.as_ref().ok().map(|_| name.clone());
+    let names = exchange::all_gather(cp.as_ref(), "segment", &mine)?;
     let own = own?;
     own.region()
         .word(map.control.pid, 0)?
         .store(std::process::id() as u64, Ordering::Release);
-    let names: Vec<String> = names
-        .iter()
-        .map(|n| String::from_utf8_lossy(n).into_owned())
-        .collect();
-    if let Some(peer) = names.iter().position(String::is_empty) {
+    if let Some(peer) = names.iter().position(Option::is_none) {
         return Err(EpError::Resource(format!(
             "rank {peer} could not create its shared memory segment of {} bytes",
             map.total
         )));
     }
+    let names: Vec<String> = names.into_iter().flatten().collect();
     let local: Vec<usize> = topo.node_ranks(topo.node).collect();
     let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
     // Everyone has mapped everything (or failed) past this exchange; then the names go.
-    let verdicts = cp.all_gather(&[symm.is_ok() as u8])?;
+    let verdicts = exchange::all_gather(cp.as_ref(), "mapped", &symm.is_ok())?;
     let mut symm = symm?;
-    if let Some(peer) = verdicts.iter().position(|v| v.first() != Some(&1)) {
+    if let Some(peer) = verdicts.iter().position(|&mapped| !mapped) {
         return Err(EpError::Resource(format!(
             "rank {peer} could not map the shared memory of its node"
         )));

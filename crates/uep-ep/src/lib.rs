@@ -31,6 +31,7 @@
 mod area;
 mod config;
 mod error;
+pub mod exchange;
 mod layout;
 mod packet;
 mod topology;

@@ -123,7 +123,6 @@ impl Liveness {
         let nonce = rand::random::<u64>();
         let adverts = exchange(
             cp,
-            me,
             &Advert {
                 host: host.to_owned(),
                 port,
@@ -219,24 +218,16 @@ fn io_err(me: usize, what: String) -> impl Fn(std::io::Error) -> EpError {
 }
 
 /// Every rank's [`Advert`], over the control plane. Collective.
-fn exchange(cp: &dyn ControlPlane, me: usize, mine: &Advert) -> Result<Vec<Advert>> {
-    let text = format!("{} {} {}", mine.host, mine.port, mine.nonce);
-    cp.all_gather(text.as_bytes())?
-        .iter()
+fn exchange(cp: &dyn ControlPlane, mine: &Advert) -> Result<Vec<Advert>> {
+    let record = (mine.host.clone(), (u64::from(mine.port), mine.nonce));
+    crate::exchange::all_gather(cp, "liveness advert", &record)?
+        .into_iter()
         .enumerate()
-        .map(|(r, a)| {
-            let a = String::from_utf8_lossy(a);
-            let mut it = a.split(' ');
-            let parsed = (|| {
-                Some(Advert {
-                    host: it.next()?.to_owned(),
-                    port: it.next()?.parse().ok()?,
-                    nonce: it.next()?.parse().ok()?,
-                })
-            })();
-            parsed.ok_or_else(|| {
-                EpError::internal(format!("rank {me}: liveness: rank {r} advertised {a:?}"))
-            })
+        .map(|(r, (host, (port, nonce)))| {
+            let port = u16::try_from(port).map_err(|_| {
+                crate::protocol!("rank {r} advertised liveness port {port}, past 65535")
+            })?;
+            Ok(Advert { host, port, nonce })
         })
         .collect()
 }

@@ -95,11 +95,7 @@ impl Topology {
         cp: &dyn uep_bootstrap::ControlPlane,
         emulate: Option<usize>,
     ) -> Result<Topology> {
-        let hosts: Vec<String> = cp
-            .all_gather(uep_bootstrap::host_id().as_bytes())?
-            .iter()
-            .map(|h| String::from_utf8_lossy(h).into_owned())
-            .collect();
+        let hosts = crate::exchange::all_gather(cp, "host", &uep_bootstrap::host_id())?;
         Topology::from_hosts(cp.rank(), &hosts, emulate)
     }
 

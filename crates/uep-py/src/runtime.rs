@@ -34,6 +34,7 @@ use uep_ep::{
 use crate::control::PyControlPlane;
 use crate::dlpack::{export_block, export_lease, export_vec, peek_shape, DType, In, Pool};
 use crate::errors;
+use uep_ep::exchange::{self, Record};
 
 /// Fewest tokens a normal-mode Buffer is sized for (growth doubles from here).
 const MIN_TOKENS: usize = 64;
@@ -52,34 +53,35 @@ enum Want {
     Ll(Shape),
 }
 
-impl Want {
-    fn encode(self) -> String {
-        let (mode, s) = match self {
-            Want::Normal(s) => ("normal", s),
-            Want::Ll(s) => ("ll", s),
-        };
-        format!(
-            "ok {mode} {} {} {} {}",
-            s.num_experts, s.hidden, s.topk, s.max_tokens
-        )
-    }
+/// What a rank brings to a rebuild: the call it wants served, or why it rejected its
+/// input (so that every rank fails together, naming it).
+#[derive(Clone, Debug)]
+enum Rebuild {
+    Want(Want),
+    Rejected(String),
+}
 
-    fn decode(text: &str) -> Option<Want> {
-        let f: Vec<&str> = text.split(' ').collect();
-        let num = |i: usize| f.get(i)?.parse::<usize>().ok();
-        let s = Shape {
-            num_experts: num(2)?,
-            hidden: num(3)?,
-            topk: num(4)?,
-            max_tokens: num(5)?,
-        };
-        match (f.first(), f.get(1)) {
-            (Some(&"ok"), Some(&"normal")) => Some(Want::Normal(s)),
-            (Some(&"ok"), Some(&"ll")) => Some(Want::Ll(s)),
-            _ => None,
+impl Record for Rebuild {
+    fn put(&self, out: &mut Vec<u8>) {
+        // 0: normal, 1: low-latency, 2: rejected.
+        match self {
+            Rebuild::Want(Want::Normal(s)) => (0u64, *s).put(out),
+            Rebuild::Want(Want::Ll(s)) => (1u64, *s).put(out),
+            Rebuild::Rejected(msg) => (2u64, msg.clone()).put(out),
         }
     }
 
+    fn take(bytes: &mut &[u8]) -> Option<Rebuild> {
+        match u64::take(bytes)? {
+            0 => Some(Rebuild::Want(Want::Normal(Shape::take(bytes)?))),
+            1 => Some(Rebuild::Want(Want::Ll(Shape::take(bytes)?))),
+            2 => Some(Rebuild::Rejected(String::take(bytes)?)),
+            _ => None,
+        }
+    }
+}
+
+impl Want {
     /// Whether the Buffer's config serves this call (normal-mode token counts are
     /// checked by the dispatch itself, on every rank at once).
     fn served_by(self, cfg: &BufferConfig) -> bool {
@@ -190,22 +192,14 @@ impl Runtime {
     fn rebuild(&self, _py: Python<'_>, st: &mut State, want: Result<Want, String>) -> PyResult<()> {
         let me = self.topo.rank;
         let record = match &want {
-            Ok(w) => w.encode(),
-            Err(msg) => format!("err {msg}"),
+            Ok(w) => Rebuild::Want(*w),
+            Err(msg) => Rebuild::Rejected(msg.clone()),
         };
-        let all = self
-            .cp
-            .all_gather(record.as_bytes())
-            .map_err(|e| ep_err(e.into()))?;
-        let all: Vec<String> = all
-            .iter()
-            .map(|r| String::from_utf8_lossy(r).into_owned())
-            .collect();
-        if let Some((r, msg)) = all
-            .iter()
-            .enumerate()
-            .find_map(|(r, t)| t.strip_prefix("err ").map(|m| (r, m)))
-        {
+        let all = exchange::all_gather(self.cp.as_ref(), "rebuild", &record).map_err(ep_err)?;
+        if let Some((r, msg)) = all.iter().enumerate().find_map(|(r, t)| match t {
+            Rebuild::Rejected(m) => Some((r, m)),
+            Rebuild::Want(_) => None,
+        }) {
             return Err(if r == me {
                 errors::invalid(msg)
             } else {
@@ -215,14 +209,12 @@ impl Runtime {
                 )
             });
         }
-        let wants: Vec<Want> = all
-            .iter()
-            .map(|t| {
-                Want::decode(t).ok_or_else(|| {
-                    errors::raise(ErrorKind::Protocol, format!("bad rebuild record {t:?}"))
-                })
+        let wants: Vec<Want> = (all.into_iter())
+            .filter_map(|t| match t {
+                Rebuild::Want(w) => Some(w),
+                Rebuild::Rejected(_) => None,
             })
-            .collect::<PyResult<_>>()?;
+            .collect();
         let mut merged = wants[0];
         for (r, w) in wants.iter().enumerate() {
             let agree = match (merged, *w) {

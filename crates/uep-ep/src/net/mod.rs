@@ -274,11 +274,7 @@ impl NetPath {
                 .map(|h| h.trim().to_owned())
                 .unwrap_or_default()
         });
-        let hosts: Vec<String> = cp
-            .all_gather(host.as_bytes())?
-            .into_iter()
-            .map(|h| String::from_utf8_lossy(&h).into_owned())
-            .collect();
+        let hosts = crate::exchange::all_gather(cp, "host", &host)?;
         let liveness = Liveness::start(cp, &topo, &host, &hosts, cfg.liveness, cfg.proxy.timeout)?;
         let faults = Arc::new(AtomicU64::new(0));
         let transports = open_transports(cp, me, region, cfg, &faults)?;
