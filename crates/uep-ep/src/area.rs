@@ -243,6 +243,26 @@ impl Mem for Region {
     }
 }
 
+/// Rows of a host slice: row `i` of `cols` values, the one place host code scales a row
+/// index (as [`Area::row`] is for the registered region). Out of range panics, as
+/// slicing does.
+pub(crate) trait SliceRows<T> {
+    /// Row `i` of rows of `cols` values.
+    fn row(&self, i: usize, cols: usize) -> &[T];
+    /// Row `i` of rows of `cols` values, mutably.
+    fn row_mut(&mut self, i: usize, cols: usize) -> &mut [T];
+}
+
+impl<T> SliceRows<T> for [T] {
+    fn row(&self, i: usize, cols: usize) -> &[T] {
+        &self[i * cols..(i + 1) * cols]
+    }
+
+    fn row_mut(&mut self, i: usize, cols: usize) -> &mut [T] {
+        &mut self[i * cols..(i + 1) * cols]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

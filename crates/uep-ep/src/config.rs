@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::error::Result;
+use crate::exchange::Record;
 use crate::invalid;
 use std::sync::Arc;
 use uep_proxy::ProxyConfig;
@@ -28,6 +29,24 @@ pub struct Shape {
     pub topk: usize,
     /// Most tokens one rank dispatches in a call.
     pub max_tokens: usize,
+}
+
+// A Shape travels over the control plane (the Python package's rebuild requests).
+impl Record for Shape {
+    fn put(&self, out: &mut Vec<u8>) {
+        for v in [self.num_experts, self.hidden, self.topk, self.max_tokens] {
+            (v as u64).put(out);
+        }
+    }
+    fn take(bytes: &mut &[u8]) -> Option<Self> {
+        let mut next = || usize::try_from(u64::take(bytes)?).ok();
+        Some(Shape {
+            num_experts: next()?,
+            hidden: next()?,
+            topk: next()?,
+            max_tokens: next()?,
+        })
+    }
 }
 
 impl Shape {

@@ -98,23 +98,6 @@ impl<T: Record> Record for Option<T> {
     }
 }
 
-impl Record for crate::config::Shape {
-    fn put(&self, out: &mut Vec<u8>) {
-        for v in [self.num_experts, self.hidden, self.topk, self.max_tokens] {
-            (v as u64).put(out);
-        }
-    }
-    fn take(bytes: &mut &[u8]) -> Option<Self> {
-        let mut next = || usize::try_from(u64::take(bytes)?).ok();
-        Some(crate::config::Shape {
-            num_experts: next()?,
-            hidden: next()?,
-            topk: next()?,
-            max_tokens: next()?,
-        })
-    }
-}
-
 impl<A: Record, B: Record> Record for (A, B) {
     fn put(&self, out: &mut Vec<u8>) {
         self.0.put(out);

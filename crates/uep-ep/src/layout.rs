@@ -3,6 +3,7 @@
 //! Expert `e` lives on rank `e / (num_experts / num_ranks)`; rank `r` is on node
 //! `r / ranks_per_node`. A slot holding `-1` names no expert.
 
+use crate::area::SliceRows;
 use crate::error::Result;
 use crate::invalid;
 
@@ -32,31 +33,28 @@ impl DispatchLayout {
     }
 }
 
-/// Compute the dispatch layout of `topk_idx` (`[T, topk]`, row-major; `-1` = no expert).
-///
-/// Errors when `topk == 0`, `topk_idx.len()` is not a multiple of `topk`, an id is outside
-/// `[-1, num_experts)`, `num_experts` is zero or not a multiple of `num_ranks`, `num_ranks` is
-/// zero or not a multiple of `ranks_per_node`, or `ranks_per_node == 0`.
-pub fn get_dispatch_layout(
-    topk_idx: &[i64],
+/// The arguments of [`get_dispatch_layout`] that do not depend on the ids: `entries`
+/// (token, slot) pairs of `topk` slots, experts and ranks that divide as they must.
+fn check_layout_args(
+    entries: usize,
     topk: usize,
     num_experts: usize,
     num_ranks: usize,
     ranks_per_node: usize,
-) -> Result<DispatchLayout> {
+) -> Result<()> {
     if topk == 0 {
         return Err(invalid!("get_dispatch_layout: topk must be >= 1"));
     }
-    if topk_idx.len() % topk != 0 {
+    if entries % topk != 0 {
         return Err(invalid!(
             "get_dispatch_layout: topk_idx has {} entries, not a multiple of topk = {topk}",
-            topk_idx.len()
+            entries
         ));
     }
-    if i32::try_from(topk_idx.len()).is_err() {
+    if i32::try_from(entries).is_err() {
         return Err(invalid!(
             "get_dispatch_layout: {} (token, slot) entries do not fit the i32 counts (max {})",
-            topk_idx.len(),
+            entries,
             i32::MAX
         ));
     }
@@ -73,6 +71,22 @@ pub fn get_dispatch_layout(
             "get_dispatch_layout: num_experts = {num_experts} must be a positive multiple of num_ranks = {num_ranks}"
         ));
     }
+    Ok(())
+}
+
+/// Compute the dispatch layout of `topk_idx` (`[T, topk]`, row-major; `-1` = no expert).
+///
+/// Errors when `topk == 0`, `topk_idx.len()` is not a multiple of `topk`, an id is outside
+/// `[-1, num_experts)`, `num_experts` is zero or not a multiple of `num_ranks`, `num_ranks` is
+/// zero or not a multiple of `ranks_per_node`, or `ranks_per_node == 0`.
+pub fn get_dispatch_layout(
+    topk_idx: &[i64],
+    topk: usize,
+    num_experts: usize,
+    num_ranks: usize,
+    ranks_per_node: usize,
+) -> Result<DispatchLayout> {
+    check_layout_args(topk_idx.len(), topk, num_experts, num_ranks, ranks_per_node)?;
     let num_tokens = topk_idx.len() / topk;
     let experts_per_rank = num_experts / num_ranks;
     let num_nodes = num_ranks / ranks_per_node;
@@ -86,7 +100,7 @@ pub fn get_dispatch_layout(
 
     for (t, row) in topk_idx.chunks_exact(topk).enumerate() {
         in_node.fill(false);
-        let in_rank = &mut is_token_in_rank[t * num_ranks..(t + 1) * num_ranks];
+        let in_rank = is_token_in_rank.row_mut(t, num_ranks);
         for (k, &id) in row.iter().enumerate() {
             if id == -1 {
                 continue;

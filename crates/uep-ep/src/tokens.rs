@@ -3,6 +3,7 @@
 
 use half::bf16;
 
+use crate::area::SliceRows;
 use crate::error::Result;
 use crate::invalid;
 
@@ -75,8 +76,8 @@ impl Tokens<'_> {
     /// The bytes of row `t`.
     pub(crate) fn row(&self, t: usize, hidden: usize) -> &[u8] {
         match self {
-            Tokens::Bf16(x) => bytemuck::cast_slice(&x[t * hidden..(t + 1) * hidden]),
-            Tokens::Fp8 { data, .. } => &data[t * hidden..(t + 1) * hidden],
+            Tokens::Bf16(x) => bytemuck::cast_slice(x.row(t, hidden)),
+            Tokens::Fp8 { data, .. } => data.row(t, hidden),
         }
     }
 
@@ -86,7 +87,7 @@ impl Tokens<'_> {
             Tokens::Bf16(_) => &[],
             Tokens::Fp8 { scales, .. } => {
                 let g = hidden / 128;
-                &scales[t * g..(t + 1) * g]
+                scales.row(t, g)
             }
         }
     }

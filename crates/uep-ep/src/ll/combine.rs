@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use half::bf16;
 
 use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle, LlState};
-use crate::area::{Area, Mem};
+use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
 use crate::invalid;
@@ -360,7 +360,7 @@ impl Ctx {
                             }
                             Some(remote) => remote.first[le] + j - begin as usize,
                         };
-                        region.put(rows.row(at, h)?.cast::<bf16>(), &y[row * h..(row + 1) * h])?;
+                        region.put(rows.row(at, h)?.cast::<bf16>(), y.row(row, h))?;
                     }
                     // The expert's block leaves while the next expert packs.
                     if let (Some(remote), true) = (remote, n > 0) {
@@ -518,7 +518,7 @@ impl Ctx {
                 // A group of the source's experts is usable once its own count signal
                 // is in; the groups are cut from counts both sides know.
                 let net = self.net()?;
-                let groups = ll_combine_groups(&per_expert[src * epr..(src + 1) * epr], 2 * h);
+                let groups = ll_combine_groups(per_expert.row(src, epr), 2 * h);
                 let arrived = groups
                     .iter()
                     .enumerate()
@@ -567,15 +567,15 @@ impl Ctx {
         let published = self.symm.published(&arrivals.seen);
         let rows: &[u16] = published.view(areas.combine_x.rows(0..t_n * k, h)?)?;
         let y_bits: &[u16] = bytemuck::cast_slice(y);
-        let mut from: Vec<&[u16]> = (0..t_n * k).map(|i| &rows[i * h..(i + 1) * h]).collect();
+        let mut from: Vec<&[u16]> = (0..t_n * k).map(|i| rows.row(i, h)).collect();
         for &(i, row) in &p.own {
-            from[i] = &y_bits[row * h..(row + 1) * h];
+            from[i] = y_bits.row(row, h);
         }
         for (src, at) in landed.iter().enumerate() {
             let (Some(at), false) = (at, masked[src]) else {
                 continue;
             };
-            let n = per_expert[src * epr..(src + 1) * epr].iter().sum();
+            let n = per_expert.row(src, epr).iter().sum();
             let packet = LlCombinePacket::layout(n, h).at_base(at.offset());
             // Every block of ours in the packet was signalled (waited above); the source
             // writes this landing area again only with its next combine packet of this
@@ -584,7 +584,7 @@ impl Ctx {
             let mut j = 0;
             for e in (src * epr) as i64..((src + 1) * epr) as i64 {
                 for (i, _) in p.topk_idx.iter().enumerate().filter(|(_, &v)| v == e) {
-                    from[i] = &landed[j * h..(j + 1) * h];
+                    from[i] = landed.row(j, h);
                     j += 1;
                 }
             }

@@ -9,7 +9,7 @@ use half::bf16;
 use uep_shm::Region;
 
 use super::{check_window, fingerprint, LlDispatchOutput, LlHandle, LlPending, LlState};
-use crate::area::{Area, Mem};
+use crate::area::{Area, Mem, SliceRows};
 use crate::config::Shape;
 use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
@@ -109,7 +109,7 @@ impl Placement {
 
     /// The counts of rank `r`'s `epr` experts.
     fn counts_of(&self, r: usize, epr: usize) -> &[u32] {
-        &self.per_expert[r * epr..(r + 1) * epr]
+        self.per_expert.row(r, epr)
     }
 }
 
@@ -132,10 +132,10 @@ impl<'a> Rows<'a> {
             let (mut q, mut scales) = (vec![0u8; t_n * hidden], vec![0f32; t_n * groups]);
             for t in 0..t_n {
                 quantize_token(
-                    &x[t * hidden..(t + 1) * hidden],
+                    x.row(t, hidden),
                     round_scale,
-                    &mut q[t * hidden..(t + 1) * hidden],
-                    &mut scales[t * groups..(t + 1) * groups],
+                    q.row_mut(t, hidden),
+                    scales.row_mut(t, groups),
                 );
             }
             (q, scales)
@@ -152,15 +152,15 @@ impl<'a> Rows<'a> {
     fn row(&self, t: usize) -> &[u8] {
         let h = self.hidden;
         match &self.fp8 {
-            Some((q, _)) => &q[t * h..(t + 1) * h],
-            None => bytemuck::cast_slice(&self.x[t * h..(t + 1) * h]),
+            Some((q, _)) => q.row(t, h),
+            None => bytemuck::cast_slice(self.x.row(t, h)),
         }
     }
 
     /// Token `t`'s scales (FP8 only).
     fn scales(&self, t: usize) -> Option<&[f32]> {
         let g = self.hidden / 128;
-        self.fp8.as_ref().map(|(_, s)| &s[t * g..(t + 1) * g])
+        self.fp8.as_ref().map(|(_, s)| s.row(t, g))
     }
 }
 
@@ -326,10 +326,7 @@ impl Ctx {
                 let mut row_of = vec![u32::MAX; topk_idx.len() / k.max(1)];
                 let mut n = 0u32;
                 for (t, row) in row_of.iter_mut().enumerate() {
-                    if topk_idx[t * k..(t + 1) * k]
-                        .iter()
-                        .any(|&e| on_rank(e, r, epr))
-                    {
+                    if topk_idx.row(t, k).iter().any(|&e| on_rank(e, r, epr)) {
                         *row = n;
                         n += 1;
                     }
@@ -375,7 +372,7 @@ impl Ctx {
             // `[rank]`: packet rows packed but not pushed yet (a thread's are adjacent).
             let mut runs: Vec<Option<Range<usize>>> = vec![None; r_n];
             for t in range {
-                let chosen = &topk_idx[t * k..(t + 1) * k];
+                let chosen = topk_idx.row(t, k);
                 for (slot, &e) in chosen.iter().enumerate() {
                     if e < 0 {
                         continue;
@@ -818,7 +815,7 @@ fn copies_by_expert(
             return Err(format!("token {t} after {last} (ascending, below {m})"));
         }
         last = t.into();
-        for (slot, &le) in slots[i * k..(i + 1) * k].iter().enumerate() {
+        for (slot, &le) in slots.row(i, k).iter().enumerate() {
             if le < -1 || le >= epr as i32 {
                 return Err(format!("local expert {le} is outside [-1, {epr})"));
             }

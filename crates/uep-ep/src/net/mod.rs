@@ -278,28 +278,7 @@ impl NetPath {
         let liveness = Liveness::start(cp, &topo, &host, &hosts, cfg.liveness, cfg.proxy.timeout)?;
         let faults = Arc::new(AtomicU64::new(0));
         let transports = open_transports(cp, me, region, cfg, &faults)?;
-        let fence_keys = LL_BUFFERS * areas.fence_experts;
-        if fence_keys > uep_wire::MAX_LOCAL_EXPERTS {
-            return Err(crate::invalid!(
-                "low-latency mode across nodes supports at most {} experts per rank (the proxy's fence names {} keys, one per (LL buffer, local expert)); this Buffer has {}",
-                uep_wire::MAX_LOCAL_EXPERTS / LL_BUFFERS,
-                uep_wire::MAX_LOCAL_EXPERTS,
-                areas.fence_experts
-            ));
-        }
-        let counters = CounterLayout {
-            num_ranks,
-            tail_base: areas.tails.offset() as u64,
-            num_channels: 1,
-            // The fence's "buffer" bit is the kind of LL call, its "expert" the (LL
-            // buffer, local expert) pair (see `NetPath::fence_key`).
-            ll_base: areas.fences.offset() as u64,
-            num_local_experts: fence_keys,
-            barrier_base: areas.barriers.offset() as u64,
-            // Atomics are not used by this layer.
-            atomic_base: areas.barriers.offset() as u64,
-            num_atomic_slots: 0,
-        };
+        let counters = counter_layout(&areas, num_ranks)?;
         let mut proxy_cfg = cfg.proxy.clone();
         // The leader barrier needs to know who leads each node.
         proxy_cfg.ranks_per_node = Some(topo.ranks_per_node);
@@ -891,6 +870,33 @@ impl Remote for NetPath {
              node, the link to it, or its processes stopped answering"
         ))
     }
+}
+
+/// Where the receive-side counters the proxy raises live in the region: the ordered
+/// streams' tails, the LL fence counters (its "buffer" bit is the kind of LL call, its
+/// "expert" the (LL buffer, local expert) pair: see `NetPath::fence_key`) and the
+/// barrier counters. Refuses more fence keys than the wire can name.
+fn counter_layout(areas: &NetAreas, num_ranks: usize) -> Result<CounterLayout> {
+    let fence_keys = LL_BUFFERS * areas.fence_experts;
+    if fence_keys > uep_wire::MAX_LOCAL_EXPERTS {
+        return Err(crate::invalid!(
+        "low-latency mode across nodes supports at most {} experts per rank (the proxy's fence names {} keys, one per (LL buffer, local expert)); this Buffer has {}",
+        uep_wire::MAX_LOCAL_EXPERTS / LL_BUFFERS,
+        uep_wire::MAX_LOCAL_EXPERTS,
+        areas.fence_experts
+        ));
+    }
+    Ok(CounterLayout {
+        num_ranks,
+        tail_base: areas.tails.offset() as u64,
+        num_channels: 1,
+        ll_base: areas.fences.offset() as u64,
+        num_local_experts: fence_keys,
+        barrier_base: areas.barriers.offset() as u64,
+        // Atomics are not used by this layer.
+        atomic_base: areas.barriers.offset() as u64,
+        num_atomic_slots: 0,
+    })
 }
 
 /// This rank's transports, one per proxy thread (`cfg`'s connector, each behind a fault

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use half::bf16;
 
 use super::{CombineArgs, NormalHandle, NormalState};
-use crate::area::{Mem, STREAM_ABOVE};
+use crate::area::{Mem, SliceRows, STREAM_ABOVE};
 use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
 use crate::invalid;
@@ -153,14 +153,14 @@ impl Ctx {
                     continue;
                 }
                 let (region, xs, ws) = &sinks[s];
-                let (row, src) = (xs.row(t, h)?.cast::<bf16>(), &x[i * h..(i + 1) * h]);
+                let (row, src) = (xs.row(t, h)?.cast::<bf16>(), x.row(i, h));
                 if streaming {
                     region.put_streaming(row, src)?;
                 } else {
                     region.put(row, src)?;
                 }
                 if let Some(w) = args.topk_weights {
-                    region.put(ws.row(t, k)?, &w[i * k..(i + 1) * k])?;
+                    region.put(ws.row(t, k)?, w.row(i, k))?;
                 }
             }
             Ok(())
@@ -231,8 +231,7 @@ impl Ctx {
             let mut j = 0;
             packet_row[relay] = (0..handle.num_tokens)
                 .map(|t| {
-                    j += in_rank[t * r_n..(t + 1) * r_n][topo.node_ranks(m)].contains(&true)
-                        as usize;
+                    j += in_rank.row(t, r_n)[topo.node_ranks(m)].contains(&true) as usize;
                     j.wrapping_sub(1)
                 })
                 .collect();
@@ -270,9 +269,7 @@ impl Ctx {
         let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
         let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
         let in_rank = &handle.is_token_in_rank;
-        let node_hit = |t: usize, m: usize| {
-            in_rank[t * r_n..(t + 1) * r_n][topo.node_ranks(m)].contains(&true)
-        };
+        let node_hit = |t: usize, m: usize| in_rank.row(t, r_n)[topo.node_ranks(m)].contains(&true);
         let parts_of = |t: usize, r: usize| {
             if topo.is_local(r) {
                 in_rank[t * r_n + r]
@@ -308,7 +305,7 @@ impl Ctx {
                     parts.push((row, 1.0));
                 }
                 for b in &bias {
-                    parts.push((&b[t * h..(t + 1) * h], 1.0));
+                    parts.push((b.row(t, h), 1.0));
                 }
                 reduce_rows(&parts, false, out_row);
             }

@@ -9,7 +9,7 @@ use uep_shm::Region;
 use super::{
     column_sum, localize, DispatchArgs, DispatchOutput, NormalHandle, NormalState, Relayed,
 };
-use crate::area::{Area, Mem, STREAM_ABOVE};
+use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::config::Shape;
 use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
@@ -184,6 +184,46 @@ fn unpushed(starts: impl Iterator<Item = usize>, total: usize, q: usize) -> Vec<
     gaps
 }
 
+/// DeepEP's `rank_prefix_matrix` of the `[R, R]` count matrix: entry `[s][r]` is the
+/// tokens ranks `0..=s` send to rank `r`.
+fn rank_prefix_matrix(matrix: &[u32], r_n: usize) -> Vec<i32> {
+    let mut prefix = vec![0i32; r_n * r_n];
+    for s in 0..r_n {
+        for r in 0..r_n {
+            let above = if s > 0 { prefix[(s - 1) * r_n + r] } else { 0 };
+            prefix[s * r_n + r] = matrix[s * r_n + r] as i32 + above;
+        }
+    }
+    prefix
+}
+
+/// For tokens split into `chunks` blocks of `per` (as the device's launch splits them),
+/// with `hit` and `direct` (`[T][dest]`) saying where each goes: `[block + 1][dest]` the
+/// running (rows, direct rows) totals at each block's start (its kernel thread's first
+/// rows) and after the last, and `[dest]` the totals.
+#[allow(clippy::type_complexity)]
+fn block_starts(
+    hit: &[bool],
+    direct: &[bool],
+    nd: usize,
+    (chunks, per): (usize, usize),
+) -> (Vec<(usize, usize)>, Vec<(usize, usize)>) {
+    let t_n = hit.len() / nd.max(1);
+    let mut block_start = Vec::with_capacity((chunks + 1) * nd);
+    let mut totals = vec![(0usize, 0usize); nd];
+    for c in 0..chunks {
+        block_start.extend_from_slice(&totals);
+        for t in (c * per).min(t_n)..((c + 1) * per).min(t_n) {
+            for (d, (n, n_direct)) in totals.iter_mut().enumerate() {
+                *n += hit[t * nd + d] as usize;
+                *n_direct += direct[t * nd + d] as usize;
+            }
+        }
+    }
+    block_start.extend_from_slice(&totals);
+    (block_start, totals)
+}
+
 /// Direct rows a kernel thread has packed for one node but not pushed yet: pushed in
 /// runs of whole quanta of at least a write's size, so the proxy posts them while the
 /// thread packs on.
@@ -233,7 +273,7 @@ impl PackKernel<'_, '_> {
         let plan = self.plan;
         let nd = plan.dests.len();
         let q = plan.row_quantum();
-        let mut pos = plan.block_start[b * nd..(b + 1) * nd].to_vec();
+        let mut pos = plan.block_start.row(b, nd).to_vec();
         let mut runs: Vec<Option<DirectRun>> = (0..nd)
             .map(|d| {
                 let port = plan.staged[d].as_ref()?.port();
@@ -319,10 +359,10 @@ impl PackKernel<'_, '_> {
             sink.region.put(scales_at, x.row_scales(t, h))?;
         }
         let idx: &[i64] = match self.args.topk_idx {
-            Some(all) if plan.with_topk => &all[t * k..(t + 1) * k],
+            Some(all) if plan.with_topk => all.row(t, k),
             _ => &[],
         };
-        let w = self.args.topk_weights.map(|w| &w[t * k..(t + 1) * k]);
+        let w = self.args.topk_weights.map(|w| w.row(t, k));
         match dest {
             Dest::Rank(r) if plan.with_topk => {
                 let epr = self.shape.experts_per_rank(self.topo.num_ranks);
@@ -416,6 +456,37 @@ impl Ctx {
     }
 
     /// Validate a dispatch before anything is sent.
+    /// The routing of a cached dispatch: its handle's, once it is this Buffer's and
+    /// for as many tokens.
+    fn cached_routing<'a>(
+        &self,
+        args: &DispatchArgs<'a>,
+        handle: &'a NormalHandle,
+        t_n: usize,
+    ) -> Result<Routing<'a>> {
+        if handle.buffer_id != self.id {
+            return Err(invalid!(
+                "the handle was made by another Buffer (or another rank)"
+            ));
+        }
+        if args.topk_idx.is_some() || args.layout.is_some() {
+            return Err(invalid!(
+                "a cached dispatch reuses the handle's routing: pass no topk_idx and no layout"
+            ));
+        }
+        if handle.num_tokens != t_n {
+            return Err(invalid!(
+                "the handle routes {} tokens but x has {t_n}",
+                handle.num_tokens
+            ));
+        }
+        Ok(Routing {
+            in_rank: handle.is_token_in_rank.as_slice().into(),
+            per_rank: handle.num_tokens_per_rank.as_slice().into(),
+            per_expert: handle.num_tokens_per_expert.as_slice().into(),
+        })
+    }
+
     fn check_dispatch<'a>(&self, args: &DispatchArgs<'a>, shape: Shape) -> Result<Routing<'a>> {
         let (r_n, k, h) = (self.topo.num_ranks, shape.topk, shape.hidden);
         let t_n = args.x.num_tokens(h)?;
@@ -441,27 +512,7 @@ impl Ctx {
             }
         }
         if let Some(handle) = args.handle {
-            if handle.buffer_id != self.id {
-                return Err(invalid!(
-                    "the handle was made by another Buffer (or another rank)"
-                ));
-            }
-            if args.topk_idx.is_some() || args.layout.is_some() {
-                return Err(invalid!(
-                    "a cached dispatch reuses the handle's routing: pass no topk_idx and no layout"
-                ));
-            }
-            if handle.num_tokens != t_n {
-                return Err(invalid!(
-                    "the handle routes {} tokens but x has {t_n}",
-                    handle.num_tokens
-                ));
-            }
-            return Ok(Routing {
-                in_rank: handle.is_token_in_rank.as_slice().into(),
-                per_rank: handle.num_tokens_per_rank.as_slice().into(),
-                per_expert: handle.num_tokens_per_expert.as_slice().into(),
-            });
+            return self.cached_routing(args, handle, t_n);
         }
         if let Some(idx) = args.topk_idx {
             if idx.len() != t_n * k {
@@ -577,7 +628,7 @@ impl Ctx {
             local.get(head_at, &mut head)?;
             local.get(counts_at, &mut row)?;
             counts.tokens[src] = head[0].tokens;
-            counts.matrix[src * r_n..(src + 1) * r_n].copy_from_slice(&row[..r_n]);
+            counts.matrix.row_mut(src, r_n).copy_from_slice(&row[..r_n]);
             for (le, n) in counts.recv_per_expert.iter_mut().enumerate() {
                 *n += row[r_n + me * epr + le] as usize;
             }
@@ -655,7 +706,7 @@ impl Ctx {
         let nd = dests.len();
         let hit: Vec<bool> = (0..t_n)
             .flat_map(|t| {
-                let row = &in_rank[t * r_n..(t + 1) * r_n];
+                let row = in_rank.row(t, r_n);
                 dests.iter().map(move |d| match *d {
                     Dest::Rank(r) => row[r],
                     Dest::Node(m) => row[topo.node_ranks(m)].contains(&true),
@@ -678,21 +729,7 @@ impl Ctx {
                 })
             })
             .collect();
-        // The tokens split among the kernel threads as `launch` splits them; the running
-        // totals at each block's start are its thread's first rows.
-        let mut block_start = Vec::new();
-        let mut totals = vec![(0usize, 0usize); nd];
-        let (chunks, per) = self.device.chunks(t_n);
-        for c in 0..chunks {
-            block_start.extend_from_slice(&totals);
-            for t in (c * per).min(t_n)..((c + 1) * per).min(t_n) {
-                for (d, (n, n_direct)) in totals.iter_mut().enumerate() {
-                    *n += hit[t * nd + d] as usize;
-                    *n_direct += direct[t * nd + d] as usize;
-                }
-            }
-        }
-        block_start.extend_from_slice(&totals);
+        let (block_start, totals) = block_starts(&hit, &direct, nd, self.device.chunks(t_n));
         let (sinks, staged) =
             self.open_row_sinks(seq, areas, &dests, &totals, &out_base, fmt, wait)?;
         let node_rows: usize = (dests.iter().zip(&totals))
@@ -909,26 +946,16 @@ impl Ctx {
             num_recv
         };
         if rows > num_recv && plan.with_topk {
+            // Padding rows (num_worst_tokens) route nowhere.
             let pad = (rows - num_recv) * k;
-            local.put(
-                bank.recv_topk_idx.rows(num_recv..rows, k)?,
-                &vec![-1i64; pad],
-            )?;
+            let (ids, weights) = (bank.recv_topk_idx, bank.recv_topk_weights);
+            local.put(ids.rows(num_recv..rows, k)?, &vec![-1i64; pad])?;
             if plan.with_weights {
-                local.put(
-                    bank.recv_topk_weights.rows(num_recv..rows, k)?,
-                    &vec![0f32; pad],
-                )?;
+                local.put(weights.rows(num_recv..rows, k)?, &vec![0f32; pad])?;
             }
         }
         let align = args.expert_alignment.max(1);
-        let mut prefix = vec![0i32; r_n * r_n];
-        for s in 0..r_n {
-            for r in 0..r_n {
-                let above = if s > 0 { prefix[(s - 1) * r_n + r] } else { 0 };
-                prefix[s * r_n + r] = counts.matrix[s * r_n + r] as i32 + above;
-            }
-        }
+        let prefix = rank_prefix_matrix(&counts.matrix, r_n);
         Ok((
             NormalHandle {
                 buffer_id: self.id,

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use half::bf16;
 
 use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed};
-use crate::area::{Area, Mem};
+use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
 use crate::map::NormalAreas;
@@ -194,15 +194,8 @@ impl Ctx {
                     }
                 }
                 if topk {
-                    let w = weights.then(|| &w[j * k..(j + 1) * k]);
-                    localize(
-                        &idx[j * k..(j + 1) * k],
-                        w,
-                        r,
-                        epr,
-                        &mut idx_row,
-                        &mut w_row,
-                    );
+                    let w = weights.then(|| w.row(j, k));
+                    localize(idx.row(j, k), w, r, epr, &mut idx_row, &mut w_row);
                     region.put(bank.recv_topk_idx.row(at, k)?, &idx_row)?;
                     if weights {
                         region.put(bank.recv_topk_weights.row(at, k)?, &w_row)?;
@@ -247,21 +240,15 @@ impl Ctx {
     /// its rows for the sources this rank relays, reduce each token's rows (in f32, rank
     /// order, rounded once to bf16, as [`reduce_rows`]) and send the node's partial sums
     /// to the source in one packet.
-    pub(super) fn relay_combine(
+    /// The rows (and weights) the node's ranks left for this rank to relay in combine
+    /// `seq`, once every one of them published them.
+    fn relay_rows(
         &self,
         seq: u32,
         areas: &NormalAreas,
-        handle: &NormalHandle,
-        x: &[bf16],
-        args: &CombineArgs<'_>,
         wait: &Wait<'_>,
-    ) -> Result<()> {
-        let topo = self.topo;
-        if topo.num_nodes == 1 {
-            return Ok(());
-        }
-        let me = topo.rank;
-        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
+    ) -> Result<(&[u16], &[f32])> {
+        let (topo, me) = (self.topo, self.topo.rank);
         let local = self.symm.local();
         let mut seen = None;
         for r in topo.node_ranks(topo.node) {
@@ -279,10 +266,29 @@ impl Ctx {
             EpError::internal(format!("rank {me}: combine {seq} waited for no rank"))
         })?;
         let published = self.symm.published(&seen);
-        let (rows, wrows) = (
+        Ok((
             published.view(areas.relay_x)?,
             published.view(areas.relay_weights)?,
-        );
+        ))
+    }
+
+    pub(super) fn relay_combine(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        handle: &NormalHandle,
+        x: &[bf16],
+        args: &CombineArgs<'_>,
+        wait: &Wait<'_>,
+    ) -> Result<()> {
+        let topo = self.topo;
+        if topo.num_nodes == 1 {
+            return Ok(());
+        }
+        let me = topo.rank;
+        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
+        let local = self.symm.local();
+        let (rows, wrows) = self.relay_rows(seq, areas, wait)?;
         let x_bits: &[u16] = bytemuck::cast_slice(x);
         let mut w_out = vec![0f32; k];
         let mut parts = Vec::with_capacity(topo.ranks_per_node);
@@ -307,21 +313,21 @@ impl Ctx {
                 parts.clear();
                 parts.extend(ls.clone().map(|l| {
                     let row = if l == topo.local {
-                        &x_bits[mine[t] * h..(mine[t] + 1) * h]
+                        x_bits.row(mine[t], h)
                     } else {
-                        &rows[slot(l, t) * h..(slot(l, t) + 1) * h]
+                        rows.row(slot(l, t), h)
                     };
                     (row, 1.0)
                 }));
-                let out = &mut packet_x[j * h..(j + 1) * h];
+                let out = packet_x.row_mut(j, h);
                 reduce_rows(&parts, false, bytemuck::cast_slice_mut(out));
                 if let Some(own_w) = args.topk_weights {
                     w_out.fill(0.0);
                     for l in ls {
                         let w = if l == topo.local {
-                            &own_w[mine[t] * k..(mine[t] + 1) * k]
+                            own_w.row(mine[t], k)
                         } else {
-                            &wrows[slot(l, t) * k..(slot(l, t) + 1) * k]
+                            wrows.row(slot(l, t), k)
                         };
                         for (a, &b) in w_out.iter_mut().zip(w) {
                             *a += b;
