@@ -1,6 +1,7 @@
 //! Low-latency combine: send (pack each expert output to its source → publish), then
 //! receive (wait → weighted reduce).
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 
 use half::bf16;
@@ -44,6 +45,42 @@ struct CombineArrivals {
     landed: Vec<Option<Area<u8>>>,
     in_place: Vec<bool>,
     seen: crate::wait::Seen,
+}
+
+/// Add `block` (an expert's group and packet rows; `None` at a lane's end) to `run`, the
+/// rows packed for `remote` and not pushed yet, and push the run when the block belongs
+/// to another group, the run reached a write's size, or the lane ended: the proxy posts
+/// them while the lane packs on, as few and as large writes as the fence groups allow.
+fn push_run(
+    remote: &Remote,
+    rows: Area<u16>,
+    h: usize,
+    run: &mut Option<(usize, Range<usize>)>,
+    block: Option<(usize, Range<usize>)>,
+) -> Result<()> {
+    let port = remote.staged.port();
+    let flush = |(g, span): (usize, Range<usize>)| -> Result<()> {
+        let write = remote.staged.write_of(rows.rows(span, h)?.cast())?;
+        port.put_in(g, write)
+    };
+    match (run.take(), block) {
+        (Some((g, span)), Some((bg, next))) if g == bg && span.end == next.start => {
+            *run = Some((g, span.start..next.end));
+        }
+        (prev, next) => {
+            if let Some(prev) = prev {
+                flush(prev)?;
+            }
+            *run = next;
+        }
+    }
+    if let Some((g, span)) = run.as_ref() {
+        if span.len() * h * 2 >= port.write_bytes() {
+            flush((*g, span.clone()))?;
+            *run = None;
+        }
+    }
+    Ok(())
 }
 
 /// A combine's packet to a source on another node: where each local expert's rows
@@ -345,6 +382,9 @@ impl Ctx {
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
         let started = std::time::Instant::now();
         self.device.launch(epr, |experts| {
+            // `[src]`: rows packed for a packet but not pushed yet (a group, and the
+            // packet rows it covers), so adjacent experts of a group leave as one write.
+            let mut runs: Vec<Option<(usize, Range<usize>)>> = vec![None; r_n];
             for le in experts {
                 for (src, sink) in sinks.iter().enumerate() {
                     // Our own rows are read straight from `y` by the reduction.
@@ -362,13 +402,19 @@ impl Ctx {
                         };
                         region.put(rows.row(at, h)?.cast::<bf16>(), y.row(row, h))?;
                     }
-                    // The expert's block leaves while the next expert packs.
                     if let (Some(remote), true) = (remote, n > 0) {
-                        let block =
-                            rows.rows(remote.first[le]..remote.first[le] + n as usize, h)?;
-                        let write = remote.staged.write_of(block.cast())?;
-                        remote.staged.port().put_in(remote.group_of[le], write)?;
+                        let block = (
+                            remote.group_of[le],
+                            remote.first[le]..remote.first[le] + n as usize,
+                        );
+                        push_run(remote, *rows, h, &mut runs[src], Some(block))?;
                     }
+                }
+            }
+            // The lane's last runs.
+            for (src, sink) in sinks.iter().enumerate() {
+                if let Some((_, rows, Some(remote))) = sink {
+                    push_run(remote, *rows, h, &mut runs[src], None)?;
                 }
             }
             Ok(())
