@@ -120,6 +120,7 @@ impl<T> Area<T> {
     }
 
     /// The byte range the area covers.
+    #[cfg(test)]
     pub fn byte_range(self) -> Range<usize> {
         self.offset..self.end()
     }

@@ -107,7 +107,7 @@ impl Buffer {
 
     /// [`Buffer::new`] on a shared control plane.
     pub fn with_control_plane(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<Buffer> {
-        let (cx, num_ranks) = open(cp, cfg)?;
+        let cx = open(cp, cfg)?;
         let map = &cx.map;
         let normal = NormalState {
             banks: map
@@ -116,7 +116,6 @@ impl Buffer {
             ..NormalState::default()
         };
         let ll = LlState::new(map.ll.map(|ll| ll.map(|a| Bank::new(a.bank))));
-        debug_assert_eq!(num_ranks, cx.topo.num_ranks);
         Ok(Buffer {
             cx,
             normal,
@@ -488,7 +487,7 @@ impl Buffer {
 
 /// Meet the other ranks, make and map the registered memory, connect the other nodes:
 /// the context of a new Buffer. Collective.
-fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<(Ctx, usize)> {
+fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<Ctx> {
     let (rank, num_ranks) = (cp.rank(), cp.world_size());
     if let Err(e) = cfg.validate(num_ranks) {
         cp.abort(&e.to_string());
@@ -565,5 +564,5 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<(Ctx, usize)> {
         net,
         elastic,
     };
-    Ok((cx, num_ranks))
+    Ok(cx)
 }

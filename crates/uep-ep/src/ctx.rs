@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use uep_bootstrap::ControlPlane;
 use uep_shm::Region;
 
-use crate::area::Mem;
+use crate::area::{Area, Mem};
 use crate::config::BufferConfig;
 use crate::device::HostDevice;
 use crate::error::{EpError, Result};
@@ -21,7 +21,7 @@ use crate::mask::Elastic;
 use crate::net::NetPath;
 use crate::symm::Symmetric;
 use crate::topology::Topology;
-use crate::wait::{abort_reason, Peer, Wait};
+use crate::wait::{abort_reason, Peer, Seen, Wait};
 
 /// How long a failing rank spends telling the other nodes (its own deadline if shorter).
 /// It raises only after, and survivors promise to raise within two seconds of a death;
@@ -86,6 +86,27 @@ impl Ctx {
                 "rank {} has no network path (one node)",
                 self.topo.rank
             ))
+        })
+    }
+
+    /// Wait until every rank of this node (this one among them) stored call `seq`'s
+    /// epoch into its slot of `words` here, and return what the waits acquired. `what(r)`
+    /// names the wait on rank `r`.
+    pub(crate) fn node_published(
+        &self,
+        words: Area<u64>,
+        seq: u32,
+        wait: &Wait<'_>,
+        what: &dyn Fn(usize) -> String,
+    ) -> Result<Seen> {
+        let (topo, local) = (self.topo, self.symm.local());
+        let mut seen = None;
+        for r in topo.node_ranks(topo.node) {
+            let word = local.word(words, r)?;
+            seen = Some(wait.at_least(word, seq as u64, Some(self.peer(r)), &|| what(r))?);
+        }
+        seen.ok_or_else(|| {
+            EpError::internal(format!("rank {}: call {seq} waited for no rank", topo.rank))
         })
     }
 

@@ -147,17 +147,22 @@ impl Staged {
     /// `Staged` of the same area exists while it lives, the proxy reads it only after
     /// [`NetPath::send`] consumed it, and `&mut self` keeps one slice at a time.
     pub fn view_mut<T: bytemuck::Pod>(&mut self, part: Area<T>) -> Result<&mut [T]> {
-        let (area, part_bytes) = (self.area.byte_range(), part.offset()..part.end());
-        if part_bytes.start < area.start || part_bytes.end > area.end {
-            return Err(EpError::internal(format!(
-                "{part:?} is not inside the staging area {:?}",
-                self.area
-            )));
-        }
+        self.offset_of(part)?;
         // SAFETY: exclusive, as above; bounds and alignment are checked by `slice_mut`.
         #[allow(unsafe_code)]
         let rows = unsafe { self.region.slice_mut::<T>(part.offset(), part.len())? };
         Ok(rows)
+    }
+
+    /// Where `part` starts in the staging area, in bytes, if it lies inside it.
+    fn offset_of<T>(&self, part: Area<T>) -> Result<usize> {
+        match part.offset().checked_sub(self.area.offset()) {
+            Some(at) if at + part.bytes() <= self.area.len() => Ok(at),
+            _ => Err(EpError::internal(format!(
+                "{part:?} is not inside the staging area {:?}",
+                self.area
+            ))),
+        }
     }
 
     /// Make the port's writes large enough that kernels pushing `bytes` from `lanes`
@@ -177,14 +182,7 @@ impl Staged {
     /// The write of `src` (anywhere in this rank's region, e.g. rows a zero-copy send
     /// leaves where they are) to where `part` of [`Staged::area`] lands at the peer.
     pub fn write_from(&self, src: Area<u8>, part: Area<u8>) -> Result<Write> {
-        let at = part.offset().checked_sub(self.area.offset());
-        let fits = at.is_some_and(|at| at + part.len() <= self.area.len());
-        let (Some(at), true) = (at, fits) else {
-            return Err(EpError::internal(format!(
-                "{part:?} is not inside the staging area {:?}",
-                self.area
-            )));
-        };
+        let at = self.offset_of(part)?;
         Write::new(
             src,
             self.landing.slice(at..at + part.len())?,

@@ -7,7 +7,7 @@ use half::bf16;
 use super::{CombineArgs, NormalHandle, NormalState};
 use crate::area::{Mem, SliceRows, STREAM_ABOVE};
 use crate::ctx::Ctx;
-use crate::error::{EpError, Result};
+use crate::error::Result;
 use crate::invalid;
 use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket};
@@ -197,25 +197,15 @@ impl Ctx {
     ) -> Result<Gathered<'_>> {
         let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
         let (h, k) = (areas.shape.hidden, areas.shape.topk);
-        let local = self.symm.local();
-        let mut seen = None;
-        for src in topo.node_ranks(topo.node) {
-            let what = || {
-                format!(
-                    "rank {me}: combine {seq}: waiting for rank {src}'s rows (combine_done[{src}])"
-                )
-            };
-            let word = local.word(self.map.control.combine_done, src)?;
-            seen = Some(wait.at_least(word, seq as u64, Some(self.peer(src)), &what)?);
-        }
+        let what = |src: usize| {
+            format!("rank {me}: combine {seq}: waiting for rank {src}'s rows (combine_done[{src}])")
+        };
+        let seen = self.node_published(self.map.control.combine_done, seq, wait, &what)?;
         // The node's ranks (this one among them) published their rows (combine_done =
         // this call's epoch) and write them again only in their next combine, which
         // follows this rank's next dispatch; a relay's packet below is announced (the
         // tail reached it) and its landing area written again only with the relay's next
         // combine packet, after this rank's next combine.
-        let seen = seen.ok_or_else(|| {
-            EpError::internal(format!("rank {me}: combine {seq} waited for no rank"))
-        })?;
         let published = self.symm.published(&seen);
         let in_rank = &handle.is_token_in_rank;
         let mut packet_row: Vec<Vec<usize>> = vec![Vec::new(); r_n];

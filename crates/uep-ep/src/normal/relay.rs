@@ -14,7 +14,7 @@ use half::bf16;
 use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
-use crate::error::{EpError, Result};
+use crate::error::Result;
 use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
 use crate::protocol;
@@ -248,23 +248,17 @@ impl Ctx {
         areas: &NormalAreas,
         wait: &Wait<'_>,
     ) -> Result<(&[u16], &[f32])> {
-        let (topo, me) = (self.topo, self.topo.rank);
-        let local = self.symm.local();
-        let mut seen = None;
-        for r in topo.node_ranks(topo.node) {
-            let what = || {
-                format!("rank {me}: combine {seq}: waiting for rank {r}'s rows to relay (relay_done[{r}])")
-            };
-            let word = local.word(self.map.control.relay_done, r)?;
-            seen = Some(wait.at_least(word, seq as u64, Some(self.peer(r)), &what)?);
-        }
+        let me = self.topo.rank;
+        let what = |r: usize| {
+            format!(
+                "rank {me}: combine {seq}: waiting for rank {r}'s rows to relay (relay_done[{r}])"
+            )
+        };
+        let seen = self.node_published(self.map.control.relay_done, seq, wait, &what)?;
         // Every rank of the node (this one among them) published (relay_done = this
         // call's epoch) that its relay rows are written; they write them again only in
         // their next combine, which needs this rank's next combine packet, sent only
         // after this call.
-        let seen = seen.ok_or_else(|| {
-            EpError::internal(format!("rank {me}: combine {seq} waited for no rank"))
-        })?;
         let published = self.symm.published(&seen);
         Ok((
             published.view(areas.relay_x)?,
