@@ -2,6 +2,7 @@
 pub mod args;
 pub mod bench;
 pub mod dump;
+pub mod gpu;
 pub mod info;
 pub mod peers;
 pub mod report;

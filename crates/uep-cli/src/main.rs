@@ -17,6 +17,8 @@ enum Command {
     /// Run layout, normal and low-latency dispatch/combine on local ranks, verify
     /// every result against the reference, and print GB/s and latency.
     Bench(Box<uep_cli::bench::BenchArgs>),
+    /// The CUDA device: `info`, the FIFO bench from GPU kernels, the FP8 cast check.
+    Gpu(uep_cli::gpu::GpuArgs),
     /// List the libfabric providers this machine offers and which fit uep.
     Info,
     /// Remove shared-memory segments left by uep processes that no longer exist.
@@ -31,6 +33,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(args) => uep_cli::bench::run(&args),
+        Command::Gpu(args) => uep_cli::gpu::run(&args),
         Command::Info => uep_cli::info::report().map(|r| {
             print!("{r}");
             true

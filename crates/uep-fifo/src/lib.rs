@@ -78,6 +78,10 @@ pub const MAX_CAPACITY: usize = 1 << 30;
 pub const REGION_ALIGN: usize = ring::LINE;
 /// Bytes before the first slot.
 pub const HEADER_BYTES: usize = ring::HEADER_BYTES;
+/// Byte offset of `head` in a region (device producers read and store it).
+pub const HEAD_OFFSET: usize = ring::HEAD_OFFSET;
+/// Byte offset of `tail` in a region (device producers poll it).
+pub const TAIL_OFFSET: usize = ring::TAIL_OFFSET;
 /// The magic word at offset 0 of an initialised region ("uepFIFO1" little-endian).
 pub const MAGIC: u64 = ring::MAGIC;
 
@@ -604,6 +608,63 @@ impl<P: Deref<Target = Fifo>> Drop for Producer<P> {
             .prod
             .producer_claimed
             .store(0, Release);
+    }
+}
+
+/// The exclusive producer role lent to device code (a GPU kernel) that pushes by the
+/// protocol table above itself: the lease keeps host pushes out (they fail with
+/// [`PushError::ExclusiveProducer`]) while the device owns `head`, which it reads from
+/// the header when it starts and stores back when it stops.
+///
+/// ```
+/// use uep_fifo::{DeviceLease, Fifo};
+/// let fifo = Fifo::new_heap(64).unwrap();
+/// let lease = DeviceLease::claim(&fifo).unwrap();
+/// assert_eq!(lease.region_addr() % uep_fifo::REGION_ALIGN, 0);
+/// assert!(fifo.try_push(uep_fifo::TransferCmd { word0: 3, word1: 0 }).is_err());
+/// drop(lease);
+/// assert!(fifo.try_push(uep_fifo::TransferCmd { word0: 3, word1: 0 }).is_ok());
+/// ```
+#[derive(Debug)]
+pub struct DeviceLease<P: Deref<Target = Fifo>> {
+    fifo: P,
+}
+
+impl<P: Deref<Target = Fifo>> DeviceLease<P> {
+    /// Takes the exclusive producer role for device code; fails with
+    /// [`FifoError::ProducerTaken`] while another producer holds it.
+    pub fn claim(fifo: P) -> Result<DeviceLease<P>, FifoError> {
+        // Acquire: the device continues from the previous producer's head.
+        let prod = &fifo.ring.header().prod;
+        if prod
+            .producer_claimed
+            .compare_exchange(0, 1, Acquire, Relaxed)
+            .is_err()
+        {
+            return Err(FifoError::ProducerTaken {
+                fifo: fifo.label.clone(),
+            });
+        }
+        Ok(DeviceLease { fifo })
+    }
+
+    /// The address of the region's first byte in this process, for the device to map
+    /// (a GPU translates it into its own address of the same pinned pages).
+    pub fn region_addr(&self) -> usize {
+        self.fifo.ring.header() as *const _ as usize
+    }
+
+    /// The FIFO lent.
+    pub fn fifo(&self) -> &Fifo {
+        &self.fifo
+    }
+}
+
+impl<P: Deref<Target = Fifo>> Drop for DeviceLease<P> {
+    fn drop(&mut self) {
+        // Release: host pushes continue from the head the device stored back.
+        let prod = &self.fifo.ring.header().prod;
+        prod.producer_claimed.store(0, Release);
     }
 }
 

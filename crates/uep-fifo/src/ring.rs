@@ -18,6 +18,10 @@ use crate::{check_capacity, Fifo};
 pub(crate) const LINE: usize = 128;
 /// Bytes before the first slot: the meta, producer and consumer lines.
 pub(crate) const HEADER_BYTES: usize = 3 * LINE;
+/// Byte offset of the producers' `head`.
+pub(crate) const HEAD_OFFSET: usize = LINE;
+/// Byte offset of the consumer's `tail`.
+pub(crate) const TAIL_OFFSET: usize = 2 * LINE;
 /// Bytes of one slot (one `TransferCmd`).
 pub(crate) const SLOT_BYTES: usize = 16;
 /// "uepFIFO1", little-endian: the layout's magic and version.
@@ -74,6 +78,8 @@ const _: () = {
     assert!(size_of::<Header>() == HEADER_BYTES);
     assert!(offset_of!(Header, prod) == LINE);
     assert!(offset_of!(Header, cons) == 2 * LINE);
+    assert!(offset_of!(Header, prod) + offset_of!(ProducerLine, head) == HEAD_OFFSET);
+    assert!(offset_of!(Header, cons) + offset_of!(ConsumerLine, tail) == TAIL_OFFSET);
     assert!(size_of::<SlotCell>() == SLOT_BYTES);
     assert!(align_of::<Header>() == LINE);
     // The casts below rely on AtomicU64 being a plain u64 in memory.

@@ -1,0 +1,40 @@
+// uep's 16-byte TransferCmd (crates/uep-wire/src/cmd.rs has the bit table), for the
+// commands a kernel pushes. Host and device: a test compares it with the Rust encoder.
+#pragma once
+#include <stdint.h>
+
+#ifndef __CUDACC__
+#define __host__
+#define __device__
+#define __forceinline__ inline
+#endif
+
+namespace uep {
+
+// Byte offsets in a FIFO region (uep-fifo's HEAD_OFFSET, TAIL_OFFSET, HEADER_BYTES; a
+// test compares them).
+constexpr uint64_t kFifoHeadOff = 128;
+constexpr uint64_t kFifoTailOff = 256;
+constexpr uint64_t kFifoSlotsOff = 384;
+
+constexpr uint64_t kKindWrite = 1;
+constexpr uint64_t kPiggybackNone = 0xFFFF;
+
+struct Cmd {
+    uint64_t word0, word1;
+};
+
+// A Write of `len` bytes from `src_off` to `dst_off` on `dst_rank` (offsets 16-byte
+// aligned, len < 2^24), no piggyback; `flags` holds the combine (bit 6) and LL buffer
+// (bit 7) bits.
+__host__ __device__ __forceinline__ Cmd write_cmd(uint32_t dst_rank, uint64_t src_off,
+                                                  uint64_t dst_off, uint32_t len,
+                                                  uint64_t flags) {
+    Cmd c;
+    c.word0 = kKindWrite | flags | (uint64_t(dst_rank & 0xff) << 8) | (kPiggybackNone << 16) |
+              (uint64_t(len) << 32);
+    c.word1 = (dst_off >> 4) | ((src_off >> 4) << 32);
+    return c;
+}
+
+}  // namespace uep

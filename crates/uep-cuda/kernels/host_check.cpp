@@ -1,0 +1,29 @@
+// The kernels' headers built for the host: tests/host_check.rs compares these with
+// uep-ep's quant.rs, uep-wire's encoder and uep-fifo's layout, without a GPU.
+#include "cmd.cuh"
+#include "fp8.cuh"
+
+extern "C" {
+
+uint8_t uep_cuda_host_e4m3(float x) { return uep::e4m3_from_f32(x); }
+
+float uep_cuda_host_fp8_scale(float amax, int round_scale) {
+    return uep::fp8_scale(amax, round_scale != 0);
+}
+
+float uep_cuda_host_bf16_to_f32(uint16_t b) { return uep::bf16_to_f32(b); }
+
+void uep_cuda_host_write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_off,
+                             uint32_t len, uint64_t flags, uint64_t out[2]) {
+    const uep::Cmd c = uep::write_cmd(dst_rank, src_off, dst_off, len, flags);
+    out[0] = c.word0;
+    out[1] = c.word1;
+}
+
+void uep_cuda_host_fifo_layout(uint64_t out[3]) {
+    out[0] = uep::kFifoHeadOff;
+    out[1] = uep::kFifoTailOff;
+    out[2] = uep::kFifoSlotsOff;
+}
+
+}  // extern "C"

@@ -1,0 +1,93 @@
+//! One CUDA device through the driver API: its context, a stream, and the kernels
+//! `build.rs` compiled into this crate.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
+use cudarc::nvrtc::Ptx;
+
+use crate::{CudaError, DeviceInfo};
+
+/// The fat binaries `build.rs` made (sm_90 and sm_80 machine code).
+pub(crate) mod kernels {
+    pub(crate) const FIFO_BENCH: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/fifo_bench.fatbin"));
+    pub(crate) const QUANT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/quant.fatbin"));
+}
+
+/// Maps a driver error to [`CudaError::Driver`] naming what was being done.
+pub(crate) fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+    move |e| CudaError::Driver {
+        what,
+        detail: e.to_string(),
+    }
+}
+
+/// A CUDA device opened for uep's kernels.
+#[derive(Debug)]
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`: fails with [`CudaError::NoDriver`] where no driver
+    /// library loads, [`CudaError::NoDevice`] where it sees no such device.
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        // SAFETY: only tries to dlopen the driver library under its known names.
+        #[allow(unsafe_code)]
+        let present = unsafe { cudarc::driver::sys::is_culib_present() };
+        if !present {
+            return Err(CudaError::NoDriver);
+        }
+        let count = CudaContext::device_count().map_err(driver("counting devices"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver("creating a context"))?;
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        Ok(Gpu { ctx, stream })
+    }
+
+    /// Name, compute capability, multiprocessors and memory.
+    pub fn info(&self) -> Result<DeviceInfo, CudaError> {
+        let sms = self
+            .ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver("reading the multiprocessor count"))?;
+        Ok(DeviceInfo {
+            name: self.ctx.name().map_err(driver("reading the device name"))?,
+            capability: self
+                .ctx
+                .compute_capability()
+                .map_err(driver("reading the compute capability"))?,
+            sms: sms.max(1) as u32,
+            memory: self
+                .ctx
+                .total_mem()
+                .map_err(driver("reading the memory size"))?,
+        })
+    }
+
+    /// The device's context.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream uep's kernels run on.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Kernel `name` of an embedded fat binary.
+    pub(crate) fn function(&self, fatbin: &[u8], name: &str) -> Result<CudaFunction, CudaError> {
+        let module = self
+            .ctx
+            .load_module(Ptx::from_binary(fatbin.to_vec()))
+            .map_err(driver("loading uep's kernels (built for sm_90 and sm_80)"))?;
+        module
+            .load_function(name)
+            .map_err(driver("finding a kernel in uep's module"))
+    }
+}

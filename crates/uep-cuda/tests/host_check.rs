@@ -1,0 +1,111 @@
+//! The kernels' headers, built for the host, against the Rust definitions they must
+//! equal: the FP8 numerics (`uep_ep::quant`), the command encoding (`uep_wire`) and the
+//! FIFO layout (`uep_fifo`). No GPU needed; the device build of the same headers is
+//! compared on a GPU by `uep gpu quant` and `uep gpu fifo`.
+
+use proptest::prelude::*;
+use uep_cuda::host_check as dev;
+use uep_ep::quant;
+use uep_wire::{CmdFlags, Command, TransferCmd};
+
+#[test]
+fn e4m3_equals_quant_on_every_bf16_times_scales() {
+    // Every bf16 input times inverse scales that cover normal, subnormal, saturating
+    // and power-of-two products.
+    let invs = [
+        1.0f32,
+        0.5,
+        3.0,
+        1.0 / 0.007,
+        448.0 / 3.1,
+        1e-3,
+        7.5e4,
+        2f32.powi(-9),
+    ];
+    for bits in 0..=u16::MAX {
+        let x = dev::bf16_to_f32(bits);
+        assert_eq!(x.to_bits(), quant::bf16_bits_to_f32(bits).to_bits());
+        for inv in invs {
+            let v = x * inv;
+            assert_eq!(dev::e4m3(v), quant::e4m3_from_f32(v), "x {x:e} * {inv:e}");
+        }
+    }
+}
+
+#[test]
+fn e4m3_equals_quant_on_f32_edges() {
+    let edges = [
+        0.0f32,
+        -0.0,
+        448.0,
+        -448.0,
+        464.0,
+        480.0,
+        f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        2f32.powi(-6),
+        2f32.powi(-9),
+        2f32.powi(-10),
+        1e-45,
+    ];
+    for x in edges {
+        assert_eq!(dev::e4m3(x), quant::e4m3_from_f32(x), "{x:e}");
+        assert_eq!(dev::e4m3(-x), quant::e4m3_from_f32(-x), "{:e}", -x);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(20_000))]
+
+    #[test]
+    fn e4m3_equals_quant_on_any_f32(bits in any::<u32>()) {
+        let x = f32::from_bits(bits);
+        prop_assert_eq!(dev::e4m3(x), quant::e4m3_from_f32(x));
+    }
+
+    #[test]
+    fn scale_equals_quant(bits in any::<u32>(), round in any::<bool>()) {
+        let amax = f32::from_bits(bits & 0x7fff_ffff);
+        prop_assert_eq!(
+            dev::fp8_scale(amax, round).to_bits(),
+            quant::fp8_scale(amax, round).to_bits()
+        );
+    }
+
+    #[test]
+    fn write_cmd_equals_the_wire_encoder(
+        rank in any::<u8>(),
+        src in 0u64..(1 << 32),
+        dst in 0u64..(1 << 32),
+        len in 0u32..(1 << 24),
+        combine in any::<bool>(),
+        ll_buffer in any::<bool>(),
+    ) {
+        let flags = CmdFlags { combine, ll_buffer: u8::from(ll_buffer) };
+        let want = TransferCmd::encode(&Command::Write {
+            flags,
+            dst_rank: rank,
+            src_off: src << 4,
+            dst_off: dst << 4,
+            len,
+            piggyback: None,
+        })
+        .unwrap();
+        let bits = u64::from(combine) << 6 | u64::from(ll_buffer) << 7;
+        let got = dev::write_cmd(rank.into(), src << 4, dst << 4, len, bits);
+        prop_assert_eq!(got, (want.word0, want.word1));
+    }
+}
+
+#[test]
+fn fifo_layout_is_uep_fifos() {
+    let want = [
+        uep_fifo::HEAD_OFFSET,
+        uep_fifo::TAIL_OFFSET,
+        uep_fifo::HEADER_BYTES,
+    ];
+    assert_eq!(dev::fifo_layout(), want.map(|v| v as u64));
+}
