@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The kernels, one fat binary each (file stem = the module name in `src/kernels.rs`).
-const KERNELS: &[&str] = &["fifo_bench", "quant"];
+const KERNELS: &[&str] = &["fifo_bench", "quant", "layout", "combine", "ll_send"];
 
 /// Targets: Hopper (the H100/H200 the device check runs on) and Ampere.
 const ARCHS: &[&str] = &["90", "80"];

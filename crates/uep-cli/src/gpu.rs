@@ -16,8 +16,10 @@ enum GpuCommand {
     /// Kernels push Write commands to CPU threads through FIFOs in pinned host memory:
     /// commands per second and push -> pop round trips.
     Fifo(FifoArgs),
-    /// The LL dispatch's FP8 cast on the GPU, checked bit for bit against the host's.
-    Quant(QuantArgs),
+    /// Each kernel phase on the GPU (layout, FP8 cast, combine reduction, LL send with
+    /// its commands), checked bit for bit against the host device on fresh inputs, and
+    /// timed.
+    Check(CheckArgs),
 }
 
 /// `uep gpu fifo` arguments.
@@ -29,7 +31,8 @@ struct FifoArgs {
     /// Slots a FIFO has.
     #[arg(long, default_value_t = uep_fifo::DEFAULT_CAPACITY)]
     capacity: usize,
-    /// CPU threads draining the FIFOs (0: the machine's cores less one, at most 8).
+    /// CPU threads draining the FIFOs (0: the machine's cores less one, at most 8; the
+    /// bench adds runs with every core but one).
     #[arg(long, default_value_t = 0)]
     consumers: usize,
     /// Push -> pop round trips to time.
@@ -37,15 +40,12 @@ struct FifoArgs {
     rounds: u32,
 }
 
-/// `uep gpu quant` arguments.
+/// `uep gpu check` arguments.
 #[derive(Args, Debug)]
-struct QuantArgs {
-    /// Token counts to cast (each with and without UE8M0 scales).
-    #[arg(long, value_delimiter = ',', default_value = "1,128,4096,32768")]
-    tokens: Vec<usize>,
-    /// Channels a token.
-    #[arg(long, default_value_t = 7168)]
-    hidden: usize,
+struct CheckArgs {
+    /// Small shapes only (for compute-sanitizer).
+    #[arg(long)]
+    quick: bool,
     /// Input seed (default: fresh from the clock; printed for replay).
     #[arg(long)]
     seed: Option<u64>,
@@ -77,9 +77,9 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<bool> {
         #[cfg(feature = "cuda")]
         GpuCommand::Fifo(a) => cuda::fifo(a),
         #[cfg(feature = "cuda")]
-        GpuCommand::Quant(a) => cuda::quant(a),
+        GpuCommand::Check(a) => cuda::check(a),
         #[cfg(not(feature = "cuda"))]
-        GpuCommand::Fifo(_) | GpuCommand::Quant(_) => Err(uep_cuda::CudaError::NotBuilt.into()),
+        GpuCommand::Fifo(_) | GpuCommand::Check(_) => Err(uep_cuda::CudaError::NotBuilt.into()),
     }
 }
 
@@ -88,9 +88,11 @@ mod cuda {
     use std::time::Duration;
 
     use uep_cuda::fifo_bench::{self, PushOpts};
-    use uep_cuda::{quant, Gpu};
+    use uep_cuda::layout::{self, RouteShape};
+    use uep_cuda::ll_send::{self, SendShape};
+    use uep_cuda::{combine, quant, Gpu};
 
-    use super::{FifoArgs, QuantArgs};
+    use super::{CheckArgs, FifoArgs};
 
     fn us(d: Duration) -> String {
         format!("{:.2} µs", d.as_secs_f64() * 1e6)
@@ -106,38 +108,46 @@ mod cuda {
             (cores - 1).clamp(1, 8)
         };
         println!(
-            "GPU FIFO bench: {} ({} SMs); {} CPU consumer threads; {} slots a FIFO; \
-             every command checked on arrival",
-            info.name, info.sms, consumers, a.capacity
+            "GPU FIFO bench: {} ({} SMs), {cores} CPU cores; {} slots a FIFO; every command \
+             checked on arrival",
+            info.name, info.sms, a.capacity
         );
         println!(
-            "{:<26} {:>6} {:>12} {:>12} {:>16}",
-            "producers", "batch", "commands", "M cmds/s", "kernel M cmds/s"
+            "{:<22} {:>6} {:>10} {:>12} {:>10} {:>16}",
+            "producers", "batch", "consumers", "commands", "M cmds/s", "kernel M cmds/s"
         );
-        for rings in [1, info.sms as usize] {
-            for batch in [1u32, 32] {
-                let opts = PushOpts {
-                    rings,
-                    per_ring: a.commands / if rings == 1 { 1 } else { 4 },
-                    batch,
-                    capacity: a.capacity,
-                    consumers: consumers.min(rings),
-                };
-                let r = fifo_bench::push(&gpu, opts)?;
-                let who = if rings == 1 {
-                    "1 warp (1 block)".to_string()
-                } else {
-                    format!("{rings} warps (1 a block)")
-                };
-                println!(
-                    "{:<26} {:>6} {:>12} {:>12.2} {:>16.2}",
-                    who,
-                    batch,
-                    r.commands(),
-                    r.rate() / 1e6,
-                    r.commands() as f64 / r.kernel.as_secs_f64() / 1e6
-                );
+        let sms = info.sms as usize;
+        let all = (cores - 1).max(1);
+        let runs = [
+            (1, 1, 1),
+            (1, 32, 1),
+            (sms, 1, consumers),
+            (sms, 32, consumers),
+            (sms, 1, all),
+            (sms, 32, all),
+        ];
+        for (i, &(rings, batch, consumers)) in runs.iter().enumerate() {
+            if i >= 4 && all == consumers {
+                continue;
             }
+            let opts = PushOpts {
+                rings,
+                per_ring: a.commands / if rings == 1 { 1 } else { 4 },
+                batch,
+                capacity: a.capacity,
+                consumers,
+            };
+            let r = fifo_bench::push(&gpu, opts)?;
+            let who = format!("{rings} warp(s), 1 a block");
+            println!(
+                "{:<22} {:>6} {:>10} {:>12} {:>10.2} {:>16.2}",
+                who,
+                batch,
+                consumers,
+                r.commands(),
+                r.rate() / 1e6,
+                r.commands() as f64 / r.kernel.as_secs_f64() / 1e6
+            );
         }
         let p = fifo_bench::ping(&gpu, a.rounds)?;
         println!(
@@ -150,36 +160,118 @@ mod cuda {
         Ok(true)
     }
 
-    pub(super) fn quant(a: &QuantArgs) -> anyhow::Result<bool> {
+    /// One row of the check's table.
+    fn row(phase: &str, shape: &str, variant: &str, time: Duration, gbps: f64, extra: &str) {
+        println!(
+            "{phase:<12} {shape:<30} {variant:<12} {:>9} {:>12} {gbps:>9.1}  {extra}",
+            "✓",
+            us(time)
+        );
+    }
+
+    pub(super) fn check(a: &CheckArgs) -> anyhow::Result<bool> {
         let gpu = Gpu::open(0)?;
+        let info = gpu.info()?;
         let seed = a.seed.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64)
         });
         println!(
-            "FP8 e4m3 cast on {} against uep_ep::quant, seed {seed}",
-            gpu.info()?.name
+            "uep kernels on {} ({} SMs) against the host device, bit for bit; seed {seed}",
+            info.name, info.sms
         );
         println!(
-            "{:>8} {:>7} {:>6} {:>10} {:>12} {:>10}",
-            "tokens", "hidden", "ue8m0", "bit-exact", "time", "GB/s"
+            "{:<12} {:<30} {:<12} {:>9} {:>12} {:>9}  commands",
+            "phase", "shape", "variant", "bit-exact", "time", "GB/s"
         );
-        for (i, &tokens) in a.tokens.iter().enumerate() {
-            for round_scale in [false, true] {
-                let s = seed.wrapping_add(2 * i as u64 + u64::from(round_scale));
-                let r = quant::check(&gpu, tokens, a.hidden, round_scale, s, a.iters)?;
-                println!(
-                    "{:>8} {:>7} {:>6} {:>10} {:>12} {:>10.1}",
-                    tokens,
-                    a.hidden,
-                    round_scale,
-                    "yes",
-                    us(r.time),
-                    r.bandwidth() / 1e9
+        let hidden = if a.quick { 512 } else { 7168 };
+        let big = if a.quick { 64 } else { 4096 };
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_add(1);
+            s
+        };
+        for (tokens, ranks) in [(128, 16), (big, 64)] {
+            let shape = RouteShape {
+                tokens,
+                topk: 8,
+                experts: 256,
+                ranks,
+                ranks_per_node: 8,
+            };
+            let m = layout::check(&gpu, shape, next(), a.iters)?;
+            let desc = format!("{tokens} tok, top-8 of 256, {ranks} ranks");
+            row("layout", &desc, "", m.time, m.bandwidth() / 1e9, "");
+        }
+        let casts: &[usize] = if a.quick {
+            &[1, 3, 64]
+        } else {
+            &[1, 128, 4096, 32768]
+        };
+        for &tokens in casts {
+            for ue8m0 in [false, true] {
+                let m = quant::check(&gpu, tokens, hidden, ue8m0, next(), a.iters)?;
+                let variant = if ue8m0 { "ue8m0" } else { "f32 scale" };
+                row(
+                    "fp8 cast",
+                    &format!("{tokens} × {hidden}"),
+                    variant,
+                    m.time,
+                    m.bandwidth() / 1e9,
+                    "",
                 );
             }
         }
+        for (tokens, weighted) in [(128, true), (big, true), (big, false)] {
+            let m = combine::check(&gpu, tokens, 8, hidden, weighted, next(), a.iters)?;
+            let variant = if weighted { "weighted" } else { "sum" };
+            let desc = format!("{tokens} tok × top-8 × {hidden}");
+            row("combine", &desc, variant, m.time, m.bandwidth() / 1e9, "");
+        }
+        ll_send_rows(&gpu, a, hidden, &mut next)?;
+        println!("every row: the GPU's output equals the host device's, bit for bit");
         Ok(true)
+    }
+
+    fn ll_send_rows(
+        gpu: &Gpu,
+        a: &CheckArgs,
+        hidden: usize,
+        next: &mut impl FnMut() -> u64,
+    ) -> anyhow::Result<()> {
+        let sms = gpu.info()?.sms as usize;
+        let tokens = if a.quick { 16 } else { 128 };
+        for (rings, ue8m0) in [(16, false), (16, true), (tokens.min(sms), false)] {
+            let shape = SendShape {
+                tokens,
+                hidden,
+                topk: 8,
+                experts: 256,
+                ranks: 16,
+                round_scale: ue8m0,
+                rings,
+                consumers: rings.min(8),
+            };
+            let r = ll_send::check(gpu, shape, next(), a.iters.min(10))?;
+            let staged = (tokens * shape.row_bytes()) as f64;
+            let extra = format!(
+                "{} cmds; launch -> last pop {}, {:.1} M cmds/s",
+                r.commands,
+                us(r.wall),
+                r.commands as f64 / r.wall.as_secs_f64() / 1e6
+            );
+            let variant = format!("{rings} warps{}", if ue8m0 { " ue8m0" } else { "" });
+            let desc = format!("{tokens} tok × {hidden}, top-8, 16 ranks");
+            row(
+                "ll send",
+                &desc,
+                &variant,
+                r.kernel,
+                staged / r.kernel.as_secs_f64() / 1e9,
+                &extra,
+            );
+        }
+        Ok(())
     }
 }

@@ -17,7 +17,7 @@ enum Command {
     /// Run layout, normal and low-latency dispatch/combine on local ranks, verify
     /// every result against the reference, and print GB/s and latency.
     Bench(Box<uep_cli::bench::BenchArgs>),
-    /// The CUDA device: `info`, the FIFO bench from GPU kernels, the FP8 cast check.
+    /// The CUDA device: `info`, the FIFO bench from GPU kernels, the kernels' check.
     Gpu(uep_cli::gpu::GpuArgs),
     /// List the libfabric providers this machine offers and which fit uep.
     Info,

@@ -90,6 +90,23 @@ struct Producer {
         return first;
     }
 
+    // Every lane of the warp calls this; each lane with `has` publishes its command,
+    // the lanes in lane order taking consecutive slots. Returns how many were pushed.
+    __device__ uint32_t push_lanes(bool has, uint64_t w0, uint64_t w1) {
+        const unsigned lane = threadIdx.x & 31;
+        const uint32_t mask = __ballot_sync(0xffffffffu, has);
+        const uint32_t n = __popc(mask);
+        if (n == 0) return 0;
+        reserve(n);
+        if (has) {
+            const uint64_t slot = head + __popc(mask & ((1u << lane) - 1));
+            st_relaxed_sys(word(slot, 1), w1);
+            st_release_sys(word(slot, 0), w0);
+        }
+        head += n;
+        return n;
+    }
+
     // Only for observers of head (a later producer, `Fifo::len`): the consumer gates
     // on word0.
     __device__ void close() const {

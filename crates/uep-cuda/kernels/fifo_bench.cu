@@ -35,9 +35,9 @@ extern "C" __global__ void uep_fifo_push(const Ring *rings, uint64_t count, uint
 
 // Push -> pop latency: one thread pushes a command, waits until the proxy has popped
 // it (tail passes the slot), and records the round trip in global-timer nanoseconds.
-extern "C" __global__ void uep_fifo_ping(Ring ring, uint32_t rounds, uint64_t *ns) {
+extern "C" __global__ void uep_fifo_ping(const Ring *rings, uint32_t rounds, uint64_t *ns) {
     if (threadIdx.x >= 32) return;
-    Producer p = Producer::open(ring);
+    Producer p = Producer::open(rings[0]);
     for (uint32_t k = 0; k < rounds; ++k) {
         uint64_t t0, t1;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));

@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use uep_fifo::{DeviceLease, Fifo, FifoAlloc, TransferCmd};
+use uep_fifo::{Fifo, TransferCmd};
 use uep_wire::{Command, TransferCmd as Wire};
 
 use crate::gpu::{driver, kernels};
-use crate::pinned::device_addr;
-use crate::{CudaError, CudaFifos, Gpu};
+use crate::rings::DeviceRings;
+use crate::{CudaError, Gpu};
 
 /// How long consumers wait for the commands before calling the run failed.
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -91,24 +91,9 @@ fn check(opts: &PushOpts) -> Result<(), CudaError> {
 /// drains them on CPU threads, checking each.
 pub fn push(gpu: &Gpu, opts: PushOpts) -> Result<PushResult, CudaError> {
     check(&opts)?;
-    let fifos = (0..opts.rings)
-        .map(|r| {
-            let fifo = CudaFifos::new(gpu).alloc_fifo(opts.capacity);
-            fifo.map(|f| f.with_label(format!("gpu ring {r}")))
-        })
-        .collect::<Result<Vec<Fifo>, _>>()
-        .map_err(|e| CudaError::Fifo(e.to_string()))?;
-    let leases = leases(&fifos)?;
-    let mut words = Vec::with_capacity(2 * opts.rings);
-    for lease in &leases {
-        words.push(device_addr(lease.region_addr())?);
-        words.push(opts.capacity as u64);
-    }
+    let rings = DeviceRings::new(gpu, opts.rings, opts.capacity, "gpu ring")?;
     let stream = gpu.stream();
     let f = gpu.function(kernels::FIFO_BENCH, "uep_fifo_push")?;
-    let rings = stream
-        .clone_htod(&words)
-        .map_err(driver("copying the ring table"))?;
     let mut ns = stream
         .alloc_zeros::<u64>(opts.rings)
         .map_err(driver("allocating timers"))?;
@@ -117,19 +102,14 @@ pub fn push(gpu: &Gpu, opts: PushOpts) -> Result<PushResult, CudaError> {
     let drained = std::thread::scope(|s| {
         let workers: Vec<_> = (0..opts.consumers)
             .map(|c| {
-                let mine: Vec<(usize, &Fifo)> = fifos
-                    .iter()
-                    .enumerate()
-                    .skip(c)
-                    .step_by(opts.consumers)
-                    .collect();
+                let mine = rings.share(c, opts.consumers);
                 let failed = &failed;
                 s.spawn(move || drain(&mine, opts.per_ring, failed))
             })
             .collect();
         let mut launch = stream.launch_builder(&f);
         launch
-            .arg(&rings)
+            .arg(rings.table())
             .arg(&opts.per_ring)
             .arg(&opts.batch)
             .arg(&mut ns);
@@ -157,17 +137,8 @@ pub fn push(gpu: &Gpu, opts: PushOpts) -> Result<PushResult, CudaError> {
         .synchronize()
         .map_err(driver("running uep_fifo_push"))?;
     let ns = stream.clone_dtoh(&ns).map_err(driver("copying timers"))?;
-    drop(leases);
     let kernel = Duration::from_nanos(ns.iter().copied().max().unwrap_or(0));
     Ok(PushResult { opts, wall, kernel })
-}
-
-fn leases(fifos: &[Fifo]) -> Result<Vec<DeviceLease<&Fifo>>, CudaError> {
-    fifos
-        .iter()
-        .map(DeviceLease::claim)
-        .collect::<Result<_, _>>()
-        .map_err(|e| CudaError::Fifo(e.to_string()))
 }
 
 /// Drains `rings` until each delivered `per_ring` commands, checking every one.
@@ -235,12 +206,7 @@ pub fn ping(gpu: &Gpu, rounds: u32) -> Result<PingResult, CudaError> {
     if rounds == 0 {
         return Err(CudaError::Invalid("ping needs at least one round".into()));
     }
-    let fifo = CudaFifos::new(gpu)
-        .alloc_fifo(64)
-        .map_err(|e| CudaError::Fifo(e.to_string()))?
-        .with_label("gpu ping ring");
-    let lease = DeviceLease::claim(&fifo).map_err(|e| CudaError::Fifo(e.to_string()))?;
-    let ring = [device_addr(lease.region_addr())?, 64u64];
+    let rings = DeviceRings::new(gpu, 1, 64, "gpu ping ring")?;
     let stream = gpu.stream();
     let f = gpu.function(kernels::FIFO_BENCH, "uep_fifo_ping")?;
     let mut ns = stream
@@ -248,9 +214,9 @@ pub fn ping(gpu: &Gpu, rounds: u32) -> Result<PingResult, CudaError> {
         .map_err(driver("allocating timers"))?;
     let failed = AtomicBool::new(false);
     std::thread::scope(|s| {
-        let consumer = s.spawn(|| drain(&[(0, &fifo)], u64::from(rounds), &failed));
+        let consumer = s.spawn(|| drain(&rings.share(0, 1), u64::from(rounds), &failed));
         let mut launch = stream.launch_builder(&f);
-        launch.arg(&ring).arg(&rounds).arg(&mut ns);
+        launch.arg(rings.table()).arg(&rounds).arg(&mut ns);
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (32, 1, 1),
@@ -278,7 +244,6 @@ pub fn ping(gpu: &Gpu, rounds: u32) -> Result<PingResult, CudaError> {
         .into_iter()
         .map(Duration::from_nanos)
         .collect();
-    drop(lease);
     rounds.sort();
     Ok(PingResult { rounds })
 }

@@ -2,8 +2,9 @@
 //! `build.rs` compiled into this crate.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
 use cudarc::nvrtc::Ptx;
 
@@ -14,6 +15,9 @@ pub(crate) mod kernels {
     pub(crate) const FIFO_BENCH: &[u8] =
         include_bytes!(concat!(env!("OUT_DIR"), "/fifo_bench.fatbin"));
     pub(crate) const QUANT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/quant.fatbin"));
+    pub(crate) const LAYOUT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/layout.fatbin"));
+    pub(crate) const COMBINE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/combine.fatbin"));
+    pub(crate) const LL_SEND: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ll_send.fatbin"));
 }
 
 /// Maps a driver error to [`CudaError::Driver`] naming what was being done.
@@ -78,6 +82,32 @@ impl Gpu {
     /// The stream uep's kernels run on.
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The median time of `iters` runs of `launch` (device events around each).
+    pub(crate) fn time(
+        &self,
+        iters: usize,
+        mut launch: impl FnMut() -> Result<(), CudaError>,
+    ) -> Result<Duration, CudaError> {
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t0 = self
+                .stream
+                .record_event(timing)
+                .map_err(driver("recording an event"))?;
+            launch()?;
+            let t1 = self
+                .stream
+                .record_event(timing)
+                .map_err(driver("recording an event"))?;
+            t1.synchronize().map_err(driver("running a timed kernel"))?;
+            let ms = t0.elapsed_ms(&t1).map_err(driver("reading an event"))?;
+            times.push(Duration::from_secs_f64(f64::from(ms) / 1e3));
+        }
+        times.sort();
+        Ok(times.get(times.len() / 2).copied().unwrap_or_default())
     }
 
     /// Kernel `name` of an embedded fat binary.

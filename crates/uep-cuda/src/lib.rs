@@ -26,9 +26,18 @@ mod gpu;
 pub mod host_check;
 #[cfg(feature = "cuda")]
 mod pinned;
+#[cfg(feature = "cuda")]
+mod rings;
 
 #[cfg(feature = "cuda")]
+pub mod combine;
+#[cfg(feature = "cuda")]
 pub mod fifo_bench;
+pub mod inputs;
+#[cfg(feature = "cuda")]
+pub mod layout;
+#[cfg(feature = "cuda")]
+pub mod ll_send;
 pub mod quant;
 
 pub use error::CudaError;
@@ -36,6 +45,24 @@ pub use error::CudaError;
 pub use gpu::Gpu;
 #[cfg(feature = "cuda")]
 pub use pinned::{CudaFifos, Pinned};
+
+/// What a checked kernel measured: its median time and the bytes it must move.
+#[derive(Clone, Copy, Debug)]
+pub struct Measured {
+    /// The inputs' seed (replay with it).
+    pub seed: u64,
+    /// Median kernel time (device events).
+    pub time: std::time::Duration,
+    /// Bytes the kernel must read and write at the least.
+    pub bytes: u64,
+}
+
+impl Measured {
+    /// Bytes a second.
+    pub fn bandwidth(&self) -> f64 {
+        self.bytes as f64 / self.time.as_secs_f64()
+    }
+}
 
 /// Whether this build carries the CUDA device (the `cuda` feature).
 pub const BUILT: bool = cfg!(feature = "cuda");

@@ -58,6 +58,26 @@ impl Pinned {
         Ok(pinned)
     }
 
+    /// Sets every byte to `byte` (poison before a check). Call it only while no kernel
+    /// writes this memory.
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: `len` bytes at `host` are ours while `self` lives; no kernel runs on
+        // them now (the caller's promise), and bytes have no invalid values.
+        #[allow(unsafe_code)]
+        unsafe {
+            self.host.as_ptr().write_bytes(byte, self.len)
+        };
+    }
+
+    /// A copy of the first `n` bytes (at most `len`). Call it only once the kernels
+    /// that wrote them have finished.
+    pub fn read(&self, n: usize) -> Vec<u8> {
+        // SAFETY: as for `fill`; the bytes are initialised (zeroed at allocation).
+        #[allow(unsafe_code)]
+        let bytes = unsafe { std::slice::from_raw_parts(self.host.as_ptr(), n.min(self.len)) };
+        bytes.to_vec()
+    }
+
     /// The first byte, in this process.
     pub fn host_ptr(&self) -> *mut u8 {
         self.host.as_ptr()

@@ -1,68 +1,18 @@
 //! The low-latency dispatch's FP8 cast on the GPU (`kernels/quant.cu`), checked bit
 //! for bit against `uep_ep::quant`, the definition the host device runs.
 
-use std::time::Duration;
-
-use half::bf16;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-
 use crate::CudaError;
 
 /// Channels a scale covers.
 pub const GROUP: usize = uep_ep::quant::FP8_GROUP;
 
-/// `tokens × hidden` fresh bf16 inputs from `seed`: most groups Gaussian-like at one
-/// magnitude per group (from 2^-20 to 2^12), and groups with the edge cases (zeros,
-/// negative zero, subnormals, values beyond 448, infinities, NaN).
-pub fn inputs(tokens: usize, hidden: usize, seed: u64) -> Vec<bf16> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut x = Vec::with_capacity(tokens * hidden);
-    for _ in 0..tokens * hidden / GROUP {
-        let kind = rng.gen_range(0..16u32);
-        let scale = 2f32.powi(rng.gen_range(-20..=12));
-        for _ in 0..GROUP {
-            let v: f32 = match kind {
-                0 => 0.0,
-                1 => [0.0, -0.0, f32::from_bits(1 << 16), 1e-40][rng.gen_range(0..4)],
-                2 => [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e30, -3e38][rng.gen_range(0..5)],
-                3 if rng.gen_bool(0.05) => f32::NAN,
-                _ => (rng.gen::<f32>() - 0.5) * 2.0 * scale,
-            };
-            x.push(bf16::from_f32(v));
-        }
-    }
-    x
+/// Bytes the cast of `tokens × hidden` moves: bf16 in, e4m3 and f32 scales out.
+pub fn bytes(tokens: usize, hidden: usize) -> u64 {
+    (tokens * (hidden * 3 + hidden / GROUP * 4)) as u64
 }
 
-/// What one check found.
-#[derive(Clone, Debug)]
-pub struct QuantResult {
-    /// Tokens cast.
-    pub tokens: usize,
-    /// Channels a token.
-    pub hidden: usize,
-    /// UE8M0 (power-of-two) scales.
-    pub round_scale: bool,
-    /// The input seed (replay with it).
-    pub seed: u64,
-    /// Median kernel time over the timed launches (device events).
-    pub time: Duration,
-}
-
-impl QuantResult {
-    /// Bytes the cast moves: bf16 in, e4m3 and f32 scales out.
-    pub fn bytes(&self) -> u64 {
-        (self.tokens * (self.hidden * 3 + self.hidden / GROUP * 4)) as u64
-    }
-
-    /// Bytes a second.
-    pub fn bandwidth(&self) -> f64 {
-        self.bytes() as f64 / self.time.as_secs_f64()
-    }
-}
-
-/// Where the device's output first differs from the host's, if it does.
+/// Where the device's cast first differs from the host's, if it does: `q` bytes and
+/// `scales` of rows of `hidden` channels.
 pub fn compare(
     host: (&[u8], &[f32]),
     device: (&[u8], &[f32]),
@@ -95,11 +45,12 @@ pub use run::check;
 
 #[cfg(feature = "cuda")]
 mod run {
-    use cudarc::driver::{sys::CUevent_flags, LaunchConfig, PushKernelArg};
+    use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
     use super::*;
     use crate::gpu::{driver, kernels};
-    use crate::Gpu;
+    use crate::inputs::inputs;
+    use crate::{Gpu, Measured};
 
     /// Casts fresh inputs on the GPU, compares every byte and scale with the host's
     /// cast of the same inputs, then times `iters` launches.
@@ -110,7 +61,7 @@ mod run {
         round_scale: bool,
         seed: u64,
         iters: usize,
-    ) -> Result<QuantResult, CudaError> {
+    ) -> Result<Measured, CudaError> {
         if tokens == 0 || hidden == 0 || hidden % GROUP != 0 {
             return Err(CudaError::Invalid(format!(
                 "hidden {hidden} must be a positive multiple of {GROUP}, tokens {tokens} positive"
@@ -134,52 +85,29 @@ mod run {
             .map_err(driver("allocating scales"))?;
         let groups = (x.len() / GROUP) as u64;
         let round = u32::from(round_scale);
-        let sms = gpu.info()?.sms;
         let cfg = LaunchConfig {
-            grid_dim: (sms * 4, 1, 1),
+            grid_dim: (gpu.info()?.sms * 4, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut times = Vec::with_capacity(iters);
-        for i in 0..=iters {
-            let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
-            let t0 = stream
-                .record_event(timing)
-                .map_err(driver("recording an event"))?;
-            let mut launch = stream.launch_builder(&f);
-            launch
-                .arg(&xd)
-                .arg(&groups)
-                .arg(&round)
-                .arg(&mut qd)
-                .arg(&mut sd);
+        let launch = |qd: &mut CudaSlice<u8>, sd: &mut CudaSlice<f32>| {
+            let mut l = stream.launch_builder(&f);
+            l.arg(&xd).arg(&groups).arg(&round).arg(qd).arg(sd);
             // SAFETY: arguments match `uep_fp8_quantize` (bf16 bits, groups, flag, q and
             // scales sized for `groups` groups of 128).
             #[allow(unsafe_code)]
-            unsafe { launch.launch(cfg) }.map_err(driver("launching uep_fp8_quantize"))?;
-            let t1 = stream
-                .record_event(timing)
-                .map_err(driver("recording an event"))?;
-            t1.synchronize()
-                .map_err(driver("running uep_fp8_quantize"))?;
-            if i == 0 {
-                // The first launch is the checked one (and the warm-up).
-                let q = stream.clone_dtoh(&qd).map_err(driver("copying q"))?;
-                let s = stream.clone_dtoh(&sd).map_err(driver("copying scales"))?;
-                compare((&want_q, &want_s), (&q, &s), hidden)?;
-            } else {
-                let ms = t0.elapsed_ms(&t1).map_err(driver("reading an event"))?;
-                times.push(Duration::from_secs_f64(f64::from(ms) / 1e3));
-            }
-        }
-        times.sort();
-        let time = times.get(times.len() / 2).copied().unwrap_or_default();
-        Ok(QuantResult {
-            tokens,
-            hidden,
-            round_scale,
+            unsafe { l.launch(cfg) }.map_err(driver("launching uep_fp8_quantize"))?;
+            Ok(())
+        };
+        launch(&mut qd, &mut sd)?;
+        let q = stream.clone_dtoh(&qd).map_err(driver("copying q"))?;
+        let s = stream.clone_dtoh(&sd).map_err(driver("copying scales"))?;
+        compare((&want_q, &want_s), (&q, &s), hidden)?;
+        let time = gpu.time(iters, || launch(&mut qd, &mut sd))?;
+        Ok(Measured {
             seed,
             time,
+            bytes: bytes(tokens, hidden),
         })
     }
 }
