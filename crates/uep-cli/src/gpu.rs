@@ -90,7 +90,8 @@ mod cuda {
     use uep_cuda::fifo_bench::{self, PushOpts};
     use uep_cuda::layout::{self, RouteShape};
     use uep_cuda::ll_send::{self, SendShape};
-    use uep_cuda::{combine, quant, Gpu};
+    use uep_cuda::quant::{self, Loads};
+    use uep_cuda::{combine, Gpu};
 
     use super::{CheckArgs, FifoArgs};
 
@@ -126,7 +127,7 @@ mod cuda {
             (sms, 1, all),
             (sms, 32, all),
         ];
-        for (i, &(rings, batch, consumers)) in runs.iter().enumerate() {
+        for (i, &(rings, batch, drainers)) in runs.iter().enumerate() {
             if i >= 4 && all == consumers {
                 continue;
             }
@@ -135,7 +136,7 @@ mod cuda {
                 per_ring: a.commands / if rings == 1 { 1 } else { 4 },
                 batch,
                 capacity: a.capacity,
-                consumers,
+                consumers: drainers,
             };
             let r = fifo_bench::push(&gpu, opts)?;
             let who = format!("{rings} warp(s), 1 a block");
@@ -143,7 +144,7 @@ mod cuda {
                 "{:<22} {:>6} {:>10} {:>12} {:>10.2} {:>16.2}",
                 who,
                 batch,
-                consumers,
+                drainers,
                 r.commands(),
                 r.rate() / 1e6,
                 r.commands() as f64 / r.kernel.as_secs_f64() / 1e6
@@ -210,17 +211,12 @@ mod cuda {
             &[1, 128, 4096, 32768]
         };
         for &tokens in casts {
-            for ue8m0 in [false, true] {
-                let m = quant::check(&gpu, tokens, hidden, ue8m0, next(), a.iters)?;
-                let variant = if ue8m0 { "ue8m0" } else { "f32 scale" };
-                row(
-                    "fp8 cast",
-                    &format!("{tokens} × {hidden}"),
-                    variant,
-                    m.time,
-                    m.bandwidth() / 1e9,
-                    "",
-                );
+            for (loads, ue8m0) in [(Loads::X8, false), (Loads::X16, false), (Loads::X16, true)] {
+                let m = quant::check(&gpu, loads, tokens, hidden, ue8m0, next(), a.iters)?;
+                let width = if loads == Loads::X8 { "8 B" } else { "16 B" };
+                let variant = format!("{width}{}", if ue8m0 { " ue8m0" } else { "" });
+                let desc = format!("{tokens} × {hidden}");
+                row("fp8 cast", &desc, &variant, m.time, m.bandwidth() / 1e9, "");
             }
         }
         for (tokens, weighted) in [(128, true), (big, true), (big, false)] {

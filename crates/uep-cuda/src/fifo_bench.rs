@@ -97,42 +97,26 @@ pub fn push(gpu: &Gpu, opts: PushOpts) -> Result<PushResult, CudaError> {
     let mut ns = stream
         .alloc_zeros::<u64>(opts.rings)
         .map_err(driver("allocating timers"))?;
-    let failed = AtomicBool::new(false);
-    let start = Instant::now();
-    let drained = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..opts.consumers)
-            .map(|c| {
-                let mine = rings.share(c, opts.consumers);
-                let failed = &failed;
-                s.spawn(move || drain(&mine, opts.per_ring, failed))
-            })
-            .collect();
+    let cfg = LaunchConfig {
+        grid_dim: (opts.rings as u32, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let drain = |mine: &[(usize, &Fifo)], failed: &AtomicBool| drain(mine, opts.per_ring, failed);
+    let (_, wall) = rings.drained_while(opts.consumers, drain, || {
         let mut launch = stream.launch_builder(&f);
         launch
             .arg(rings.table())
             .arg(&opts.per_ring)
             .arg(&opts.batch)
             .arg(&mut ns);
-        let cfg = LaunchConfig {
-            grid_dim: (opts.rings as u32, 1, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the arguments match `uep_fifo_push`'s parameters in kernels/fifo_bench.cu
         // (a Ring table in device memory, u64, u32, a u64 array of one entry a block); the
         // rings' memory stays pinned and leased until after the synchronize below.
         #[allow(unsafe_code)]
-        let launched = unsafe { launch.launch(cfg) }.map_err(driver("launching uep_fifo_push"));
-        if launched.is_err() {
-            failed.store(true, Ordering::Relaxed);
-        }
-        let results: Vec<_> = workers.into_iter().map(|w| w.join()).collect();
-        launched.map(|_| results)
+        unsafe { launch.launch(cfg) }.map_err(driver("launching uep_fifo_push"))?;
+        Ok(())
     })?;
-    let wall = start.elapsed();
-    for r in drained {
-        r.map_err(|_| CudaError::Fifo("a consumer thread panicked".into()))??;
-    }
     stream
         .synchronize()
         .map_err(driver("running uep_fifo_push"))?;
@@ -212,28 +196,22 @@ pub fn ping(gpu: &Gpu, rounds: u32) -> Result<PingResult, CudaError> {
     let mut ns = stream
         .alloc_zeros::<u64>(rounds as usize)
         .map_err(driver("allocating timers"))?;
-    let failed = AtomicBool::new(false);
-    std::thread::scope(|s| {
-        let consumer = s.spawn(|| drain(&rings.share(0, 1), u64::from(rounds), &failed));
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let drain =
+        |mine: &[(usize, &Fifo)], failed: &AtomicBool| drain(mine, u64::from(rounds), failed);
+    rings.drained_while(1, drain, || {
         let mut launch = stream.launch_builder(&f);
         launch.arg(rings.table()).arg(&rounds).arg(&mut ns);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `uep_fifo_ping` (a Ring by value, u32, a u64 array
-        // of `rounds` entries); the ring stays pinned and leased until the synchronize.
+        // SAFETY: the arguments match `uep_fifo_ping` (a Ring table of one, u32, a u64
+        // array of `rounds` entries); the ring stays pinned and leased until the
+        // synchronize below.
         #[allow(unsafe_code)]
-        let launched = unsafe { launch.launch(cfg) }.map_err(driver("launching uep_fifo_ping"));
-        if launched.is_err() {
-            failed.store(true, Ordering::Relaxed);
-        }
-        let drained = consumer
-            .join()
-            .map_err(|_| CudaError::Fifo("the consumer thread panicked".into()))?;
-        launched?;
-        drained
+        unsafe { launch.launch(cfg) }.map_err(driver("launching uep_fifo_ping"))?;
+        Ok(())
     })?;
     stream
         .synchronize()

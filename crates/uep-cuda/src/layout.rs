@@ -89,6 +89,26 @@ pub fn check(gpu: &Gpu, s: RouteShape, seed: u64, iters: usize) -> Result<Measur
         Ok(())
     };
     launch(&mut out)?;
+    let got = read_back(gpu, s, &out)?;
+    if got != want {
+        return Err(CudaError::Mismatch(format!(
+            "dispatch layout differs from the host's (seed {seed}): per rank {:?} vs {:?}, \
+             per node {:?} vs {:?}",
+            got.num_tokens_per_rank,
+            want.num_tokens_per_rank,
+            got.num_tokens_per_rdma_rank,
+            want.num_tokens_per_rdma_rank
+        )));
+    }
+    // The timed launches accumulate into the counts; only the first was checked.
+    let time = gpu.time(iters, || launch(&mut out))?;
+    let bytes = (ids.len() * 8 + s.tokens * s.ranks) as u64;
+    Ok(Measured { seed, time, bytes })
+}
+
+/// The kernel's outputs as the host's type; an error if it rejected an id.
+fn read_back(gpu: &Gpu, s: RouteShape, out: &Out) -> Result<DispatchLayout, CudaError> {
+    let stream = gpu.stream();
     let bad = stream
         .clone_dtoh(&out.bad)
         .map_err(driver("copying the error word"))?[0];
@@ -117,18 +137,5 @@ pub fn check(gpu: &Gpu, s: RouteShape, seed: u64, iters: usize) -> Result<Measur
             .map(|b| b != 0)
             .collect(),
     };
-    if got != want {
-        return Err(CudaError::Mismatch(format!(
-            "dispatch layout differs from the host's (seed {seed}): per rank {:?} vs {:?}, \
-             per node {:?} vs {:?}",
-            got.num_tokens_per_rank,
-            want.num_tokens_per_rank,
-            got.num_tokens_per_rdma_rank,
-            want.num_tokens_per_rdma_rank
-        )));
-    }
-    // The timed launches accumulate into the counts; only the first was checked.
-    let time = gpu.time(iters, || launch(&mut out))?;
-    let bytes = (ids.len() * 8 + s.tokens * s.ranks) as u64;
-    Ok(Measured { seed, time, bytes })
+    Ok(got)
 }

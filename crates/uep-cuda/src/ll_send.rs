@@ -152,17 +152,11 @@ pub fn check(gpu: &Gpu, s: SendShape, seed: u64, iters: usize) -> Result<SendRes
     };
     let (mut walls, mut kernels) = (Vec::new(), Vec::new());
     for i in 0..=iters {
-        let failed = AtomicBool::new(false);
-        let start = Instant::now();
         let popped = AtomicUsize::new(0);
-        let got = std::thread::scope(|sc| {
-            let workers: Vec<_> = (0..s.consumers)
-                .map(|c| {
-                    let mine = rings.share(c, s.consumers);
-                    let (popped, failed, total) = (&popped, &failed, want.len());
-                    sc.spawn(move || collect(&mine, total, popped, failed))
-                })
-                .collect();
+        let total = want.len();
+        let drain =
+            |mine: &[(usize, &Fifo)], failed: &AtomicBool| collect(mine, total, &popped, failed);
+        let (got, wall) = rings.drained_while(s.consumers, drain, || {
             let mut l = stream.launch_builder(&f);
             l.arg(&xd).arg(&idd);
             for d in &dims {
@@ -173,24 +167,13 @@ pub fn check(gpu: &Gpu, s: SendShape, seed: u64, iters: usize) -> Result<SendRes
             // SendArea as four u64, the ring table, one timer a block); the staging rows
             // and rings stay pinned and leased until the synchronize below.
             #[allow(unsafe_code)]
-            let launched = unsafe { l.launch(cfg) }.map_err(driver("launching uep_ll_send"));
-            if launched.is_err() {
-                failed.store(true, Ordering::Relaxed);
-            }
-            let mut got = Vec::with_capacity(want.len());
-            for w in workers {
-                got.extend(
-                    w.join()
-                        .map_err(|_| CudaError::Fifo("a consumer panicked".into()))??,
-                );
-            }
-            launched.map(|_| got)
+            unsafe { l.launch(cfg) }.map_err(driver("launching uep_ll_send"))?;
+            Ok(())
         })?;
-        walls.push(start.elapsed());
         stream
             .synchronize()
             .map_err(driver("running uep_ll_send"))?;
-        let mut got = got;
+        let mut got: Vec<TransferCmd> = got.into_iter().flatten().collect();
         got.sort_by_key(|c| c.to_u128());
         if got != want {
             return Err(CudaError::Mismatch(format!(
@@ -200,6 +183,7 @@ pub fn check(gpu: &Gpu, s: SendShape, seed: u64, iters: usize) -> Result<SendRes
             )));
         }
         let t = stream.clone_dtoh(&ns).map_err(driver("copying timers"))?;
+        walls.push(wall);
         kernels.push(Duration::from_nanos(t.into_iter().max().unwrap_or(0)));
         if i == 0 {
             check_rows(&s, &x, &staged)?;

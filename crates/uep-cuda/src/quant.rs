@@ -40,6 +40,25 @@ pub fn compare(
     Ok(())
 }
 
+/// Which cast kernel: the lane width of its loads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loads {
+    /// 8 bytes (four channels) a lane, a warp a group: `uep_fp8_quantize`.
+    X8,
+    /// 16 bytes (eight channels) a lane, half a warp a group: `uep_fp8_quantize_x16`.
+    X16,
+}
+
+impl Loads {
+    /// The kernel's name.
+    pub fn kernel(self) -> &'static str {
+        match self {
+            Loads::X8 => "uep_fp8_quantize",
+            Loads::X16 => "uep_fp8_quantize_x16",
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 pub use run::check;
 
@@ -56,6 +75,7 @@ mod run {
     /// cast of the same inputs, then times `iters` launches.
     pub fn check(
         gpu: &Gpu,
+        loads: Loads,
         tokens: usize,
         hidden: usize,
         round_scale: bool,
@@ -71,7 +91,7 @@ mod run {
         let (want_q, want_s) = uep_ep::quant::quantize(&x, hidden, round_scale)
             .map_err(|e| CudaError::Invalid(e.to_string()))?;
         let stream = gpu.stream();
-        let f = gpu.function(kernels::QUANT, "uep_fp8_quantize")?;
+        let f = gpu.function(kernels::QUANT, loads.kernel())?;
         let bits: Vec<u16> = x.iter().map(|v| v.to_bits()).collect();
         let xd = stream
             .clone_htod(&bits)
@@ -86,17 +106,18 @@ mod run {
         let groups = (x.len() / GROUP) as u64;
         let round = u32::from(round_scale);
         let cfg = LaunchConfig {
-            grid_dim: (gpu.info()?.sms * 4, 1, 1),
+            // Eight blocks of 256 threads a multiprocessor: its 2048 threads, full occupancy.
+            grid_dim: (gpu.info()?.sms * 8, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let launch = |qd: &mut CudaSlice<u8>, sd: &mut CudaSlice<f32>| {
             let mut l = stream.launch_builder(&f);
             l.arg(&xd).arg(&groups).arg(&round).arg(qd).arg(sd);
-            // SAFETY: arguments match `uep_fp8_quantize` (bf16 bits, groups, flag, q and
+            // SAFETY: arguments match both cast kernels (bf16 bits, groups, flag, q and
             // scales sized for `groups` groups of 128).
             #[allow(unsafe_code)]
-            unsafe { l.launch(cfg) }.map_err(driver("launching uep_fp8_quantize"))?;
+            unsafe { l.launch(cfg) }.map_err(driver("launching the FP8 cast"))?;
             Ok(())
         };
         launch(&mut qd, &mut sd)?;

@@ -1,7 +1,9 @@
 //! A kernel's FIFOs: rings in pinned host memory, each leased to one producer warp of
 //! the GPU, with the table of device addresses the kernel reads.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaSlice;
 use uep_fifo::{DeviceLease, Fifo, FifoAlloc};
@@ -68,5 +70,41 @@ impl DeviceRings {
     /// The `uep::Ring` table the kernel takes.
     pub(crate) fn table(&self) -> &CudaSlice<u64> {
         &self.table
+    }
+
+    /// Runs `launch` while `consumers` CPU threads drain the rings, thread `c` calling
+    /// `drain` on its share (every `consumers`th ring from `c`) and a flag raised if the
+    /// launch failed. Returns what each thread returned and the time from the launch to
+    /// the last thread's return (the clock starts once the threads run).
+    pub(crate) fn drained_while<T: Send>(
+        &self,
+        consumers: usize,
+        drain: impl Fn(&[(usize, &Fifo)], &AtomicBool) -> Result<T, CudaError> + Sync,
+        launch: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<(Vec<T>, Duration), CudaError> {
+        let failed = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let workers: Vec<_> = (0..consumers)
+                .map(|c| {
+                    let (mine, failed, drain) = (self.share(c, consumers), &failed, &drain);
+                    s.spawn(move || drain(&mine, failed))
+                })
+                .collect();
+            let start = Instant::now();
+            let launched = launch();
+            if launched.is_err() {
+                failed.store(true, Ordering::Relaxed);
+            }
+            let mut results = Vec::with_capacity(consumers);
+            for w in workers {
+                let r = w
+                    .join()
+                    .map_err(|_| CudaError::Fifo("a consumer thread panicked".into()))?;
+                results.push(r);
+            }
+            let wall = start.elapsed();
+            launched?;
+            Ok((results.into_iter().collect::<Result<_, _>>()?, wall))
+        })
     }
 }
