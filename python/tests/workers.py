@@ -732,3 +732,122 @@ def mask_without_shrink(ctx: Ctx) -> Dict[str, Any]:
         return {"raised": "enable_shrink" in str(e)}
     buffer.destroy()
     return {"raised": False}
+
+
+# ---------------------------------------------------------------------- CUDA tensors
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes on the host (float8 has no torch.equal)."""
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+def _same(want: Any, got: Any, what: str) -> int:
+    """`got` (from CUDA tensors) has `want`'s structure and bits, tensors on the GPU."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.is_cuda, f"{what}: {type(got)} not on the GPU"
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{tuple(got.shape)}"
+        assert got.stride() == want.stride(), f"{what}: strides {got.stride()} vs {want.stride()}"
+        assert torch.equal(_bits(want), _bits(got)), f"{what}: values differ"
+        return 1
+    if isinstance(want, (tuple, list)):
+        assert len(want) == len(got), what
+        return sum(_same(w, g, f"{what}[{i}]") for i, (w, g) in enumerate(zip(want, got)))
+    assert want == got, f"{what}: {want!r} vs {got!r}"
+    return 0
+
+
+def _ll_rows(recv: Any, count: torch.Tensor, handle: Any) -> Any:
+    """A low-latency receive's valid rows per local expert, ordered by their source
+    (arrival may order them differently from one call to the next)."""
+    data = recv[0] if isinstance(recv, tuple) else recv
+    out = []
+    for e, n in enumerate(count.cpu().tolist()):
+        src = handle[0][e, :n].cpu()
+        order = torch.argsort(src)
+        out.append((src[order], _bits(data[e, :n])[order]))
+    return out
+
+
+def _ll_case(buffer: deep_ep.Buffer, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor,
+             E: int, hook: bool, fp8: bool, g: Any) -> int:
+    """One low-latency round trip with CPU and with CUDA tensors."""
+    N, H = x.shape
+    local = E // buffer.group_size
+
+    def dispatch(on_gpu: bool) -> Any:
+        stats = torch.zeros(local, dtype=torch.int32)
+        stats = g(stats) if on_gpu else stats
+        d = (g if on_gpu else (lambda t: t))
+        r = buffer.low_latency_dispatch(d(x), d(topk_idx), N, E, cumulative_local_expert_recv_stats=stats,
+                                        use_fp8=fp8, return_recv_hook=hook)
+        if hook:
+            r[4]()
+        # Expert outputs: the received rows as bf16 (dequantised on the host).
+        rows = tuple(t.cpu() for t in r[0]) if fp8 else r[0].cpu()
+        y = per_token_cast_back(*rows) if fp8 else rows
+        return r, stats, (g(y) if on_gpu else y)
+
+    (want, stats, y), (got, gstats, gy) = dispatch(False), dispatch(True)
+    checked = _same(want[1], got[1], "recv_count") + _same(stats, gstats, "stats")
+    for (ws, wr), (gs, gr) in zip(_ll_rows(*want[:2], want[2]), _ll_rows(*got[:2], got[2])):
+        assert torch.equal(ws, gs) and torch.equal(wr, gr), "low-latency rows differ"
+        checked += 1
+    # The combine sums each token's outputs in slot order: the same bits whatever order
+    # the rows arrived in.
+    dev = gy.device
+    out = torch.empty((N, H), dtype=torch.bfloat16, device=dev)
+    ref = buffer.low_latency_combine(y, topk_idx, w, want[2])[0]
+    res = buffer.low_latency_combine(gy, g(topk_idx), g(w), got[2], out=out)[0]
+    assert res is out, "out= must be returned as given"
+    checked += _same(ref, res, "ll combine")
+    again, _, gy2 = dispatch(True)
+    zbuf = buffer.get_next_low_latency_combine_buffer(again[2])
+    assert zbuf.is_cuda
+    zbuf.copy_(gy2)
+    zres = buffer.low_latency_combine(zbuf, g(topk_idx), g(w), again[2], zero_copy=True)[0]
+    return checked + _same(ref, zres, "zero-copy ll combine")
+
+
+def cuda_tensors(ctx: Ctx, num_tokens: int = 32, hidden: int = 512, num_topk: int = 4,
+                 num_experts: int = 16) -> Dict[str, Any]:
+    """DeepEP's API with CUDA tensors in and out, each call's outputs bit for bit those
+    of the same call with CPU tensors; events are CUDA events on the comm stream."""
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    R, N, H, K, E = ctx.world, num_tokens, hidden, num_topk, num_experts
+    buffer = ctx.buffer(int(2e9), deep_ep.Buffer.get_low_latency_rdma_size_hint(N, H, R, E))
+    stream = buffer.get_comm_stream()
+    assert isinstance(stream, torch.cuda.Stream), stream
+    torch.manual_seed(ctx.rank + 7)
+    x = torch.randn((N, H), dtype=torch.bfloat16)
+    topk_idx = torch.topk(torch.randn((N, E)).abs(), K, dim=-1)[1]
+    topk_idx[torch.randint(0, N, (4,)), torch.randint(0, K, (4,))] = -1
+    w = torch.rand((N, K), dtype=torch.float32)
+    g = lambda t: t.to(dev)  # noqa: E731
+    checked = 0
+    layout = buffer.get_dispatch_layout(topk_idx, E)
+    got = buffer.get_dispatch_layout(g(topk_idx), E, previous_event=buffer.capture(), async_finish=True)
+    assert isinstance(got[4].event.event, torch.cuda.Event)
+    got[4].current_stream_wait()
+    checked += _same(layout[:4], got[:4], "layout")
+    per_rank, _, per_expert, in_rank = layout[:4]
+    counts = {"num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}
+    q, s = per_token_cast_to_fp8(x)
+    for data, gdata in ((x, g(x)), ((q, s.T.contiguous().T), (g(q), g(s).T.contiguous().T))):
+        want = buffer.dispatch(data, topk_idx=topk_idx, topk_weights=w, **counts)
+        got = buffer.dispatch(gdata, topk_idx=g(topk_idx), topk_weights=g(w), async_finish=True,
+                              **{k: g(v) for k, v in counts.items()})
+        got[5].current_stream_wait()
+        checked += _same(want[:4], got[:4], "dispatch")
+        checked += _same(buffer.dispatch(data, handle=want[4])[0], buffer.dispatch(gdata, handle=got[4])[0], "cached")
+    y = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=w, **counts)
+    gy = buffer.dispatch(g(x), topk_idx=g(topk_idx), topk_weights=g(w), **{k: g(v) for k, v in counts.items()})
+    checked += _same(buffer.combine(y[0], y[4], topk_weights=y[2])[:2],
+                     buffer.combine(gy[0], gy[4], topk_weights=gy[2])[:2], "combine")
+    buffer.clean_low_latency_buffer(N, H, E)
+    for hook in (False, True):
+        for fp8 in (False, True):
+            checked += _ll_case(buffer, x, topk_idx, w, E, hook, fp8, g)
+    torch.cuda.synchronize()
+    buffer.destroy()
+    return {"checked": checked}

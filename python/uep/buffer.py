@@ -11,7 +11,10 @@ below the surface:
   naming the bytes it needs;
 * received rows are handed out without copying (tensors over uep's registered memory,
   kept valid for as long as they are held);
-* calls run on the CPU and are complete when they return; events are completed ones.
+* calls run on the CPU and are complete when they return; events are completed ones;
+* CUDA tensors are accepted and returned: the call is staged through host memory, its
+  results placed on the Buffer's communication stream, events are CUDA events there
+  (``uep.staging``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.distributed as dist
 
 from . import _uep
 from .config import Config
+from .staging import Staging, staged
 from .utils import EventHandle, EventOverlap
 
 #: DeepEP's type of top-k expert ids.
@@ -155,7 +159,8 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event on the current stream (completed: uep's calls are)."""
+        """An event on the current stream (a CUDA event where CUDA is in use; else a
+        completed one: uep's CPU calls are)."""
         return EventOverlap(EventHandle())
 
     @staticmethod
@@ -196,9 +201,20 @@ class Buffer:
 
     # ------------------------------------------------------------------ misc
 
-    def get_comm_stream(self) -> None:
-        """The communication stream: none on CPU (calls are synchronous)."""
-        return None
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The communication stream: where calls given CUDA tensors place their results
+        (the current device's); ``None`` where CUDA is not available (CPU calls are
+        synchronous)."""
+        if not torch.cuda.is_available():
+            return None
+        return self._staging(torch.device("cuda", torch.cuda.current_device())).stream
+
+    def _staging(self, device: torch.device) -> Staging:
+        """The staging of CUDA tensors on `device` (see ``uep.staging``)."""
+        stagings = self.__dict__.setdefault("_stagings", {})
+        if device not in stagings:
+            stagings[device] = Staging(device)
+        return stagings[device]
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None,
                                 offset: int = 0, use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -229,6 +245,7 @@ class Buffer:
         low-latency calls), or unmask it. A rank found dead stays masked."""
         self._shrink().mask_update(rank_to_mask, mask)
 
+    @staged
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write 1 into ``mask_status`` (``[num_ranks]`` int32) for every rank the last
         low-latency call left out (and those masked by the caller since), 0 for the
@@ -285,6 +302,7 @@ class Buffer:
 
     # ------------------------------------------------------------------ normal mode
 
+    @staged
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False
@@ -301,6 +319,7 @@ class Buffer:
                torch.from_dlpack(per_expert), torch.from_dlpack(in_rank))
         return (*out, _event(async_finish, *out))
 
+    @staged
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -421,6 +440,7 @@ class Buffer:
         t._uep = uh
         return t
 
+    @staged
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -454,6 +474,7 @@ class Buffer:
         topk = self._rt().ll_topk() or 8
         self._rt().prepare_ll(num_max_dispatch_tokens_per_rank, hidden, num_experts, topk)
 
+    @staged
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -540,6 +561,7 @@ class Buffer:
         self._report_active_ranks(active_ranks)
         return recv_x, recv_count, handle, _event(async_finish, recv_x, recv_count), _noop
 
+    @staged
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> torch.Tensor:
         """The next combine's send buffer, a ``[E/R, R*num_max, H]`` bf16 view of the
         Buffer's registered memory: write the expert outputs into it, then call
@@ -551,6 +573,7 @@ class Buffer:
             self._fail("get_next_low_latency_combine_buffer needs the handle of a received low-latency dispatch")
         return torch.from_dlpack(self._rt().ll_combine_buffer(uh))
 
+    @staged
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: Tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,

@@ -1,25 +1,41 @@
-"""Events, as DeepEP's ``deep_ep.utils`` has them, for a device that finishes every call
-before it returns.
+"""Events, as DeepEP's ``deep_ep.utils`` has them.
 
-uep's calls run on the CPU and are complete when they return, so an event is always a
-completed one; the classes exist so that DeepEP code that records, chains and waits on
-events runs unchanged (``previous_event=``, ``async_finish=True``,
-``event.current_stream_wait()``, ``with EventOverlap(...)``).
+With CPU tensors uep's calls are complete when they return, so an event is a completed
+one; the classes exist so that DeepEP code that records, chains and waits on events
+runs unchanged (``previous_event=``, ``async_finish=True``,
+``event.current_stream_wait()``, ``with EventOverlap(...)``). With CUDA tensors an
+event is a real ``torch.cuda.Event`` recorded on the Buffer's communication stream
+after the call's results were placed there.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import torch
+
 
 class EventHandle:
-    """A recorded event; on CPU it has always happened."""
+    """A recorded event: a CUDA event where one is given or CUDA is in use, else one
+    that has always happened (CPU calls finish before they return)."""
 
-    def __init__(self) -> None:
-        self.completed = True
+    def __init__(self, event: Optional["torch.cuda.Event"] = None) -> None:
+        if event is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # As DeepEP's: an event on the current stream.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+        self.event = event
+        self.completed = event is None
 
     def current_stream_wait(self) -> None:
-        """Make the current stream wait for the event: nothing to wait for on CPU."""
+        """Make the current stream wait for the event (nothing to wait for on CPU)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def synchronize(self) -> None:
+        """Block the host until the event has happened."""
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class EventOverlap:
