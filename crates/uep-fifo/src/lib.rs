@@ -46,6 +46,22 @@
 //!   only when done, so [`Fifo::is_consumed`] (`tail > slot`) is the
 //!   producer's completion signal.
 //!
+//! # Device producers
+//!
+//! A GPU kernel produces as the exclusive producer (the host holds a [`DeviceLease`]):
+//! one warp a ring keeps `head` in registers and follows the table above with these PTX
+//! instructions, system scope since the consumer is a CPU thread (`crates/uep-cuda`,
+//! `kernels/fifo.cuh`, `docs/cuda.md`):
+//!
+//! | step | PTX |
+//! |------|-----|
+//! | read `head`, `tail` at start; reload `tail` when full | `ld.acquire.sys.global.u64` |
+//! | publish: `word1`, then `word0` | `st.relaxed.sys.global.u64`, then `st.release.sys.global.u64` |
+//! | store `head` back at the end | `st.release.sys.global.u64` |
+//!
+//! The release of `word0` is the "16-byte store" of the design: a `v2.u64` vector store
+//! is two accesses with no order between them in the PTX memory model.
+//!
 //! # Single consumer
 //!
 //! Exactly one consumer may poll and pop. [`Consumer`] enforces it: claiming
