@@ -68,3 +68,19 @@ def test_the_gil_is_released_while_a_call_waits():
 
 def test_every_event_flag_combination():
     assert all(r["combos"] == 8 for r in launch("events_and_flags", 2))
+
+
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+@pytest.mark.parametrize("bad_rank", [0, 2])
+def test_a_rank_that_rejects_its_input_early_strands_no_one(bad_rank, mode):
+    # uep's exchanges run on a group of its own under UEP_TIMEOUT_S: the others raise
+    # within that deadline, naming the absent rank, and the caller's group is untouched.
+    timeout = 4.0
+    results = launch("stranded", 4, env={"UEP_TIMEOUT_S": str(timeout)}, bad_rank=bad_rank, mode=mode)
+    for rank, r in enumerate(results):
+        kind, msg = r["error"]
+        if rank == bad_rank:
+            assert kind == "InvalidArgumentError" and r["seconds"] < 1.0, r
+        else:
+            assert r["seconds"] < timeout + 2.0, r
+            assert f"rank {bad_rank}" in msg, r

@@ -14,7 +14,7 @@ import pickle
 import threading
 import time
 import traceback
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -851,3 +851,41 @@ def cuda_tensors(ctx: Ctx, num_tokens: int = 32, hidden: int = 512, num_topk: in
     torch.cuda.synchronize()
     buffer.destroy()
     return {"checked": checked}
+
+
+# ---------------------------------------------------------------------- stranded ranks
+
+def stranded(ctx: Ctx, bad_rank: int, mode: str) -> Dict[str, Any]:
+    """`bad_rank` rejects its input before the collective call the others are already in
+    (an int16 ``topk_idx`` to ``get_dispatch_layout``, which raises at once), then goes on
+    as a serving loop that caught the error would. The others must raise within uep's
+    deadline naming it; the caller's group must carry exactly the caller's own data
+    afterwards; and a new Buffer on it must work."""
+    rank, R = ctx.rank, ctx.world
+    buffer = ctx.buffer(int(2e9), int(1e9))
+    n, h, E = 16, 256, 8
+    torch.manual_seed(rank)
+    x = torch.randn((n, h), dtype=torch.bfloat16)
+    idx = torch.randint(0, E, (n, 2))
+    start = time.monotonic()
+    error: Optional[Tuple[str, str]] = None
+    try:
+        if rank == bad_rank:
+            buffer.get_dispatch_layout(idx.to(torch.int16), E)
+        elif mode == "normal":
+            buffer.dispatch(x, topk_idx=idx, topk_weights=torch.rand((n, 2)), **_layout(buffer, idx, E))
+        else:
+            buffer.low_latency_dispatch(x, idx, n, E, use_fp8=False)
+        raise AssertionError(f"rank {rank}: the call succeeded with rank {bad_rank} absent")
+    except deep_ep.UepError as e:
+        error = (type(e).__name__, str(e))
+    seconds = time.monotonic() - start
+    # The bad rank's next collective on the caller's group meets the others' own.
+    out: List[Any] = [None] * R
+    dist.all_gather_object(out, ("caller", rank, bad_rank), group=ctx.group)
+    assert out == [("caller", r, bad_rank) for r in range(R)], f"cross-talk on the caller's group: {out}"
+    del buffer
+    fresh = ctx.buffer(int(2e9), int(1e9))
+    normal_step(ctx, fresh, tokens=16, hidden=256, experts=E)
+    fresh.destroy()
+    return {"error": error, "seconds": seconds}

@@ -10,7 +10,7 @@
 //! a deadline derived from the group's timeout.
 
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
@@ -69,7 +69,8 @@ pub struct Group {
     local_rank: usize,
     local_world_size: usize,
     job_id: String,
-    timeout: Duration,
+    /// The collectives' timeout in nanoseconds (settable while collectives run).
+    timeout_ns: AtomicU64,
     role: Role,
 }
 
@@ -88,7 +89,7 @@ impl std::fmt::Debug for Group {
             .field("local_rank", &self.local_rank)
             .field("local_world_size", &self.local_world_size)
             .field("job_id", &self.job_id)
-            .field("timeout", &self.timeout)
+            .field("timeout", &self.timeout())
             .finish_non_exhaustive()
     }
 }
@@ -176,11 +177,12 @@ impl Group {
     }
     /// The timeout applied to every collective.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
     }
     /// Changes the timeout of later collectives (at least 1 ms).
-    pub fn set_timeout(&mut self, d: Duration) {
-        self.timeout = d.max(Duration::from_millis(1));
+    pub fn set_timeout(&self, d: Duration) {
+        let d = d.max(Duration::from_millis(1));
+        self.timeout_ns.store(nanos(d), Ordering::Relaxed);
     }
 
     /// Gathers `data` from every rank; element `i` of the result is rank `i`'s data.
@@ -263,7 +265,24 @@ impl Drop for Group {
     }
 }
 
-fn alone(info: &WorldInfo, timeout: Duration) -> Group {
+/// How much longer than rank 0 a member waits for a collective's result.
+const MEMBER_GRACE: Duration = Duration::from_millis(750);
+
+/// "rank 2", "ranks 1, 3".
+fn ranks_named(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match list.len() {
+        1 => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
+}
+
+/// `d` in nanoseconds, saturating (584 years).
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+pub(crate) fn alone(info: &WorldInfo, timeout: Duration) -> Group {
     Group {
         rank: info.rank,
         world_size: info.world_size,
@@ -271,7 +290,7 @@ fn alone(info: &WorldInfo, timeout: Duration) -> Group {
         local_world_size: info.local_world_size,
         // A failing OS RNG only costs uniqueness of an id nobody else has to agree with.
         job_id: proto::random_hex::<8>().unwrap_or_else(|_| format!("{:016x}", std::process::id())),
-        timeout,
+        timeout_ns: AtomicU64::new(nanos(timeout)),
         role: Role::Alone(Mutex::new(None)),
     }
 }
@@ -528,7 +547,7 @@ fn root_join(
         local_rank: 0,
         local_world_size: info.local_world_size,
         job_id,
-        timeout,
+        timeout_ns: AtomicU64::new(nanos(timeout)),
         role: Role::Root(Root {
             shared,
             coll: Mutex::new(RootColl { rx, seq: 0 }),
@@ -882,7 +901,7 @@ impl Root {
                 OpKind::Barrier => Vec::new(),
             };
             let frame = encode_result(seq, kind, &parts);
-            let deadline = Instant::now() + g.timeout;
+            let deadline = Instant::now() + g.timeout();
             for (r, w) in self.shared.writers.iter().enumerate() {
                 let Some(w) = w else { continue };
                 if let Err(e) = write_frame(&lock(w), &frame, deadline) {
@@ -912,7 +931,7 @@ impl Root {
         data: &[u8],
     ) -> Result<Vec<Vec<u8>>, BootstrapError> {
         let n = g.world_size;
-        let deadline = Instant::now() + g.timeout;
+        let deadline = Instant::now() + g.timeout();
         let mut parts: Vec<Option<Vec<u8>>> = (0..n).map(|_| None).collect();
         parts[0] = Some(data.to_vec());
         let mut missing = n - 1;
@@ -923,17 +942,26 @@ impl Root {
             let Some(left) = remaining(deadline) else {
                 let waiting: Vec<usize> = (0..n).filter(|&r| parts[r].is_none()).collect();
                 let what = format!(
-                    "waiting for ranks {waiting:?} to enter {} #{seq}",
+                    "waiting for {} to enter {} #{seq}",
+                    ranks_named(&waiting),
                     kind.name()
                 );
+                // Named after the rank that did not come, so every other rank's error
+                // says who is missing, not that rank 0 failed.
+                let reason = format!(
+                    "did not enter {} #{seq} within {:?} (rank 0 waited for {})",
+                    kind.name(),
+                    g.timeout(),
+                    ranks_named(&waiting)
+                );
                 let first = self.shared.record(Failure {
-                    rank: 0,
-                    reason: format!("timed out after {:?} {what}", g.timeout),
+                    rank: waiting[0],
+                    reason: reason.clone(),
                 });
-                return Err(if first.rank == 0 && first.reason.contains(&what) {
+                return Err(if first.rank == waiting[0] && first.reason == reason {
                     BootstrapError::Timeout {
                         what,
-                        timeout: g.timeout,
+                        timeout: g.timeout(),
                     }
                 } else {
                     first.error()
@@ -1158,7 +1186,7 @@ fn member_join(info: &WorldInfo, timeout: Duration, version: u16) -> Result<Grou
         local_rank: info.local_rank,
         local_world_size: info.local_world_size,
         job_id,
-        timeout,
+        timeout_ns: AtomicU64::new(nanos(timeout)),
         role: Role::Member(Member {
             rank: info.rank,
             addr,
@@ -1187,7 +1215,9 @@ impl Member {
         rd.seq += 1;
         let seq = rd.seq;
         let op = format!("{} #{seq}", kind.name());
-        let deadline = Instant::now() + g.timeout;
+        // A little past rank 0's own deadline: when a rank is missing, rank 0's verdict
+        // (naming it) arrives before this rank would give up on rank 0.
+        let deadline = Instant::now() + g.timeout() + MEMBER_GRACE;
         let sent = write_frame(
             &lock(&self.write),
             &encode_gather(seq, kind, data),
@@ -1242,7 +1272,7 @@ impl Member {
                 let what = format!("waiting for rank 0 to complete {op}");
                 let mine = Failure {
                     rank: self.rank,
-                    reason: format!("timed out after {:?} {what}", g.timeout),
+                    reason: format!("timed out after {:?} {what}", g.timeout() + MEMBER_GRACE),
                 };
                 let first = self.record(mine.clone());
                 if first.reason != mine.reason {
@@ -1252,7 +1282,7 @@ impl Member {
                 self.send_abort(&first);
                 return Err(BootstrapError::Timeout {
                     what,
-                    timeout: g.timeout,
+                    timeout: g.timeout() + MEMBER_GRACE,
                 });
             }
             Err(e) => Failure {

@@ -14,6 +14,9 @@ pub enum EnvSource {
     Slurm,
     /// `uep` itself ([`crate::launch_local`]): torchrun-style variables plus `UEP_LAUNCHER=local`.
     Uep,
+    /// The caller's own control plane (a `torch.distributed` group, an MPI communicator),
+    /// through which uep formed a group of its own ([`crate::Group::form_over`]).
+    Caller,
 }
 
 impl fmt::Display for EnvSource {
@@ -23,6 +26,7 @@ impl fmt::Display for EnvSource {
             EnvSource::OpenMpi => "Open MPI",
             EnvSource::Slurm => "Slurm",
             EnvSource::Uep => "uep",
+            EnvSource::Caller => "the caller's process group",
         })
     }
 }

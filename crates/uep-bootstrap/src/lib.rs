@@ -25,6 +25,7 @@ mod fdpass;
 mod group;
 mod launch;
 mod launcher;
+mod own;
 mod proto;
 
 #[cfg(test)]

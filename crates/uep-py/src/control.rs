@@ -1,8 +1,10 @@
-//! The control plane of a Python job: the caller's `torch.distributed` group.
+//! The caller's control plane: its `torch.distributed` group (or MPI communicator).
 //!
 //! The Python layer hands over one callable, `all_gather(bytes) -> list[bytes]`, built
 //! on `dist.all_gather_object` over the group the caller passed to `Buffer`: the job's
-//! trusted control plane already, so uep opens no port and needs no secret of its own.
+//! trusted control plane. uep uses it once, when the Buffer is made, to invite every
+//! rank to a group of its own (`uep_bootstrap::Group::form_over`: a fresh port and
+//! secret); nothing of uep's travels on the caller's group after that.
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;

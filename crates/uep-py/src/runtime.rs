@@ -25,7 +25,7 @@ use std::time::Duration;
 use half::bf16;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
-use uep_bootstrap::ControlPlane;
+use uep_bootstrap::Group;
 use uep_ep::{
     Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchLayout, EpError, ErrorKind,
     LlCombineInput, LlCombinePending, LlHandle, LlPending, NormalHandle, Shape, Tokens, Topology,
@@ -100,6 +100,21 @@ impl Want {
     }
 }
 
+/// The call a rebuild serves, for messages.
+fn describe(want: &Result<Want, String>) -> String {
+    let shape = |s: &Shape| {
+        format!(
+            "{} experts, hidden {}, top-{}",
+            s.num_experts, s.hidden, s.topk
+        )
+    };
+    match want {
+        Ok(Want::Normal(s)) => format!("a normal-mode call ({})", shape(s)),
+        Ok(Want::Ll(s)) => format!("a low-latency call ({})", shape(s)),
+        Err(_) => "a call this rank rejected".into(),
+    }
+}
+
 struct State {
     buffer: Option<Buffer>,
     /// Memory of combine outputs, reused once Python lets go of them.
@@ -112,7 +127,8 @@ struct State {
 /// The Rust side of one `uep.Buffer`.
 #[pyclass(module = "uep._uep", frozen)]
 pub struct Runtime {
-    cp: Arc<PyControlPlane>,
+    /// uep's own control plane, formed through the caller's group once (see `new`).
+    cp: Arc<Group>,
     topo: Topology,
     /// Bytes the caller allows (`num_nvl_bytes + num_rdma_bytes`).
     capacity: usize,
@@ -195,7 +211,16 @@ impl Runtime {
             Ok(w) => Rebuild::Want(*w),
             Err(msg) => Rebuild::Rejected(msg.clone()),
         };
-        let all = exchange::all_gather(self.cp.as_ref(), "rebuild", &record).map_err(ep_err)?;
+        let all = exchange::all_gather(self.cp.as_ref(), "rebuild", &record).map_err(|e| {
+            let kind = e.kind();
+            errors::raise(
+                kind,
+                format!(
+                    "rank {me}: {}: not every rank came to build the Buffer for it: {e}",
+                    describe(&want)
+                ),
+            )
+        })?;
         if let Some((r, msg)) = all.iter().enumerate().find_map(|(r, t)| match t {
             Rebuild::Rejected(m) => Some((r, m)),
             Rebuild::Want(_) => None,
@@ -361,6 +386,7 @@ impl Runtime {
     #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None, elastic=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         rank: usize,
         world_size: usize,
         all_gather: Py<PyAny>,
@@ -380,7 +406,15 @@ impl Runtime {
                 "timeout {timeout_s} s must be positive"
             )));
         }
-        let cp = Arc::new(PyControlPlane::new(rank, world_size, all_gather));
+        // The caller's group carries one exchange, here: the invitation to a group of
+        // uep's own, through which every later exchange goes under uep's deadline, so no
+        // collective of uep's can pair with one of the caller's whatever a rank does.
+        let caller = PyControlPlane::new(rank, world_size, all_gather);
+        let timeout = Duration::from_secs_f64(timeout_s);
+        let cp = py
+            .detach(|| Group::form_over(&caller, timeout))
+            .map_err(|e| ep_err(e.into()))?;
+        let cp = Arc::new(cp);
         let topo = Topology::discover(cp.as_ref(), ranks_per_node).map_err(ep_err)?;
         // By default the node's ranks share the host's cores.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -425,6 +459,7 @@ impl Runtime {
         }
         let d = Duration::from_secs_f64(seconds);
         *self.timeout.lock().unwrap_or_else(|e| e.into_inner()) = d;
+        self.cp.set_timeout(d);
         if let Some(b) = self.lock(py).buffer.as_mut() {
             b.set_timeout(d);
         }
