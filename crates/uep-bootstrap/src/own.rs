@@ -217,11 +217,14 @@ mod tests {
         assert!(Invitation::decode(b"uep-own-group/1\nnot a port\n\n").is_err());
     }
 
+    /// Each thread's contribution, and the barrier they meet at.
+    type Table = std::sync::Arc<(std::sync::Mutex<Vec<Option<Vec<u8>>>>, std::sync::Barrier)>;
+
     /// A caller's control plane of `n` threads: one all_gather, through a shared table.
     #[derive(Debug)]
     struct Threads {
         rank: usize,
-        table: std::sync::Arc<(std::sync::Mutex<Vec<Option<Vec<u8>>>>, std::sync::Barrier)>,
+        table: Table,
     }
 
     impl ControlPlane for Threads {
@@ -251,7 +254,7 @@ mod tests {
     #[test]
     fn a_group_formed_over_the_callers_carries_collectives_and_names_absent_ranks() {
         let n = 3;
-        let table = std::sync::Arc::new((
+        let table: Table = std::sync::Arc::new((
             std::sync::Mutex::new(vec![None; n]),
             std::sync::Barrier::new(n),
         ));
