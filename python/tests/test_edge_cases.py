@@ -70,7 +70,7 @@ def test_every_event_flag_combination():
     assert all(r["combos"] == 8 for r in launch("events_and_flags", 2))
 
 
-@pytest.mark.parametrize("mode", ["normal", "ll"])
+@pytest.mark.parametrize("mode", ["normal", "ll", "other_op"])
 @pytest.mark.parametrize("bad_rank", [0, 2])
 def test_a_rank_that_rejects_its_input_early_strands_no_one(bad_rank, mode):
     # uep's exchanges run on a group of its own under UEP_TIMEOUT_S: the others raise
@@ -79,7 +79,11 @@ def test_a_rank_that_rejects_its_input_early_strands_no_one(bad_rank, mode):
     results = launch("stranded", 4, env={"UEP_TIMEOUT_S": str(timeout)}, bad_rank=bad_rank, mode=mode)
     for rank, r in enumerate(results):
         kind, msg = r["error"]
-        if rank == bad_rank:
+        if mode == "other_op":
+            # Every rank sees the two calls in the same round, at once.
+            assert kind == "InvalidArgumentError" and r["seconds"] < 2.0, r
+            assert f"rank {bad_rank}" in msg and "different calls" in msg, r
+        elif rank == bad_rank:
             assert kind == "InvalidArgumentError" and r["seconds"] < 1.0, r
         else:
             assert r["seconds"] < timeout + 2.0, r

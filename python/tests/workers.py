@@ -857,10 +857,11 @@ def cuda_tensors(ctx: Ctx, num_tokens: int = 32, hidden: int = 512, num_topk: in
 
 def stranded(ctx: Ctx, bad_rank: int, mode: str) -> Dict[str, Any]:
     """`bad_rank` rejects its input before the collective call the others are already in
-    (an int16 ``topk_idx`` to ``get_dispatch_layout``, which raises at once), then goes on
-    as a serving loop that caught the error would. The others must raise within uep's
-    deadline naming it; the caller's group must carry exactly the caller's own data
-    afterwards; and a new Buffer on it must work."""
+    (an int16 ``topk_idx`` to ``get_dispatch_layout``, which raises at once), or with
+    ``mode="other_op"`` makes a low-latency call where the others make a normal one; then
+    it goes on as a serving loop that caught the error would. The others must raise
+    within uep's deadline naming it; the caller's group must carry exactly the caller's
+    own data afterwards; and a new Buffer on it must work."""
     rank, R = ctx.rank, ctx.world
     buffer = ctx.buffer(int(2e9), int(1e9))
     n, h, E = 16, 256, 8
@@ -870,9 +871,11 @@ def stranded(ctx: Ctx, bad_rank: int, mode: str) -> Dict[str, Any]:
     start = time.monotonic()
     error: Optional[Tuple[str, str]] = None
     try:
-        if rank == bad_rank:
+        if rank == bad_rank and mode == "other_op":
+            buffer.low_latency_dispatch(x, idx, n, E, use_fp8=False)
+        elif rank == bad_rank:
             buffer.get_dispatch_layout(idx.to(torch.int16), E)
-        elif mode == "normal":
+        elif mode in ("normal", "other_op"):
             buffer.dispatch(x, topk_idx=idx, topk_weights=torch.rand((n, 2)), **_layout(buffer, idx, E))
         else:
             buffer.low_latency_dispatch(x, idx, n, E, use_fp8=False)
