@@ -88,3 +88,19 @@ def test_a_rank_that_rejects_its_input_early_strands_no_one(bad_rank, mode):
         else:
             assert r["seconds"] < timeout + 2.0, r
             assert f"rank {bad_rank}" in msg, r
+
+
+@pytest.mark.parametrize("env", [{}, {"UEP_RANKS_PER_NODE": "2"}], ids=["1x4", "2x2"])
+def test_seeded_fuzz_of_corrupted_arguments(env):
+    # Each case: one random rank corrupts one argument of one call. Every rank raises
+    # within the deadline + 2 s (or none, where the corruption changes nothing), with no
+    # cross-talk on the caller's group, and a fresh Buffer then works (checked inside).
+    timeout, seed = 3.0, 20261204
+    results = launch("corrupted_calls", 4, env={"UEP_TIMEOUT_S": str(timeout), **env},
+                     seed=seed, cases=16, deadline=timeout)
+    for i in range(len(results[0]["log"])):
+        case = [r["log"][i] for r in results]
+        raised = [c["error"] is not None for c in case]
+        assert all(raised) or not any(raised), case
+        for c in case:
+            assert c["seconds"] < timeout + 2.0, case

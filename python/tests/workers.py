@@ -892,3 +892,89 @@ def stranded(ctx: Ctx, bad_rank: int, mode: str) -> Dict[str, Any]:
     normal_step(ctx, fresh, tokens=16, hidden=256, experts=E)
     fresh.destroy()
     return {"error": error, "seconds": seconds}
+
+
+# ---------------------------------------------------------------------- corrupted calls
+
+def _corrupt(kind: str, t: Any) -> Any:
+    """`t` made wrong in way `kind`."""
+    if kind == "none":
+        return None
+    if kind == "dtype":
+        return t.to(torch.float32 if t.dtype != torch.float32 else torch.int32)
+    if kind == "rank":
+        return t.unsqueeze(0)
+    if kind == "shape":
+        return t[: max(t.shape[0] - 3, 0)]
+    if kind == "strided":
+        return t.t().contiguous().t() if t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1 else t[::2]
+    raise ValueError(kind)
+
+
+#: (call, argument) pairs a case corrupts.
+_TARGETS = [("layout", "topk_idx"), ("dispatch", "x"), ("dispatch", "topk_idx"), ("dispatch", "topk_weights"),
+            ("dispatch", "num_tokens_per_rank"), ("dispatch", "is_token_in_rank"), ("combine", "x"),
+            ("combine", "topk_weights"), ("cached", "x"), ("ll_dispatch", "x"), ("ll_dispatch", "topk_idx"),
+            ("ll_combine", "x"), ("ll_combine", "topk_weights")]
+_KINDS = ["none", "dtype", "rank", "shape", "strided"]
+
+
+def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad: bool) -> None:
+    """Run one step of `call`, with `arg` corrupted on this rank if `bad`."""
+    n, h, E = 16, 256, 8
+    x = torch.randn((n, h), dtype=torch.bfloat16)
+    idx = torch.randint(0, E, (n, 2))
+    w = torch.rand((n, 2))
+    c = (lambda name, t: _corrupt(kind, t) if bad and name == arg else t)  # noqa: E731
+    if call == "layout":
+        buffer.get_dispatch_layout(c("topk_idx", idx), E)
+        buffer.dispatch(x, topk_idx=idx, topk_weights=w, **_layout(buffer, idx, E))
+    elif call in ("dispatch", "combine", "cached"):
+        lay = _layout(buffer, idx, E)
+        args = dict(topk_idx=idx, topk_weights=w, **lay)
+        if call == "dispatch":
+            args = {k: c(k, v) for k, v in args.items()}
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(c("x", x) if call == "dispatch" else x, **args)
+        if call == "combine":
+            buffer.combine(c("x", recv_x), handle, topk_weights=c("topk_weights", recv_w))
+        elif call == "cached":
+            buffer.dispatch(c("x", x), handle=handle)
+    else:
+        recv_x, _, handle, _, _ = buffer.low_latency_dispatch(c("x", x) if call == "ll_dispatch" else x,
+                                                             c("topk_idx", idx) if call == "ll_dispatch" else idx,
+                                                             n, E, use_fp8=False)
+        if call == "ll_combine":
+            buffer.low_latency_combine(c("x", recv_x), idx, c("topk_weights", w), handle)
+
+
+def corrupted_calls(ctx: Ctx, seed: int, cases: int, deadline: float) -> Dict[str, Any]:
+    """A seeded fuzz: in each case one random rank corrupts one argument of one call (the
+    others call correctly). Every rank must raise within the deadline plus 2 s (or, where
+    the corruption is harmless, none may), the caller's group must then carry exactly
+    the callers' data, and a fresh Buffer must pass a checked step."""
+    import random
+    rng = random.Random(seed)  # the same on every rank: they agree on each case
+    rank, R = ctx.rank, ctx.world
+    log = []
+    for i in range(cases):
+        call, arg = rng.choice(_TARGETS)
+        kind = rng.choice(_KINDS)
+        bad = rng.randrange(R)
+        torch.manual_seed(seed + 101 * i + rank)
+        buffer = ctx.buffer(int(2e9), int(1e9))
+        start = time.monotonic()
+        try:
+            _case(ctx, buffer, call, arg, kind, rank == bad)
+            error = None
+        except deep_ep.UepError as e:  # anything else is a bug: it fails the test
+            error = f"{type(e).__name__}: {e}"
+        seconds = time.monotonic() - start
+        out: List[Any] = [None] * R
+        dist.all_gather_object(out, ("caller", i, rank), group=ctx.group)
+        assert out == [("caller", i, r) for r in range(R)], f"case {i}: cross-talk {out}"
+        del buffer
+        log.append({"case": (call, arg, kind, bad), "error": error, "seconds": seconds})
+    fresh = ctx.buffer(int(2e9), int(1e9))
+    normal_step(ctx, fresh, tokens=16, hidden=256, experts=8)
+    fresh.destroy()
+    return {"log": log, "deadline": deadline}

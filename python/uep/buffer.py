@@ -61,6 +61,13 @@ def _capsule(t: torch.Tensor) -> Any:
     return t.detach().__dlpack__()
 
 
+def _describe(t: Any) -> str:
+    """What was passed where a tensor was expected, for messages."""
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} of shape {tuple(t.shape)}"
+    return type(t).__name__
+
+
 def _noop() -> None:
     return None
 
@@ -311,8 +318,8 @@ class Buffer:
         """Which ranks, nodes and experts each token goes to: ``(num_tokens_per_rank
         [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None on one node,
         num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``."""
-        if topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2:
-            raise InvalidArgumentError(f"invalid argument: topk_idx must be a 2-D {topk_idx_t} tensor, got {topk_idx.dtype} of shape {tuple(topk_idx.shape)}")
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2:
+            raise InvalidArgumentError(f"invalid argument: topk_idx must be a 2-D {topk_idx_t} tensor, got {_describe(topk_idx)}")
         per_rank, per_node, per_expert, in_rank = self._rt().layout(_capsule(topk_idx.contiguous()), num_experts)
         out = (torch.from_dlpack(per_rank),
                None if per_node is None else torch.from_dlpack(per_node),
@@ -510,8 +517,9 @@ class Buffer:
             fail(f"use_ue8m0 packs four scales a word: hidden must be a multiple of 512, got {hidden}")
         if async_finish and return_recv_hook:
             fail("async_finish and return_recv_hook exclude each other")
-        if topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-            fail(f"topk_idx must be a [{x.shape[0]}, K] {topk_idx_t} tensor, got {topk_idx.dtype} of shape {tuple(topk_idx.shape)}")
+        if (not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2
+                or topk_idx.shape[0] != x.shape[0]):
+            fail(f"topk_idx must be a [{x.shape[0]}, K] {topk_idx_t} tensor, got {_describe(topk_idx)}")
         if num_experts % self.group_size != 0:
             fail(f"num_experts = {num_experts} must be a multiple of the number of ranks ({self.group_size})")
         pending = rt.ll_dispatch_send(_capsule(x), _capsule(topk_idx), num_max_dispatch_tokens_per_rank,
@@ -596,7 +604,11 @@ class Buffer:
 
         def fail(msg: str) -> None:
             # Named as a low-latency call of this shape, so the peers' waits end at once.
-            self._fail(msg, "ll", num_experts, hidden, topk_idx.shape[-1], num_max)
+            topk = topk_idx.shape[-1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() > 0 else 0
+            self._fail(msg, "ll", num_experts, hidden, topk, num_max)
+        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                fail(f"low-latency combine needs {name} as a tensor, got {_describe(t)}")
         if use_logfmt and zero_copy:
             fail("use_logfmt and zero_copy exclude each other")
         if async_finish and return_recv_hook:
