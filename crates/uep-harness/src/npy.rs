@@ -118,6 +118,9 @@ pub enum NpyError {
     /// More dimensions than numpy allows.
     #[error("{0} dimensions; at most {MAX_DIMS} are supported")]
     TooManyDims(usize),
+    /// Multiplying the dimensions overflows 64 bits, even if one of them is 0.
+    #[error("shape {0:?}: multiplying its dimensions overflows 64 bits")]
+    ShapeOverflow(Vec<u64>),
     /// The data after the header is not what the header describes.
     #[error("the header describes {expected} bytes of data (shape {shape:?}, {item} bytes each), but {found} follow it")]
     DataLength {
@@ -194,6 +197,51 @@ fn read_err(e: io::Error) -> NpyError {
     NpyError::Header(e.to_string())
 }
 
+/// `npyz` multiplies a shape's dimensions unchecked, in both orders (element count and
+/// strides), which panics in a debug build when a partial product overflows, as in
+/// `(0, 2**64 - 1, 2)`. Such a shape is refused before `npyz` sees it; anything else
+/// wrong with the header is left for `npyz` to report.
+fn refuse_overflowing_shape(bytes: &[u8]) -> Result<(), NpyError> {
+    let Some(shape) = header_shape(bytes) else {
+        return Ok(());
+    };
+    fn fits<'a>(dims: impl Iterator<Item = &'a u64>) -> bool {
+        dims.fold(Some(1u64), |acc, &d| acc?.checked_mul(d)).is_some()
+    }
+    if fits(shape.iter()) && fits(shape.iter().rev()) {
+        Ok(())
+    } else {
+        Err(NpyError::ShapeOverflow(shape))
+    }
+}
+
+/// The `shape` entry of a header, if the header is well formed enough to have one.
+fn header_shape(bytes: &[u8]) -> Option<Vec<u64>> {
+    let [major, _minor, rest @ ..] = bytes.strip_prefix(b"\x93NUMPY")? else {
+        return None;
+    };
+    let (len, text) = if *major == 1 {
+        let (len, text) = rest.split_at_checked(2)?;
+        (usize::from(u16::from_le_bytes(len.try_into().ok()?)), text)
+    } else {
+        let (len, text) = rest.split_at_checked(4)?;
+        (u32::from_le_bytes(len.try_into().ok()?) as usize, text)
+    };
+    let text = std::str::from_utf8(text.get(..len)?).ok()?;
+    let py_literal::Value::Dict(entries) = text.trim_end().parse().ok()? else {
+        return None;
+    };
+    let (_, shape) = entries
+        .iter()
+        .find(|(k, _)| k.as_string().map(String::as_str) == Some("shape"))?;
+    let (py_literal::Value::Tuple(dims) | py_literal::Value::List(dims)) = shape else {
+        return None;
+    };
+    dims.iter()
+        .map(|d| u64::try_from(d.as_integer()?).ok())
+        .collect()
+}
+
 impl NpyArray {
     /// An array, checking that `shape` matches the number of elements.
     pub fn new(shape: Vec<usize>, data: NpyData) -> Result<Self, NpyError> {
@@ -238,6 +286,7 @@ impl NpyArray {
     /// Parse a whole `.npy` file held in memory (see the module docs for what is
     /// accepted and how hostile input is handled).
     pub fn parse(bytes: &[u8]) -> Result<NpyArray, NpyError> {
+        refuse_overflowing_shape(bytes)?;
         let mut data = bytes;
         let header = NpyHeader::from_reader(&mut data).map_err(read_err)?;
         let dtype = Dtype::of(&header.dtype())?;
@@ -402,5 +451,19 @@ mod tests {
         assert!(NpyArray::new(vec![2, 2], NpyData::U8(vec![1])).is_err());
         let err = NpyArray::parse(b"\x93NUMPY\x01\x00\x10\x00{'descr': '<f8',}").unwrap_err();
         assert!(!err.to_string().is_empty());
+ 
+    }
+
+    #[test]
+    fn a_shape_whose_partial_products_overflow_is_refused() {
+        // Found by the header fuzz: 0 elements in all, but 2**64 - 1 times 2 on the way.
+        for shape in ["(18446744073709551615, 2, 0)", "(0, 18446744073709551615, 2)"] {
+            let text = format!("{{'descr': '|b1', 'fortran_order': False, 'shape': {shape}, }}\n");
+            let mut file = b"\x93NUMPY\x01\x00".to_vec();
+            file.extend_from_slice(&(text.len() as u16).to_le_bytes());
+            file.extend_from_slice(text.as_bytes());
+            let err = NpyArray::parse(&file).unwrap_err();
+            assert!(matches!(err, NpyError::ShapeOverflow(_)), "{shape}: {err}");
+        }
     }
 }
