@@ -206,7 +206,8 @@ fn refuse_overflowing_shape(bytes: &[u8]) -> Result<(), NpyError> {
         return Ok(());
     };
     fn fits<'a>(dims: impl Iterator<Item = &'a u64>) -> bool {
-        dims.fold(Some(1u64), |acc, &d| acc?.checked_mul(d)).is_some()
+        dims.fold(Some(1u64), |acc, &d| acc?.checked_mul(d))
+            .is_some()
     }
     if fits(shape.iter()) && fits(shape.iter().rev()) {
         Ok(())
@@ -451,13 +452,15 @@ mod tests {
         assert!(NpyArray::new(vec![2, 2], NpyData::U8(vec![1])).is_err());
         let err = NpyArray::parse(b"\x93NUMPY\x01\x00\x10\x00{'descr': '<f8',}").unwrap_err();
         assert!(!err.to_string().is_empty());
- 
     }
 
     #[test]
     fn a_shape_whose_partial_products_overflow_is_refused() {
         // Found by the header fuzz: 0 elements in all, but 2**64 - 1 times 2 on the way.
-        for shape in ["(18446744073709551615, 2, 0)", "(0, 18446744073709551615, 2)"] {
+        for shape in [
+            "(18446744073709551615, 2, 0)",
+            "(0, 18446744073709551615, 2)",
+        ] {
             let text = format!("{{'descr': '|b1', 'fortran_order': False, 'shape': {shape}, }}\n");
             let mut file = b"\x93NUMPY\x01\x00".to_vec();
             file.extend_from_slice(&(text.len() as u16).to_le_bytes());
