@@ -205,9 +205,8 @@ fn refuse_overflowing_shape(bytes: &[u8]) -> Result<(), NpyError> {
     let Some(shape) = header_shape(bytes) else {
         return Ok(());
     };
-    fn fits<'a>(dims: impl Iterator<Item = &'a u64>) -> bool {
-        dims.fold(Some(1u64), |acc, &d| acc?.checked_mul(d))
-            .is_some()
+    fn fits<'a>(mut dims: impl Iterator<Item = &'a u64>) -> bool {
+        dims.try_fold(1u64, |acc, &d| acc.checked_mul(d)).is_some()
     }
     if fits(shape.iter()) && fits(shape.iter().rev()) {
         Ok(())
