@@ -17,6 +17,17 @@ pub enum Modes {
     Ll,
 }
 
+/// What runs the EP layer's kernels.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceKind {
+    /// CPU threads (`--threads` of them a rank).
+    #[default]
+    Host,
+    /// GPU 0 for the compute phases (layout, FP8 cast, combine reduction) and FIFOs in
+    /// pinned memory it maps; needs a build with `--features cuda`.
+    Cuda,
+}
+
 /// `WHO@STEP`: a rank or node, and a soak step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct At {
@@ -162,6 +173,9 @@ pub struct BenchArgs {
     /// Kernel threads per rank (0: cores / ranks).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// What runs the kernels.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Host)]
+    pub device: DeviceKind,
     /// Deadline of every wait, seconds (default: UEP_TIMEOUT_S or 100).
     #[arg(long)]
     pub timeout: Option<f64>,

@@ -5,17 +5,19 @@
 //! process per rank) and waits for them; each copy finds it has `RANK` etc. set and
 //! runs as one rank. Under torchrun / mpirun / srun it runs as a rank directly.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use half::bf16;
 use uep_bootstrap::{EnvSource, Group, LaunchSpec, WorldInfo};
+use uep_ep::device::{Device, HostDevice};
 use uep_ep::{Buffer, BufferConfig, CombineArgs, DispatchArgs, LlCombineInput};
 use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
 use uep_harness::check::Mismatches;
 use uep_harness::workload::{JobShape, RankInput, TokenData};
 use uep_transport::{FabricOptions, FaultConfig};
 
-use crate::args::{make_inputs, step_salt, validate};
+use crate::args::{make_inputs, step_salt, validate, DeviceKind};
 pub use crate::args::{At, BenchArgs, Modes};
 use crate::report::{gbps, render_json, render_table, OpReport, Progress, Samples};
 
@@ -176,6 +178,8 @@ struct Setup {
     threads: usize,
     /// The libfabric provider.
     provider: String,
+    /// The device's name.
+    device: String,
 }
 
 /// The Buffer of this rank, configured from the flags and the launcher.
@@ -229,8 +233,26 @@ fn open_buffer(
     cfg.elastic = args.elastic;
     let provider = cfg.net.fabric.provider.clone();
     uep_ep::set_spin_only(args.spin_waits);
-    let buffer = Buffer::new(group, cfg)?;
-    Ok((buffer, Setup { threads, provider }))
+    let device = open_device(args.device, threads)?;
+    let device_name = device.name().to_string();
+    let buffer = Buffer::with_device(Arc::new(group), cfg, device)?;
+    let setup = Setup {
+        threads,
+        provider,
+        device: device_name,
+    };
+    Ok((buffer, setup))
+}
+
+/// The device `--device` names, with `threads` kernel threads for what runs on the host.
+fn open_device(kind: DeviceKind, threads: usize) -> anyhow::Result<Arc<dyn Device>> {
+    Ok(match kind {
+        DeviceKind::Host => Arc::new(HostDevice::new(threads)),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => Arc::new(uep_cuda::CudaDevice::open(0, threads)?),
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => return Err(uep_cuda::CudaError::NotBuilt.into()),
+    })
 }
 
 /// One rank's benchmark run: the flags, the step count and what it found wrong.
@@ -663,11 +685,12 @@ fn report(
         println!("{}", render_json(&reports));
     } else {
         println!(
-            "uep bench: {world} ranks x {} node(s), hidden {h}, top-k {}, {} experts, routing {}, {} kernel thread(s)/rank",
+            "uep bench: {world} ranks x {} node(s), hidden {h}, top-k {}, {} experts, routing {}, device {}, {} kernel thread(s)/rank",
             buffer.topology().num_nodes,
             args.topk,
             args.experts,
             args.routing,
+            setup.device,
             threads
         );
         print!("{}", render_table(&reports));

@@ -24,6 +24,7 @@ fn gpu_commands_say_why_there_is_no_device() {
     for cmd in [
         &["gpu", "check", "--quick"][..],
         &["gpu", "fifo", "--commands", "8"],
+        &["bench", "--experts", "8", "--device", "cuda"],
     ] {
         let (ok, text) = uep(cmd);
         assert!(!ok, "{cmd:?} succeeded without a GPU: {text}");

@@ -2,7 +2,7 @@
 //! bit against `uep_ep::quant::reduce_rows`, the host device's combine loop (a NaN
 //! matches any NaN: its payload is the hardware's).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -71,31 +71,13 @@ pub fn check(
     let mut od = stream
         .clone_htod(&vec![0x5a5au16; tokens * hidden])
         .map_err(driver("allocating out"))?;
-    let dims = [
-        tokens as u32,
-        topk as u32,
-        hidden as u32,
-        u32::from(weighted),
-    ];
-    let cfg = LaunchConfig {
-        grid_dim: (tokens.min(65535) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+    let shape = Shape {
+        topk,
+        hidden,
+        weighted,
     };
-    let launch = |od: &mut CudaSlice<u16>| {
-        let mut l = stream.launch_builder(&f);
-        l.arg(&yd).arg(&sd).arg(&wd);
-        for d in &dims {
-            l.arg(d);
-        }
-        l.arg(od);
-        // SAFETY: arguments match `uep_combine_reduce` (rows [tokens*topk, hidden], sources
-        // and weights [tokens, topk], four u32, out [tokens, hidden]).
-        #[allow(unsafe_code)]
-        unsafe { l.launch(cfg) }.map_err(driver("launching uep_combine_reduce"))?;
-        Ok(())
-    };
-    launch(&mut od)?;
+    let run = |od: &mut CudaSlice<u16>| launch(gpu, &f, (&yd, &sd, &wd), shape, od);
+    run(&mut od)?;
     let got = stream.clone_dtoh(&od).map_err(driver("copying out"))?;
     if let Some(i) = (0..got.len()).find(|&i| !same(got[i], want[i].to_bits())) {
         return Err(CudaError::Mismatch(format!(
@@ -107,10 +89,88 @@ pub fn check(
             want[i].to_bits()
         )));
     }
-    let time = gpu.time(iters, || launch(&mut od))?;
+    let time = gpu.time(iters, || run(&mut od))?;
     let used = src.iter().filter(|&&s| s >= 0).count();
     let bytes = ((used + tokens) * hidden * 2) as u64;
     Ok(Measured { seed, time, bytes })
+}
+
+/// A reduction's shape: slots a token, channels a row, and whether slots are weighted.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    pub(crate) topk: usize,
+    pub(crate) hidden: usize,
+    pub(crate) weighted: bool,
+}
+
+/// Reduces into `od` (`[tokens, hidden]`) the rows of `y` that `src` (`[tokens, topk]`,
+/// `-1`: none) names, times `w` if weighted.
+fn launch(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    (y, src, w): (&CudaSlice<u16>, &CudaSlice<i32>, &CudaSlice<f32>),
+    s: Shape,
+    od: &mut CudaSlice<u16>,
+) -> Result<(), CudaError> {
+    let tokens = src.len() / s.topk.max(1);
+    if s.hidden % 2 != 0 || w.len() != src.len() || od.len() != tokens * s.hidden {
+        return Err(CudaError::Invalid(format!(
+            "a reduction of {} slots of {} channels (weights {}) into {}",
+            src.len(),
+            s.hidden,
+            w.len(),
+            od.len()
+        )));
+    }
+    let dims = [tokens, s.topk, s.hidden, usize::from(s.weighted)].map(|v| v as u32);
+    let cfg = LaunchConfig {
+        grid_dim: (tokens.clamp(1, 65535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l = gpu.stream().launch_builder(f);
+    l.arg(y).arg(src).arg(w);
+    for d in &dims {
+        l.arg(d);
+    }
+    l.arg(od);
+    // SAFETY: arguments match `uep_combine_reduce` (rows [*, hidden], sources and
+    // weights [tokens, topk], four u32, out [tokens, hidden], checked above); every
+    // source names a row of `y` (the callers' promise: `reduce` checks it).
+    #[allow(unsafe_code)]
+    unsafe { l.launch(cfg) }.map_err(driver("launching uep_combine_reduce"))?;
+    Ok(())
+}
+
+/// The reduction of `src`'s rows of `y` (bf16 bits) into `out` by kernel `f`.
+pub(crate) fn reduce(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    (y, src, w): (&[u16], &[i32], &[f32]),
+    s: Shape,
+    out: &mut [u16],
+) -> Result<(), CudaError> {
+    let rows = y.len() / s.hidden.max(1);
+    if let Some(bad) = src.iter().find(|&&r| r >= 0 && r as usize >= rows) {
+        return Err(CudaError::Invalid(format!("row {bad} of {rows}")));
+    }
+    if out.is_empty() {
+        return Ok(());
+    }
+    let stream = gpu.stream();
+    let yd = stream.clone_htod(y).map_err(driver("copying rows"))?;
+    let sd = stream.clone_htod(src).map_err(driver("copying sources"))?;
+    let wd = stream.clone_htod(w).map_err(driver("copying weights"))?;
+    let mut od = stream
+        .alloc_zeros(out.len())
+        .map_err(driver("allocating out"))?;
+    launch(gpu, f, (&yd, &sd, &wd), s, &mut od)?;
+    stream
+        .memcpy_dtoh(&od, out)
+        .map_err(driver("copying out"))?;
+    stream
+        .synchronize()
+        .map_err(driver("running the reduction"))
 }
 
 /// The host device's reduction of the same rows: `reduce_rows` per token, in slot

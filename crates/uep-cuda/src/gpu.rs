@@ -28,8 +28,8 @@ pub(crate) fn driver(what: &'static str) -> impl FnOnce(DriverError) -> CudaErro
     }
 }
 
-/// A CUDA device opened for uep's kernels.
-#[derive(Debug)]
+/// A CUDA device opened for uep's kernels (a clone shares its context and stream).
+#[derive(Clone, Debug)]
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,

@@ -1,7 +1,7 @@
 //! `get_dispatch_layout` on the GPU (`kernels/layout.cu`), checked field by field
 //! against `uep_ep::get_dispatch_layout` on the same routing.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use uep_ep::{get_dispatch_layout, DispatchLayout};
 
 use crate::gpu::{driver, kernels};
@@ -32,64 +32,107 @@ struct Out {
     bad: CudaSlice<u64>,
 }
 
-/// Computes the layout of a fresh routing on the GPU and on the host, compares them,
-/// then times `iters` launches.
-pub fn check(gpu: &Gpu, s: RouteShape, seed: u64, iters: usize) -> Result<Measured, CudaError> {
-    if s.topk == 0 || s.topk > 32 {
-        return Err(CudaError::Invalid(format!(
-            "topk {} must be 1 to 32",
-            s.topk
-        )));
+impl Out {
+    /// Zeroed outputs for shape `s`.
+    fn new(gpu: &Gpu, s: RouteShape) -> Result<Out, CudaError> {
+        let stream = gpu.stream();
+        let alloc = |n: usize| {
+            stream
+                .alloc_zeros::<i32>(n)
+                .map_err(driver("allocating counts"))
+        };
+        Ok(Out {
+            per_rank: alloc(s.ranks)?,
+            per_node: alloc(s.ranks / s.ranks_per_node)?,
+            per_expert: alloc(s.experts)?,
+            in_rank: stream
+                .alloc_zeros::<u8>(s.tokens * s.ranks)
+                .map_err(driver("allocating is_token_in_rank"))?,
+            bad: stream
+                .clone_htod(&[u64::MAX])
+                .map_err(driver("allocating the error word"))?,
+        })
     }
-    let ids = routing(s.tokens, s.topk, s.experts, s.ranks, seed);
-    let want = get_dispatch_layout(&ids, s.topk, s.experts, s.ranks, s.ranks_per_node)
-        .map_err(|e| CudaError::Invalid(e.to_string()))?;
-    let stream = gpu.stream();
-    let f = gpu.function(kernels::LAYOUT, "uep_dispatch_layout")?;
-    let idd = stream
-        .clone_htod(&ids)
-        .map_err(driver("copying topk_idx"))?;
-    let nodes = s.ranks / s.ranks_per_node;
-    let alloc = |n: usize| {
-        stream
-            .alloc_zeros::<i32>(n)
-            .map_err(driver("allocating counts"))
-    };
-    let mut out = Out {
-        per_rank: alloc(s.ranks)?,
-        per_node: alloc(nodes)?,
-        per_expert: alloc(s.experts)?,
-        in_rank: stream
-            .alloc_zeros::<u8>(s.tokens * s.ranks)
-            .map_err(driver("allocating is_token_in_rank"))?,
-        bad: stream
-            .clone_htod(&[u64::MAX])
-            .map_err(driver("allocating the error word"))?,
-    };
+}
+
+/// Whether the kernel takes shape `s` (a warp a token: at most 32 slots; sizes in
+/// 32 bits; whole nodes and experts spread evenly): otherwise the host's definition
+/// runs, and says what is wrong with it.
+pub(crate) fn fits(s: RouteShape) -> bool {
+    (1..=32).contains(&s.topk)
+        && s.ranks_per_node > 0
+        && s.ranks % s.ranks_per_node == 0
+        && s.experts > 0
+        && s.ranks > 0
+        && s.experts % s.ranks == 0
+        && u32::try_from(s.tokens * s.ranks.max(s.topk)).is_ok()
+}
+
+/// Adds the layout of `idd` (`[tokens, topk]` expert ids on the device) into `o`.
+fn launch(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    idd: &CudaSlice<i64>,
+    s: RouteShape,
+    o: &mut Out,
+) -> Result<(), CudaError> {
     let dims = [s.tokens, s.topk, s.experts, s.ranks, s.ranks_per_node].map(|v| v as u32);
     let cfg = LaunchConfig {
         grid_dim: (s.tokens.div_ceil(8).max(1) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let launch = |o: &mut Out| {
-        let mut l = stream.launch_builder(&f);
-        l.arg(&idd);
-        for d in &dims {
-            l.arg(d);
-        }
-        l.arg(&mut o.per_rank)
-            .arg(&mut o.per_node)
-            .arg(&mut o.per_expert);
-        l.arg(&mut o.in_rank).arg(&mut o.bad);
-        // SAFETY: arguments match `uep_dispatch_layout` (ids [T, K], five u32 sizes, counts
-        // [R], [N], [E], the [T, R] map and one u64), each allocated at that size.
-        #[allow(unsafe_code)]
-        unsafe { l.launch(cfg) }.map_err(driver("launching uep_dispatch_layout"))?;
-        Ok(())
-    };
-    launch(&mut out)?;
-    let got = read_back(gpu, s, &out)?;
+    let mut l = gpu.stream().launch_builder(f);
+    l.arg(idd);
+    for d in &dims {
+        l.arg(d);
+    }
+    l.arg(&mut o.per_rank)
+        .arg(&mut o.per_node)
+        .arg(&mut o.per_expert);
+    l.arg(&mut o.in_rank).arg(&mut o.bad);
+    // SAFETY: arguments match `uep_dispatch_layout` (ids [T, K], five u32 sizes, counts
+    // [R], [N], [E], the [T, R] map and one u64), each allocated at that size by
+    // `Out::new` for `s`, which `fits` bounds.
+    #[allow(unsafe_code)]
+    unsafe { l.launch(cfg) }.map_err(driver("launching uep_dispatch_layout"))?;
+    Ok(())
+}
+
+/// The layout of `ids` on the GPU: `Ok(Err(i))` where the kernel rejected entry `i`.
+/// `s` must [`fits`].
+pub(crate) fn compute(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    ids: &[i64],
+    s: RouteShape,
+) -> Result<Result<DispatchLayout, u64>, CudaError> {
+    let idd = gpu
+        .stream()
+        .clone_htod(ids)
+        .map_err(driver("copying topk_idx"))?;
+    let mut out = Out::new(gpu, s)?;
+    launch(gpu, f, &idd, s, &mut out)?;
+    read_back(gpu, s, &out)
+}
+
+/// Computes the layout of a fresh routing on the GPU and on the host, compares them,
+/// then times `iters` launches.
+pub fn check(gpu: &Gpu, s: RouteShape, seed: u64, iters: usize) -> Result<Measured, CudaError> {
+    if !fits(s) {
+        return Err(CudaError::Invalid(format!(
+            "{s:?}: topk must be 1 to 32, ranks whole nodes and experts a multiple of ranks"
+        )));
+    }
+    let ids = routing(s.tokens, s.topk, s.experts, s.ranks, seed);
+    let want = get_dispatch_layout(&ids, s.topk, s.experts, s.ranks, s.ranks_per_node)
+        .map_err(|e| CudaError::Invalid(e.to_string()))?;
+    let f = gpu.function(kernels::LAYOUT, "uep_dispatch_layout")?;
+    let got = compute(gpu, &f, &ids, s)?.map_err(|bad| {
+        CudaError::Mismatch(format!(
+            "the layout kernel rejected topk_idx entry {bad}, which the host accepted"
+        ))
+    })?;
     if got != want {
         return Err(CudaError::Mismatch(format!(
             "dispatch layout differs from the host's (seed {seed}): per rank {:?} vs {:?}, \
@@ -101,21 +144,28 @@ pub fn check(gpu: &Gpu, s: RouteShape, seed: u64, iters: usize) -> Result<Measur
         )));
     }
     // The timed launches accumulate into the counts; only the first was checked.
-    let time = gpu.time(iters, || launch(&mut out))?;
+    let idd = gpu
+        .stream()
+        .clone_htod(&ids)
+        .map_err(driver("copying topk_idx"))?;
+    let mut out = Out::new(gpu, s)?;
+    let time = gpu.time(iters, || launch(gpu, &f, &idd, s, &mut out))?;
     let bytes = (ids.len() * 8 + s.tokens * s.ranks) as u64;
     Ok(Measured { seed, time, bytes })
 }
 
-/// The kernel's outputs as the host's type; an error if it rejected an id.
-fn read_back(gpu: &Gpu, s: RouteShape, out: &Out) -> Result<DispatchLayout, CudaError> {
+/// The kernel's outputs as the host's type; `Err(i)` if it rejected entry `i`.
+fn read_back(
+    gpu: &Gpu,
+    s: RouteShape,
+    out: &Out,
+) -> Result<Result<DispatchLayout, u64>, CudaError> {
     let stream = gpu.stream();
     let bad = stream
         .clone_dtoh(&out.bad)
         .map_err(driver("copying the error word"))?[0];
     if bad != u64::MAX {
-        return Err(CudaError::Mismatch(format!(
-            "the layout kernel rejected topk_idx entry {bad}, which the host accepted"
-        )));
+        return Ok(Err(bad));
     }
     let got = DispatchLayout {
         num_tokens: s.tokens,
@@ -137,5 +187,5 @@ fn read_back(gpu: &Gpu, s: RouteShape, out: &Out) -> Result<DispatchLayout, Cuda
             .map(|b| b != 0)
             .collect(),
     };
-    Ok(got)
+    Ok(Ok(got))
 }

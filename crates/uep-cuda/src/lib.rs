@@ -12,11 +12,11 @@
 //! * [`fifo_bench`]: kernels (one block, or one a multiprocessor) push `Write`
 //!   commands to CPU consumers: commands per second and push→pop round trips;
 //! * [`quant`]: the low-latency dispatch's FP8 cast, checked bit for bit against
-//!   `uep_ep::quant` on fresh random inputs.
-//!
-//! The EP operations themselves do not run on this device yet: `uep_ep::device::Device`
-//! launches host closures, and its kernel phases are not yet typed trait methods a GPU
-//! can implement (`docs/cuda.md` says what is missing).
+//!   `uep_ep::quant` on fresh random inputs;
+//! * `CudaDevice`: `uep_ep::device::Device` on a GPU, so `Buffer::with_device` runs
+//!   the EP operations with their compute phases (layout, cast, reduce) as these
+//!   kernels; the data-moving phases still run on CPU threads (`docs/cuda.md` says
+//!   what is missing).
 #![deny(unsafe_code)]
 
 mod error;
@@ -32,6 +32,8 @@ mod rings;
 #[cfg(feature = "cuda")]
 pub mod combine;
 #[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
 pub mod fifo_bench;
 pub mod inputs;
 #[cfg(feature = "cuda")]
@@ -40,6 +42,8 @@ pub mod layout;
 pub mod ll_send;
 pub mod quant;
 
+#[cfg(feature = "cuda")]
+pub use device::CudaDevice;
 pub use error::CudaError;
 #[cfg(feature = "cuda")]
 pub use gpu::Gpu;

@@ -126,22 +126,22 @@ unsafe impl FifoMemory for Pinned {
 
 /// The CUDA device's FIFOs: each in pinned host memory mapped into the device, so a
 /// kernel pushes into it and a proxy thread drains it.
-#[derive(Debug)]
-pub struct CudaFifos<'a> {
-    gpu: &'a Gpu,
+#[derive(Clone, Debug)]
+pub struct CudaFifos {
+    gpu: Gpu,
 }
 
-impl<'a> CudaFifos<'a> {
+impl CudaFifos {
     /// FIFOs for `gpu`'s kernels.
-    pub fn new(gpu: &'a Gpu) -> Self {
-        CudaFifos { gpu }
+    pub fn new(gpu: &Gpu) -> Self {
+        CudaFifos { gpu: gpu.clone() }
     }
 }
 
-impl FifoAlloc for CudaFifos<'_> {
+impl FifoAlloc for CudaFifos {
     fn alloc_fifo(&self, capacity: usize) -> Result<Fifo, FifoError> {
         let bytes = uep_fifo::region_bytes(capacity);
-        let mem = Pinned::new(self.gpu, bytes).map_err(|_| FifoError::AllocFailed { bytes })?;
+        let mem = Pinned::new(&self.gpu, bytes).map_err(|_| FifoError::AllocFailed { bytes })?;
         Fifo::in_memory(Arc::new(mem), capacity)
     }
 }

@@ -60,16 +60,78 @@ impl Loads {
 }
 
 #[cfg(feature = "cuda")]
+pub(crate) use run::cast;
+#[cfg(feature = "cuda")]
 pub use run::check;
 
 #[cfg(feature = "cuda")]
 mod run {
-    use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+    use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
     use super::*;
     use crate::gpu::{driver, kernels};
     use crate::inputs::inputs;
     use crate::{Gpu, Measured};
+
+    /// Casts `xd` (`groups` groups of 128 bf16 channels) into `qd` and `sd`.
+    fn launch(
+        gpu: &Gpu,
+        f: &CudaFunction,
+        xd: &CudaSlice<u16>,
+        round_scale: bool,
+        qd: &mut CudaSlice<u8>,
+        sd: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let groups = (xd.len() / GROUP) as u64;
+        let round = u32::from(round_scale);
+        let cfg = LaunchConfig {
+            // Eight blocks of 256 threads a multiprocessor: its 2048 threads, full occupancy.
+            grid_dim: (gpu.info()?.sms * 8, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if qd.len() != xd.len() || sd.len() as u64 != groups {
+            return Err(CudaError::Invalid(format!(
+                "{} channels cast into {} codes and {} scales",
+                xd.len(),
+                qd.len(),
+                sd.len()
+            )));
+        }
+        let mut l = gpu.stream().launch_builder(f);
+        l.arg(xd).arg(&groups).arg(&round).arg(qd).arg(sd);
+        // SAFETY: arguments match both cast kernels (bf16 bits, groups, flag, q and
+        // scales sized for `groups` groups of 128, checked above).
+        #[allow(unsafe_code)]
+        unsafe { l.launch(cfg) }.map_err(driver("launching the FP8 cast"))?;
+        Ok(())
+    }
+
+    /// The cast of `x` (bf16 bits, a multiple of 128 of them) into `q` and `scales`
+    /// by kernel `f`.
+    pub(crate) fn cast(
+        gpu: &Gpu,
+        f: &CudaFunction,
+        x: &[u16],
+        round_scale: bool,
+        q: &mut [u8],
+        scales: &mut [f32],
+    ) -> Result<(), CudaError> {
+        let stream = gpu.stream();
+        let xd = stream.clone_htod(x).map_err(driver("copying the input"))?;
+        let mut qd = stream
+            .alloc_zeros(q.len())
+            .map_err(driver("allocating q"))?;
+        let mut sd = stream
+            .alloc_zeros(scales.len())
+            .map_err(driver("allocating scales"))?;
+        launch(gpu, f, &xd, round_scale, &mut qd, &mut sd)?;
+        stream.memcpy_dtoh(&qd, q).map_err(driver("copying q"))?;
+        stream
+            .memcpy_dtoh(&sd, scales)
+            .map_err(driver("copying scales"))?;
+        stream.synchronize().map_err(driver("running the FP8 cast"))
+    }
 
     /// Casts fresh inputs on the GPU, compares every byte and scale with the host's
     /// cast of the same inputs, then times `iters` launches.
@@ -103,28 +165,13 @@ mod run {
         let mut sd = stream
             .clone_htod(&vec![f32::from_bits(0x7fa5_a5a5); x.len() / GROUP])
             .map_err(driver("allocating scales"))?;
-        let groups = (x.len() / GROUP) as u64;
-        let round = u32::from(round_scale);
-        let cfg = LaunchConfig {
-            // Eight blocks of 256 threads a multiprocessor: its 2048 threads, full occupancy.
-            grid_dim: (gpu.info()?.sms * 8, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let launch = |qd: &mut CudaSlice<u8>, sd: &mut CudaSlice<f32>| {
-            let mut l = stream.launch_builder(&f);
-            l.arg(&xd).arg(&groups).arg(&round).arg(qd).arg(sd);
-            // SAFETY: arguments match both cast kernels (bf16 bits, groups, flag, q and
-            // scales sized for `groups` groups of 128).
-            #[allow(unsafe_code)]
-            unsafe { l.launch(cfg) }.map_err(driver("launching the FP8 cast"))?;
-            Ok(())
-        };
-        launch(&mut qd, &mut sd)?;
+        launch(gpu, &f, &xd, round_scale, &mut qd, &mut sd)?;
         let q = stream.clone_dtoh(&qd).map_err(driver("copying q"))?;
         let s = stream.clone_dtoh(&sd).map_err(driver("copying scales"))?;
         compare((&want_q, &want_s), (&q, &s), hidden)?;
-        let time = gpu.time(iters, || launch(&mut qd, &mut sd))?;
+        let time = gpu.time(iters, || {
+            launch(gpu, &f, &xd, round_scale, &mut qd, &mut sd)
+        })?;
         Ok(Measured {
             seed,
             time,

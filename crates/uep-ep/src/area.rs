@@ -75,6 +75,11 @@ impl<T> Area<T> {
         self.len
     }
 
+    /// Whether it holds no values.
+    pub fn is_empty(self) -> bool {
+        self.len == 0
+    }
+
     /// Size in bytes.
     pub fn bytes(self) -> usize {
         self.len * Self::SIZE

@@ -107,7 +107,19 @@ impl Buffer {
 
     /// [`Buffer::new`] on a shared control plane.
     pub fn with_control_plane(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<Buffer> {
-        let cx = open(cp, cfg)?;
+        let device = Arc::new(HostDevice::new(cfg.device_threads));
+        Buffer::with_device(cp, cfg, device)
+    }
+
+    /// [`Buffer::with_control_plane`] whose kernels run on `device` instead of the host
+    /// device of `cfg.device_threads` threads. The results are the same bit for bit on
+    /// every device; the ranks of a job may use different ones.
+    pub fn with_device(
+        cp: Arc<dyn ControlPlane>,
+        cfg: BufferConfig,
+        device: Arc<dyn Device>,
+    ) -> Result<Buffer> {
+        let cx = open(cp, cfg, device)?;
         let map = &cx.map;
         let normal = NormalState {
             banks: map
@@ -487,7 +499,7 @@ impl Buffer {
 
 /// Meet the other ranks, make and map the registered memory, connect the other nodes:
 /// the context of a new Buffer. Collective.
-fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<Ctx> {
+fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -> Result<Ctx> {
     let (rank, num_ranks) = (cp.rank(), cp.world_size());
     if let Err(e) = cfg.validate(num_ranks) {
         cp.abort(&e.to_string());
@@ -540,7 +552,6 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig) -> Result<Ctx> {
     // An elastic job's proxies outlive a peer's failure.
     let mut net_cfg = cfg.net.clone();
     net_cfg.proxy.elastic |= cfg.elastic;
-    let device = HostDevice::new(cfg.device_threads);
     let net = match map.net {
         Some(areas) if topo.num_nodes > 1 => Some(NetPath::start(
             cp.as_ref(),

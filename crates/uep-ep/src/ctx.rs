@@ -14,7 +14,7 @@ use uep_shm::Region;
 
 use crate::area::{Area, Mem};
 use crate::config::BufferConfig;
-use crate::device::HostDevice;
+use crate::device::Device;
 use crate::error::{EpError, Result};
 use crate::map::{RegionMap, ABORT_MSG_BYTES};
 use crate::mask::Elastic;
@@ -39,7 +39,7 @@ pub(crate) struct Ctx {
     pub topo: Topology,
     pub map: RegionMap,
     pub symm: Symmetric,
-    pub device: HostDevice,
+    pub device: Arc<dyn Device>,
     /// Identifies the Buffer in the handles it returns.
     pub id: u64,
     /// The network path, when some ranks are on other nodes. Its proxy writes into

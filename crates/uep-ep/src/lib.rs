@@ -56,6 +56,7 @@ mod normal;
 
 mod buffer;
 
+pub use area::Area;
 pub use buffer::Buffer;
 pub use config::{
     ranks_per_node_from_env, timeout_from_env, BufferConfig, Connect, Shape, DEFAULT_TIMEOUT,

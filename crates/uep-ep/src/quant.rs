@@ -248,7 +248,7 @@ pub fn dequantize(q: &[u8], scales: &[f32], hidden: usize) -> Result<Vec<f32>> {
 }
 
 /// Shared shape check of [`quantize`] and [`dequantize`].
-fn check_fp8_shape(len: usize, hidden: usize) -> Result<()> {
+pub(crate) fn check_fp8_shape(len: usize, hidden: usize) -> Result<()> {
     if hidden == 0 || hidden % FP8_GROUP != 0 {
         return Err(invalid!(
             "fp8: hidden = {hidden} must be a positive multiple of {FP8_GROUP} (one scale per {FP8_GROUP} channels)"

@@ -319,6 +319,12 @@ impl Seen {
     pub fn value(&self) -> u64 {
         self.value
     }
+
+    /// A `Seen` for tests of readers whose memory no peer writes.
+    #[cfg(test)]
+    pub(crate) fn nothing_to_wait_for() -> Seen {
+        Seen { value: 0 }
+    }
 }
 
 /// The first rank that failed and why, if any rank did (from this rank's abort word

@@ -11,21 +11,29 @@
 //! * **host-mapped FIFO memory** ([`Device::fifo_alloc`]): the proxy's command rings
 //!   live in memory the kernels can store into and the proxy can read (pinned, mapped
 //!   host memory on a GPU; a shared mapping for CPU kernels), instead of the proxy's
-//!   own heap.
+//!   own heap;
+//! * **the compute phases** as whole methods over typed descriptors ([`LayoutPhase`],
+//!   [`CastPhase`], [`ReducePhase`]): each names the caller's tensors and areas of
+//!   symmetric memory, so a GPU implements it with its own kernel and matches the
+//!   host's definition bit for bit.
 //!
 //! [`HostDevice`] is the first implementation: CPU threads over contiguous chunks of
 //! the work. `docs/architecture.md` maps each kernel phase to DeepEP's kernel of the
 //! same job and says what a GPU device must add.
 
 mod host;
+mod phase;
 
 use std::ops::Range;
 
+use half::bf16;
 use uep_fifo::FifoAlloc;
 
 use crate::error::Result;
+use crate::layout::DispatchLayout;
 
 pub use host::{HostDevice, HostFifos};
+pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
 
 /// What runs the EP layer's kernels; see the module docs.
 ///
@@ -49,10 +57,32 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// Parallel lanes a launch spreads over.
     fn lanes(&self) -> usize;
 
-    /// Run `kernel` on contiguous chunks of `0..n`, at most one a lane, and return once
-    /// every chunk is done, with the first error.
+    /// How a launch over `n` items cuts them: `(chunks, items a chunk)`, chunk `c`
+    /// being `c * per..(c + 1) * per` (the last one shorter). A kernel that lays out
+    /// each chunk's output before the launch (the normal dispatch's pack) relies on it.
+    fn split(&self, n: usize) -> (usize, usize) {
+        let chunks = self.lanes().clamp(1, n.max(1));
+        (chunks, n.div_ceil(chunks).max(1))
+    }
+
+    /// Run `kernel` on the chunks of `0..n` that [`Device::split`] gives, one a lane,
+    /// and return once every chunk is done, with the first error.
     fn launch(&self, n: usize, kernel: &(dyn Fn(Range<usize>) -> Result<()> + Sync)) -> Result<()>;
 
     /// Makes the proxy's command FIFOs in memory this device's kernels store into.
     fn fifo_alloc(&self) -> &dyn FifoAlloc;
+
+    /// Phase *layout*: the dispatch layout of a routing, exactly as
+    /// [`crate::get_dispatch_layout`] defines it (its errors too).
+    fn layout(&self, phase: &LayoutPhase<'_>) -> Result<DispatchLayout>;
+
+    /// Phase *cast* (low-latency dispatch send): `q` gets `[tokens, hidden]` e4m3 codes
+    /// and `scales` `[tokens, hidden / 128]` scales, bit for bit
+    /// [`crate::quant::quantize_token`]'s.
+    fn cast(&self, phase: &CastPhase<'_>, q: &mut [u8], scales: &mut [f32]) -> Result<()>;
+
+    /// Phase *reduce* (both combines' receive): `out` gets `[tokens, hidden]` rows,
+    /// each the sum [`ReducePhase`] describes, bit for bit
+    /// [`crate::quant::reduce_rows`]'s.
+    fn reduce(&self, phase: &ReducePhase<'_>, out: &mut [bf16]) -> Result<()>;
 }

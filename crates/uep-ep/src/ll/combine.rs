@@ -9,12 +9,12 @@ use half::bf16;
 use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle, LlState};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
+use crate::device::{Part, ReducePhase, Rows, Symmetric};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
 use crate::net::Staged;
 use crate::packet::{ll_combine_groups, Channel, LlCombinePacket, LL_BUFFERS};
-use crate::quant::reduce_rows;
 use crate::symm::Exclusive;
 
 /// Where a combine's rows for one source go: a same-node source's combine rows, or the
@@ -37,6 +37,10 @@ fn own_rows(handle: &LlHandle, me: usize, r_n: usize, areas: &LlAreas) -> Vec<(u
     }
     own
 }
+
+/// The row sets a combine's reduction reads, and the (source, row) of each
+/// (token, slot).
+type Located<'a> = (Vec<Rows<'a>>, Vec<(u32, u32)>);
 
 /// What a combine's receive waited for: each packet from another node (its landing
 /// area), which same-node sources left our rows in their combine buffer, and what the
@@ -381,7 +385,7 @@ impl Ctx {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
         let started = std::time::Instant::now();
-        self.device.launch(epr, |experts| {
+        self.device.launch(epr, &|experts| {
             // `[src]`: rows packed for a packet but not pushed yet (a group, and the
             // packet rows it covers), so adjacent experts of a group leave as one write.
             let mut runs: Vec<Option<(usize, Range<usize>)>> = vec![None; r_n];
@@ -499,21 +503,31 @@ impl Ctx {
             }
             None => vec![false; r_n],
         };
-        let from = self.ll_combine_sources(p, y, &areas, &arrivals, &masked, &per_expert)?;
+        let (sources, from) =
+            self.ll_combine_sources(p, y, &areas, &arrivals, &masked, &per_expert)?;
         let (idx, w) = (&p.topk_idx, &p.topk_weights);
+        let kept = |i: usize| idx[i] >= 0 && !masked[idx[i] as usize / epr];
+        let mut starts = Vec::with_capacity(t_n + 1);
+        let mut parts = Vec::with_capacity(t_n * k);
+        for t in 0..t_n {
+            starts.push(parts.len() as u32);
+            parts.extend((t * k..(t + 1) * k).filter(|&i| kept(i)).map(|i| Part {
+                source: from[i].0,
+                row: from[i].1,
+                weight: w[i],
+            }));
+        }
+        starts.push(parts.len() as u32);
+        let phase = ReducePhase {
+            hidden: h,
+            sources: &sources,
+            starts: &starts,
+            parts: &parts,
+            weighted: true,
+            memory: Symmetric::new(&self.symm, self.symm.published(&arrivals.seen)),
+        };
+        self.device.reduce(&phase, out)?;
         let local = self.symm.local();
-        self.device.launch_rows(out, h, |first, out| {
-            let mut parts = Vec::with_capacity(k);
-            for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
-                parts.clear();
-                let kept = |e: i64| e >= 0 && !masked[e as usize / epr];
-                for slot in (0..k).filter(|&s| kept(idx[t * k + s])) {
-                    parts.push((from[t * k + slot], w[t * k + slot]));
-                }
-                reduce_rows(&parts, true, out_row);
-            }
-            Ok(())
-        })?;
         // Same-node sources may rewrite the combine buffers read above.
         local
             .word(self.map.control.ll_combine_received, c)?
@@ -592,9 +606,10 @@ impl Ctx {
         })
     }
 
-    /// Where each (token, slot)'s expert output is: this rank's own rows in `y`, a
-    /// same-node source's in its combine rows or (zero copy) its combine buffer, another
-    /// node's in the landed packet; the masked sources' are left out by the reduction.
+    /// Where each (token, slot)'s expert output is, as (source, row) of the returned
+    /// sources: this rank's own rows in `y`, a same-node source's in its combine rows or
+    /// (zero copy) its combine buffer, another node's in the landed packet; the masked
+    /// sources' are left out by the reduction.
     fn ll_combine_sources<'a>(
         &'a self,
         p: &LlCombinePending,
@@ -603,45 +618,46 @@ impl Ctx {
         arrivals: &CombineArrivals,
         masked: &[bool],
         per_expert: &[usize],
-    ) -> Result<Vec<&'a [u16]>> {
+    ) -> Result<Located<'a>> {
         let s = areas.shape;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, k, h, t_n) = (s.experts_per_rank(r_n), s.topk, s.hidden, p.num_tokens);
         let CombineArrivals {
             landed, in_place, ..
         } = arrivals;
-        let published = self.symm.published(&arrivals.seen);
-        let rows: &[u16] = published.view(areas.combine_x.rows(0..t_n * k, h)?)?;
-        let y_bits: &[u16] = bytemuck::cast_slice(y);
-        let mut from: Vec<&[u16]> = (0..t_n * k).map(|i| rows.row(i, h)).collect();
+        let area = areas.combine_x.rows(0..t_n * k, h)?;
+        let mut sources = vec![Rows::Symmetric { rank: me, area }, Rows::Tensor(y)];
+        let mut from: Vec<(u32, u32)> = (0..t_n * k).map(|i| (0, i as u32)).collect();
         for &(i, row) in &p.own {
-            from[i] = y_bits.row(row, h);
+            from[i] = (1, row as u32);
         }
         for (src, at) in landed.iter().enumerate() {
             let (Some(at), false) = (at, masked[src]) else {
                 continue;
             };
             let n = per_expert.row(src, epr).iter().sum();
-            let packet = LlCombinePacket::layout(n, h).at_base(at.offset());
-            // Every block of ours in the packet was signalled (waited above); the source
+            // Every block of ours in the packet was signalled (waited for); the source
             // writes this landing area again only with its next combine packet of this
             // area, after this rank's next combines.
-            let landed: &[u16] = published.view(packet.rows)?;
+            let area = LlCombinePacket::layout(n, h).at_base(at.offset()).rows;
+            let source = sources.len() as u32;
+            sources.push(Rows::Symmetric { rank: me, area });
             let mut j = 0;
             for e in (src * epr) as i64..((src + 1) * epr) as i64 {
                 for (i, _) in p.topk_idx.iter().enumerate().filter(|(_, &v)| v == e) {
-                    from[i] = landed.row(j, h);
+                    from[i] = (source, j);
                     j += 1;
                 }
             }
         }
         for src in (0..r_n).filter(|&r| in_place[r] && !masked[r]) {
-            let region = self.peer_region(src)?;
-            let begins = region.get_vec(areas.combine_begin)?;
-            // The source published this combine (its epoch, acquired above, after its
-            // rows and block offsets); it writes its combine buffer again only once this
-            // rank says it received this combine (`ll_combine_received`, below).
-            let ys: &[u16] = published.view_of(region, areas.combine_send)?;
+            let begins = self.peer_region(src)?.get_vec(areas.combine_begin)?;
+            // The source published this combine (its epoch, acquired by the wait, after
+            // its rows and block offsets); it writes its combine buffer again only once
+            // this rank says it received this combine (`ll_combine_received`).
+            let area = areas.combine_send;
+            let source = sources.len() as u32;
+            sources.push(Rows::Symmetric { rank: src, area });
             let block = self.topo.num_ranks * s.max_tokens;
             for le in 0..epr {
                 // Our copies to expert `e` are its rows from `begin` on, in (token, slot)
@@ -649,14 +665,15 @@ impl Ctx {
                 let (e, begin) = ((src * epr + le) as i64, begins[le * r_n + me] as usize);
                 let mine = p.topk_idx.iter().enumerate().filter(|(_, &v)| v == e);
                 for (row, (i, _)) in (le * block + begin..).zip(mine) {
-                    from[i] = ys.get(row * h..(row + 1) * h).ok_or_else(|| {
-                        EpError::internal(format!(
+                    if (row + 1) * h > area.len() {
+                        return Err(EpError::internal(format!(
                             "rank {src}'s combine buffer has no row {row} for rank {me}"
-                        ))
-                    })?;
+                        )));
+                    }
+                    from[i] = (source, row as u32);
                 }
             }
         }
-        Ok(from)
+        Ok((sources, from))
     }
 }

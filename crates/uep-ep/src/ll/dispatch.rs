@@ -1,4 +1,4 @@
-//! Low-latency dispatch: send (enter → quantise → pack → signal), then receive
+//! Low-latency dispatch: send (enter → cast → pack → signal), then receive
 //! (wait → pack to the front).
 
 use std::ops::Range;
@@ -12,12 +12,12 @@ use super::{check_window, fingerprint, LlDispatchOutput, LlHandle, LlPending, Ll
 use crate::area::{Area, Mem, SliceRows};
 use crate::config::Shape;
 use crate::ctx::Ctx;
+use crate::device::{CastPhase, Device};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
 use crate::net::Staged;
 use crate::packet::{Channel, LlDispatchPacket, LL_BUFFERS};
-use crate::quant::quantize_token;
 use crate::tokens::RecvTokens;
 use crate::wait::{epoch_word, Seen};
 
@@ -125,27 +125,33 @@ struct Rows<'a> {
 }
 
 impl<'a> Rows<'a> {
-    fn quantise(x: &'a [bf16], hidden: usize, use_fp8: bool, round_scale: bool) -> Rows<'a> {
-        let t_n = x.len() / hidden;
-        let groups = hidden / 128;
-        let fp8 = use_fp8.then(|| {
-            let (mut q, mut scales) = (vec![0u8; t_n * hidden], vec![0f32; t_n * groups]);
-            for t in 0..t_n {
-                quantize_token(
-                    x.row(t, hidden),
+    /// The rows of `x`, cast by `device`'s cast phase when `use_fp8`.
+    fn cast(
+        device: &dyn Device,
+        x: &'a [bf16],
+        hidden: usize,
+        use_fp8: bool,
+        round_scale: bool,
+    ) -> Result<Rows<'a>> {
+        let fp8 = match use_fp8 {
+            true => {
+                let (mut q, mut scales) = (vec![0u8; x.len()], vec![0f32; x.len() / 128]);
+                let phase = CastPhase {
+                    x,
+                    hidden,
                     round_scale,
-                    q.row_mut(t, hidden),
-                    scales.row_mut(t, groups),
-                );
+                };
+                device.cast(&phase, &mut q, &mut scales)?;
+                Some((q, scales))
             }
-            (q, scales)
-        });
-        Rows {
+            false => None,
+        };
+        Ok(Rows {
             x,
             hidden,
             row_bytes: if use_fp8 { hidden } else { 2 * hidden },
             fp8,
-        }
+        })
     }
 
     /// Token `t`'s bytes as sent.
@@ -255,7 +261,7 @@ impl Ctx {
         Ok(pending)
     }
 
-    /// The send half of step `seq`, in phases: enter → quantise → open sinks → pack →
+    /// The send half of step `seq`, in phases: enter → cast → open sinks → pack →
     /// signal.
     fn ll_send_step(
         &self,
@@ -274,7 +280,7 @@ impl Ctx {
             .local()
             .word(self.map.control.ll_entered, 0)?
             .store(seq as u64, Ordering::Release);
-        let rows = Rows::quantise(x, s.hidden, use_fp8, round_scale);
+        let rows = Rows::cast(&*self.device, x, s.hidden, use_fp8, round_scale)?;
         let place = Placement::of(topk_idx, s.num_experts);
         let sinks = self.ll_open_sinks(seq, &areas, topk_idx, &place, rows.row_bytes)?;
         self.ll_pack(&sinks, &areas, topk_idx, &place, &rows)?;
@@ -333,7 +339,7 @@ impl Ctx {
                 }
                 let p = LlDispatchPacket::layout(epr, n as usize, k, row_bytes, s.groups())
                     .at_base(staged.area.offset());
-                staged.fit_fence(p.rows.len(), self.device.threads());
+                staged.fit_fence(p.rows.len(), self.device.lanes());
                 let local = self.symm.local();
                 local.put(p.counts, place.counts_of(r, epr))?;
                 local.put(p.tokens, &[n])?;
@@ -367,7 +373,7 @@ impl Ctx {
         let local = self.symm.local();
         let started = Instant::now();
         let push_rows = kernel_pushes_rows(row_bytes);
-        self.device.launch(t_n, |range| {
+        self.device.launch(t_n, &|range| {
             let mut slots = vec![-1i32; k];
             // `[rank]`: packet rows packed but not pushed yet (a thread's are adjacent).
             let mut runs: Vec<Option<Range<usize>>> = vec![None; r_n];

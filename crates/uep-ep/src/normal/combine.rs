@@ -5,27 +5,28 @@ use std::sync::atomic::Ordering;
 use half::bf16;
 
 use super::{CombineArgs, NormalHandle, NormalState};
-use crate::area::{Mem, SliceRows, STREAM_ABOVE};
+use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::ctx::Ctx;
+use crate::device::{Part, ReducePhase, Rows, Symmetric};
 use crate::error::Result;
 use crate::invalid;
 use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket};
-use crate::quant::reduce_rows;
+use crate::symm::Published;
 use crate::wait::Wait;
 
 /// Where the rows for each of this rank's tokens came back: per contributing rank, its
 /// row (this rank's own in `x`, a same-node rank's in the combine rows, another node's
 /// partial where its packet landed).
 struct Gathered<'a> {
-    /// `[R, T, H]` combine rows from the node's ranks.
-    rows: &'a [u16],
-    /// `[R, T, K]` weights beside them.
+    /// This rank's memory, published for the call.
+    published: Published<'a>,
+    /// `[R, T, K]` weights beside the combine rows (`NormalAreas::combine_x`).
     wrows: &'a [f32],
     /// `[relay rank]`: each token's row in that relay's packet (empty: not a relay).
     packet_row: Vec<Vec<usize>>,
-    /// `[relay rank]`: the packet's rows and weights.
-    partial_x: Vec<&'a [u16]>,
+    /// `[relay rank]`: where the packet's rows landed, and its weights.
+    partial_x: Vec<Area<u16>>,
     partial_w: Vec<&'a [f32]>,
 }
 
@@ -146,7 +147,7 @@ impl Ctx {
             .map(|s| handle.rows_from(me, s).len())
             .sum();
         let streaming = out_rows * h * 2 > STREAM_ABOVE;
-        self.device.launch(handle.num_recv_tokens, |range| {
+        self.device.launch(handle.num_recv_tokens, &|range| {
             for i in range {
                 let (s, t) = (src_rank[i] as usize, handle.recv_src_idx[i] as usize);
                 if stays(s) {
@@ -209,7 +210,7 @@ impl Ctx {
         let published = self.symm.published(&seen);
         let in_rank = &handle.is_token_in_rank;
         let mut packet_row: Vec<Vec<usize>> = vec![Vec::new(); r_n];
-        let mut partial_x: Vec<&[u16]> = vec![&[]; r_n];
+        let mut partial_x: Vec<Area<u16>> = vec![Area::default(); r_n];
         let mut partial_w: Vec<&[f32]> = vec![&[]; r_n];
         for m in topo.remote_nodes() {
             let relay = topo.relay(me, m);
@@ -226,16 +227,12 @@ impl Ctx {
                 })
                 .collect();
             let p = CombinePacket::layout(j, h, k).at_base(landing.offset());
-            partial_x[relay] = published.view(p.x)?;
+            partial_x[relay] = p.x;
             partial_w[relay] = published.view(p.weights)?;
         }
-        let (rows, wrows) = (
-            published.view(areas.combine_x)?,
-            published.view(areas.combine_weights)?,
-        );
         Ok(Gathered {
-            rows,
-            wrows,
+            published,
+            wrows: published.view(areas.combine_weights)?,
             packet_row,
             partial_x,
             partial_w,
@@ -272,35 +269,52 @@ impl Ctx {
         for i in handle.rows_from(me, me) {
             own_row[handle.recv_src_idx[i] as usize] = i;
         }
-        let x_bits: &[u16] = bytemuck::cast_slice(x);
-        let bias: Vec<&[u16]> = args
-            .bias
-            .iter()
-            .flatten()
-            .map(|b| bytemuck::cast_slice(b))
-            .collect();
-        self.device.launch_rows(combined_x, h, |first, out| {
-            let mut parts = Vec::with_capacity(r_n + 2);
-            for (t, out_row) in (first..).zip(out.chunks_exact_mut(h)) {
-                parts.clear();
-                for r in (0..r_n).filter(|&r| parts_of(t, r)) {
-                    let row = if r == me {
-                        &x_bits[own_row[t] * h..(own_row[t] + 1) * h]
-                    } else if g.packet_row[r].is_empty() {
-                        &g.rows[(r * t_max + t) * h..(r * t_max + t + 1) * h]
-                    } else {
-                        let j = g.packet_row[r][t];
-                        &g.partial_x[r][j * h..(j + 1) * h]
-                    };
-                    parts.push((row, 1.0));
-                }
-                for b in &bias {
-                    parts.push((b.row(t, h), 1.0));
-                }
-                reduce_rows(&parts, false, out_row);
+        // The sources: `x`, the node's combine rows, each relay's packet, the biases.
+        let mut sources = vec![
+            Rows::Tensor(x),
+            Rows::Symmetric {
+                rank: me,
+                area: areas.combine_x,
+            },
+        ];
+        let mut packet_source = vec![u32::MAX; r_n];
+        for r in (0..r_n).filter(|&r| !g.packet_row[r].is_empty()) {
+            packet_source[r] = sources.len() as u32;
+            let area = g.partial_x[r];
+            sources.push(Rows::Symmetric { rank: me, area });
+        }
+        let biases = sources.len() as u32;
+        sources.extend(args.bias.iter().flatten().map(|b| Rows::Tensor(b)));
+        let mut starts = Vec::with_capacity(handle.num_tokens + 1);
+        let mut parts = Vec::new();
+        let part = |source: u32, row: usize| Part {
+            source,
+            row: row as u32,
+            weight: 1.0,
+        };
+        for (t, &own) in own_row.iter().enumerate() {
+            starts.push(parts.len() as u32);
+            for r in (0..r_n).filter(|&r| parts_of(t, r)) {
+                parts.push(if r == me {
+                    part(0, own)
+                } else if g.packet_row[r].is_empty() {
+                    part(1, r * t_max + t)
+                } else {
+                    part(packet_source[r], g.packet_row[r][t])
+                });
             }
-            Ok(())
-        })?;
+            parts.extend((biases..sources.len() as u32).map(|b| part(b, t)));
+        }
+        starts.push(parts.len() as u32);
+        let phase = ReducePhase {
+            hidden: h,
+            sources: &sources,
+            starts: &starts,
+            parts: &parts,
+            weighted: false,
+            memory: Symmetric::new(&self.symm, g.published),
+        };
+        self.device.reduce(&phase, combined_x)?;
         if let (Some(out), Some(own_w)) = (combined_w, args.topk_weights) {
             out.fill(0.0);
             for (t, out_row) in out.chunks_exact_mut(k).enumerate() {

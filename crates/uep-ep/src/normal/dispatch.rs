@@ -12,9 +12,10 @@ use super::{
 use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::config::Shape;
 use crate::ctx::Ctx;
+use crate::device::LayoutPhase;
 use crate::error::{EpError, Result};
 use crate::invalid;
-use crate::layout::{get_dispatch_layout, DispatchLayout};
+use crate::layout::DispatchLayout;
 use crate::map::NormalAreas;
 use crate::net::{Staged, Write};
 use crate::packet::{Channel, DispatchHeader, DispatchPacket, NotifyHead, NotifyPacket, RowFormat};
@@ -419,13 +420,13 @@ impl Ctx {
     /// normal-mode experts.
     pub(crate) fn get_dispatch_layout(&self, topk_idx: &[i64]) -> Result<DispatchLayout> {
         let s = self.normal_areas()?.shape;
-        get_dispatch_layout(
+        self.device.layout(&LayoutPhase {
             topk_idx,
-            s.topk,
-            s.num_experts,
-            self.topo.num_ranks,
-            self.topo.ranks_per_node,
-        )
+            topk: s.topk,
+            num_experts: s.num_experts,
+            num_ranks: self.topo.num_ranks,
+            ranks_per_node: self.topo.ranks_per_node,
+        })
     }
 
     /// One normal dispatch (see [`crate::Buffer::dispatch`]), numbered in `st`.
@@ -729,7 +730,7 @@ impl Ctx {
                 })
             })
             .collect();
-        let (block_start, totals) = block_starts(&hit, &direct, nd, self.device.chunks(t_n));
+        let (block_start, totals) = block_starts(&hit, &direct, nd, self.device.split(t_n));
         let (sinks, staged) =
             self.open_row_sinks(seq, areas, &dests, &totals, &out_base, fmt, wait)?;
         let node_rows: usize = (dests.iter().zip(&totals))
@@ -838,7 +839,7 @@ impl Ctx {
         routing: &Routing<'_>,
     ) -> Result<()> {
         let t_n = plan.hit.len() / plan.dests.len().max(1);
-        let per = self.device.chunks(t_n).1;
+        let per = self.device.split(t_n).1;
         let kernel = PackKernel {
             plan,
             args,
@@ -849,7 +850,7 @@ impl Ctx {
         };
         let started = std::time::Instant::now();
         self.device
-            .launch(t_n, |range| kernel.run(range.start / per, range))?;
+            .launch(t_n, &|range| kernel.run(range.start / per, range))?;
         if let Some(net) = &self.net {
             net.time_kernel(started.elapsed());
         }

@@ -6,8 +6,13 @@ use std::ops::Range;
 use uep_fifo::{Fifo, FifoAlloc, FifoError, FifoMemory};
 use uep_shm::Region;
 
-use super::Device;
+mod phases;
+
+use half::bf16;
+
+use super::{CastPhase, Device, LayoutPhase, ReducePhase};
 use crate::error::{EpError, Result};
+use crate::layout::DispatchLayout;
 
 /// The host device: runs a kernel over `n` items on `threads` CPU threads.
 #[derive(Clone, Copy, Debug)]
@@ -40,6 +45,18 @@ impl Device for HostDevice {
 
     fn fifo_alloc(&self) -> &dyn FifoAlloc {
         &HostFifos
+    }
+
+    fn layout(&self, phase: &LayoutPhase<'_>) -> Result<DispatchLayout> {
+        self.layout_phase(phase)
+    }
+
+    fn cast(&self, phase: &CastPhase<'_>, q: &mut [u8], scales: &mut [f32]) -> Result<()> {
+        self.cast_phase(phase, q, scales)
+    }
+
+    fn reduce(&self, phase: &ReducePhase<'_>, out: &mut [bf16]) -> Result<()> {
+        self.reduce_phase(phase, out)
     }
 }
 
@@ -86,20 +103,14 @@ impl HostDevice {
         self.threads
     }
 
-    /// How `n` items are cut into chunks, one a thread: `(chunks, items per chunk)`.
-    pub fn chunks(&self, n: usize) -> (usize, usize) {
-        let chunks = self.threads.min(n.max(1));
-        (chunks, n.div_ceil(chunks).max(1))
-    }
-
     /// Run `kernel` on contiguous chunks of `0..n`, one per thread (in the caller's
-    /// thread when one suffices; chunk `c` is `c * per..`, see [`HostDevice::chunks`]),
+    /// thread when one suffices; chunk `c` is `c * per..`, see [`Device::split`]),
     /// and return the first error.
     pub fn launch<F>(&self, n: usize, kernel: F) -> Result<()>
     where
         F: Fn(Range<usize>) -> Result<()> + Sync,
     {
-        let (chunks, per) = self.chunks(n);
+        let (chunks, per) = self.split(n);
         if chunks <= 1 {
             return kernel(0..n);
         }
@@ -129,23 +140,49 @@ impl HostDevice {
         T: Send,
         F: Fn(usize, &mut [T]) -> Result<()> + Sync,
     {
-        let n = out.len().checked_div(row_len).unwrap_or(0);
-        let (chunks, per) = self.chunks(n);
+        let mut none: [u8; 0] = [];
+        self.launch_row_pairs((out, row_len), (&mut none, 0), |first, rows, _| {
+            kernel(first, rows)
+        })
+    }
+
+    /// [`HostDevice::launch_rows`] over two outputs whose rows go together (`a.0` rows
+    /// of `a.1` values and as many of `b.1`, as a row's codes and its scales):
+    /// `kernel(first_row, a_rows, b_rows)`.
+    pub fn launch_row_pairs<A, B, F>(
+        &self,
+        a: (&mut [A], usize),
+        b: (&mut [B], usize),
+        kernel: F,
+    ) -> Result<()>
+    where
+        A: Send,
+        B: Send,
+        F: Fn(usize, &mut [A], &mut [B]) -> Result<()> + Sync,
+    {
+        let n = a.0.len().checked_div(a.1).unwrap_or(0);
+        let (chunks, per) = self.split(n);
         if chunks <= 1 {
-            return kernel(0, out);
+            return kernel(0, a.0, b.0);
         }
+        // A chunk of `b` for each chunk of `a` (empty ones where `b` has no rows).
+        let mut b_blocks: Vec<&mut [B]> = match b.1 {
+            0 => (0..chunks).map(|_| <&mut [B]>::default()).collect(),
+            len => b.0.chunks_mut(per * len).collect(),
+        };
+        b_blocks.resize_with(chunks, Default::default);
         std::thread::scope(|s| {
-            let mut blocks = out.chunks_mut(per * row_len).enumerate();
-            let Some((_, first)) = blocks.next() else {
+            let mut blocks = a.0.chunks_mut(per * a.1).zip(b_blocks).enumerate();
+            let Some((_, (a0, b0))) = blocks.next() else {
                 return Ok(());
             };
             let handles: Vec<_> = blocks
-                .map(|(c, block)| {
+                .map(|(c, (ac, bc))| {
                     let kernel = &kernel;
-                    s.spawn(move || kernel(c * per, block))
+                    s.spawn(move || kernel(c * per, ac, bc))
                 })
                 .collect();
-            let mut result = kernel(0, first);
+            let mut result = kernel(0, a0, b0);
             for h in handles {
                 let r = h.join().unwrap_or_else(|p| Err(panicked(p)));
                 if result.is_ok() {

@@ -1,0 +1,162 @@
+//! The CUDA device on uep-ep's seam: [`CudaDevice`] implements
+//! [`uep_ep::device::Device`], so `Buffer::with_device` runs the EP operations with
+//! their compute phases on a GPU.
+//!
+//! What runs where, today:
+//! * **layout, cast, reduce** (the trait's phase methods): CUDA kernels, the same ones
+//!   `uep gpu` checks bit for bit against the host's definitions; a phase's inputs are
+//!   copied to the device and its outputs back, since the EP layer's memory (the
+//!   caller's tensors and the `/dev/shm` symmetric memory) is host memory;
+//! * **FIFO memory**: pinned host memory mapped into the GPU ([`CudaFifos`]);
+//! * **launch** (the data-moving kernels: pack, store into same-node peers, push
+//!   commands): still host closures, run on CPU threads, because they read and write
+//!   host-mapped symmetric memory; see `docs/cuda.md` for what moves them to the GPU.
+
+use std::ops::Range;
+
+use cudarc::driver::CudaFunction;
+use half::bf16;
+use uep_ep::device::{CastPhase, Device, HostDevice, LayoutPhase, ReducePhase};
+use uep_ep::{DispatchLayout, EpError};
+use uep_fifo::FifoAlloc;
+
+use crate::combine::{self, Shape};
+use crate::gpu::kernels;
+use crate::layout::{self, RouteShape};
+use crate::quant::Loads;
+use crate::{CudaError, CudaFifos, Gpu};
+
+/// A GPU as the device of a `uep_ep::Buffer`.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use uep_cuda::CudaDevice;
+/// use uep_ep::device::Device;
+/// let device = Arc::new(CudaDevice::open(0, 4)?);
+/// assert_eq!(device.name(), "cuda");
+/// // let buffer = uep_ep::Buffer::with_device(control_plane, config, device)?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct CudaDevice {
+    gpu: Gpu,
+    fifos: CudaFifos,
+    /// Runs the data-moving kernels (see the module docs).
+    host: HostDevice,
+    layout: CudaFunction,
+    cast: CudaFunction,
+    reduce: CudaFunction,
+}
+
+/// A driver failure as the EP layer's error: a resource that failed.
+fn ep(e: CudaError) -> EpError {
+    EpError::Resource(format!("CUDA device: {e}"))
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal`; the data-moving kernels get `host_threads` CPU threads.
+    pub fn open(ordinal: usize, host_threads: usize) -> Result<CudaDevice, CudaError> {
+        let gpu = Gpu::open(ordinal)?;
+        Ok(CudaDevice {
+            fifos: CudaFifos::new(&gpu),
+            host: HostDevice::new(host_threads),
+            layout: gpu.function(kernels::LAYOUT, "uep_dispatch_layout")?,
+            cast: gpu.function(kernels::QUANT, Loads::X16.kernel())?,
+            reduce: gpu.function(kernels::COMBINE, "uep_combine_reduce")?,
+            gpu,
+        })
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> &str {
+        "cuda"
+    }
+
+    fn lanes(&self) -> usize {
+        self.host.lanes()
+    }
+
+    fn launch(
+        &self,
+        n: usize,
+        kernel: &(dyn Fn(Range<usize>) -> uep_ep::Result<()> + Sync),
+    ) -> uep_ep::Result<()> {
+        self.host.launch(n, kernel)
+    }
+
+    fn fifo_alloc(&self) -> &dyn FifoAlloc {
+        &self.fifos
+    }
+
+    fn layout(&self, p: &LayoutPhase<'_>) -> uep_ep::Result<DispatchLayout> {
+        let s = RouteShape {
+            tokens: p.topk_idx.len() / p.topk.max(1),
+            topk: p.topk,
+            experts: p.num_experts,
+            ranks: p.num_ranks,
+            ranks_per_node: p.ranks_per_node,
+        };
+        // A shape the kernel does not take, or an id it rejects: the host's definition
+        // runs, and says what is wrong exactly as it would on the host device.
+        if !layout::fits(s) || p.topk_idx.len() % p.topk != 0 {
+            return self.host.layout(p);
+        }
+        match layout::compute(&self.gpu, &self.layout, p.topk_idx, s).map_err(ep)? {
+            Ok(layout) => Ok(layout),
+            Err(bad) => match self.host.layout(p) {
+                Err(e) => Err(e),
+                Ok(_) => Err(EpError::Internal(format!(
+                    "the GPU's layout rejected topk_idx entry {bad}, which the host accepts"
+                ))),
+            },
+        }
+    }
+
+    fn cast(&self, p: &CastPhase<'_>, q: &mut [u8], scales: &mut [f32]) -> uep_ep::Result<()> {
+        p.check(q.len(), scales.len())?;
+        let x: &[u16] = bytemuck::cast_slice(p.x);
+        if x.is_empty() {
+            return Ok(());
+        }
+        crate::quant::cast(&self.gpu, &self.cast, x, p.round_scale, q, scales).map_err(ep)
+    }
+
+    fn reduce(&self, p: &ReducePhase<'_>, out: &mut [bf16]) -> uep_ep::Result<()> {
+        p.check(out.len())?;
+        let (h, tokens) = (p.hidden, p.tokens());
+        // One upload: each part's row in order, and per token its parts' places in it
+        // (padded with -1 to the most parts a token has).
+        let topk = (0..tokens)
+            .map(|t| p.parts_of(t).len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let sources: Vec<&[u16]> = (p.sources.iter())
+            .map(|&s| p.memory.rows(s))
+            .collect::<uep_ep::Result<_>>()?;
+        let mut y = Vec::with_capacity(p.parts.len() * h);
+        let (mut src, mut w) = (vec![-1i32; tokens * topk], vec![0f32; tokens * topk]);
+        for t in 0..tokens {
+            for (k, part) in p.parts_of(t).iter().enumerate() {
+                let row = part.row as usize;
+                src[t * topk + k] = (y.len() / h) as i32;
+                w[t * topk + k] = part.weight;
+                y.extend_from_slice(&sources[part.source as usize][row * h..(row + 1) * h]);
+            }
+        }
+        let shape = Shape {
+            topk,
+            hidden: h,
+            weighted: p.weighted,
+        };
+        let out_bits: &mut [u16] = bytemuck::cast_slice_mut(out);
+        combine::reduce(&self.gpu, &self.reduce, (&y, &src, &w), shape, out_bits).map_err(ep)
+    }
+}

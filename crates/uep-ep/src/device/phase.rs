@@ -1,0 +1,202 @@
+//! The compute phases' descriptors: what each phase reads and writes, named as the
+//! caller's tensors, areas of symmetric memory (a rank and an [`Area`]: offset and
+//! shape, the same on every device) and dimensions, so that one call means the same on
+//! CPU threads and on a GPU.
+//!
+//! A device reads a symmetric area through the [`Symmetric`] view the descriptor
+//! carries: the host device takes a slice of the mapping ([`Symmetric::rows`]); a
+//! device whose symmetric memory is its own resolves the same rank and offset in it.
+//! The view exists only once a wait acquired the area's publication for the call, so
+//! reading it is safe on any device.
+
+use half::bf16;
+
+use crate::area::Area;
+use crate::error::{EpError, Result};
+use crate::quant::check_fp8_shape;
+use crate::symm::{self, Published};
+
+/// The layout phase (DeepEP's `get_dispatch_layout`): which ranks, nodes and experts
+/// each token of `topk_idx` goes to.
+#[derive(Clone, Copy, Debug)]
+pub struct LayoutPhase<'a> {
+    /// `[tokens, topk]` expert ids, `-1` for an empty slot.
+    pub topk_idx: &'a [i64],
+    /// Slots a token.
+    pub topk: usize,
+    /// Experts over all ranks.
+    pub num_experts: usize,
+    /// Ranks of the job.
+    pub num_ranks: usize,
+    /// Ranks a node.
+    pub ranks_per_node: usize,
+}
+
+/// The cast phase of a low-latency dispatch: `[tokens, hidden]` bf16 rows into FP8
+/// e4m3 codes with one f32 scale per 128 channels (`crate::quant::quantize_token`, the
+/// definition every device matches bit for bit).
+///
+/// ```
+/// use half::bf16;
+/// use uep_ep::device::{CastPhase, Device, HostDevice};
+/// let x: Vec<bf16> = (0..3 * 128).map(|i| bf16::from_f32(i as f32 / 7.0)).collect();
+/// let (mut q, mut scales) = (vec![0u8; x.len()], vec![0f32; 3]);
+/// let phase = CastPhase { x: &x, hidden: 128, round_scale: false };
+/// HostDevice::new(2).cast(&phase, &mut q, &mut scales).unwrap();
+/// assert_eq!((q, scales), uep_ep::quant::quantize(&x, 128, false).unwrap());
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct CastPhase<'a> {
+    /// `[tokens, hidden]` rows.
+    pub x: &'a [bf16],
+    /// Channels a row, a multiple of 128.
+    pub hidden: usize,
+    /// Scales rounded up to powers of two (UE8M0-representable).
+    pub round_scale: bool,
+}
+
+impl CastPhase<'_> {
+    /// Checks that `hidden` is a multiple of 128 that divides the input, and that `q`
+    /// and `scales` hold `q_len` codes and `scales_len` scales, one a value and one a
+    /// 128 values: what a device relies on before it casts.
+    pub fn check(&self, q_len: usize, scales_len: usize) -> Result<()> {
+        check_fp8_shape(self.x.len(), self.hidden)?;
+        let n = self.x.len();
+        if q_len != n || scales_len * 128 != n {
+            return Err(crate::invalid!(
+                "cast: {n} values need {n} codes and {} scales, got {q_len} and {scales_len}",
+                n / 128
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Where rows of bf16 values that a phase reads are.
+#[derive(Clone, Copy, Debug)]
+pub enum Rows<'a> {
+    /// One of the caller's tensors.
+    Tensor(&'a [bf16]),
+    /// An area of `rank`'s symmetric memory (this rank's or a same-node peer's).
+    Symmetric {
+        /// Whose memory.
+        rank: usize,
+        /// The rows, as bf16 bits.
+        area: Area<u16>,
+    },
+}
+
+/// One row a token's output sums: row `row` of source `source`, times `weight` in a
+/// weighted reduction.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Part {
+    /// Index into [`ReducePhase::sources`].
+    pub source: u32,
+    /// Row of that source.
+    pub row: u32,
+    /// The row's weight (ignored unless [`ReducePhase::weighted`]).
+    pub weight: f32,
+}
+
+/// The reduce phase of both combines (normal and low-latency receive): token `t`'s
+/// output row is `bf16(0.0 + w0*r0 + w1*r1 + ...)` over `parts[starts[t]..starts[t+1]]`
+/// in that order, accumulated in f32 and rounded once (`crate::quant::reduce_rows`).
+#[derive(Clone, Copy, Debug)]
+pub struct ReducePhase<'a> {
+    /// Channels a row.
+    pub hidden: usize,
+    /// The row sets the parts name.
+    pub sources: &'a [Rows<'a>],
+    /// `[tokens + 1]`: token `t`'s parts are `parts[starts[t]..starts[t + 1]]`.
+    pub starts: &'a [u32],
+    /// Every token's parts, in summation order.
+    pub parts: &'a [Part],
+    /// Multiply each row by its part's weight.
+    pub weighted: bool,
+    /// The symmetric memory the sources may name, published for this call.
+    pub memory: Symmetric<'a>,
+}
+
+impl ReducePhase<'_> {
+    /// Tokens reduced.
+    pub fn tokens(&self) -> usize {
+        self.starts.len().saturating_sub(1)
+    }
+
+    /// Token `t`'s parts.
+    pub fn parts_of(&self, t: usize) -> &[Part] {
+        &self.parts[self.starts[t] as usize..self.starts[t + 1] as usize]
+    }
+
+    /// Checks that `starts` is a well-formed index of `parts`, that every part names a
+    /// source and a row it has, and that `out` holds `tokens × hidden` values: what a
+    /// device relies on before it reads a row.
+    pub fn check(&self, out_len: usize) -> Result<()> {
+        let bad = |what: String| Err(EpError::internal(format!("reduce phase: {what}")));
+        let h = self.hidden;
+        if out_len != self.tokens() * h {
+            return bad(format!(
+                "{out_len} outputs for {} tokens of {h}",
+                self.tokens()
+            ));
+        }
+        let ends_right = self.starts.last().map_or(0, |&e| e as usize) == self.parts.len();
+        if self.starts.first().is_some_and(|&s| s != 0)
+            || !self.starts.windows(2).all(|w| w[0] <= w[1])
+            || !ends_right
+        {
+            return bad(format!("starts do not index {} parts", self.parts.len()));
+        }
+        let rows: Vec<usize> = (self.sources.iter())
+            .map(|s| self.memory.len_of(*s) / h.max(1))
+            .collect();
+        match self.parts.iter().find(|p| {
+            rows.get(p.source as usize)
+                .is_none_or(|&n| p.row as usize >= n)
+        }) {
+            Some(p) => bad(format!("{p:?} names no row of its source")),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Symmetric memory as a phase reads it: published to this rank for the call.
+#[derive(Clone, Copy)]
+pub struct Symmetric<'a> {
+    symm: &'a symm::Symmetric,
+    published: Published<'a>,
+}
+
+impl std::fmt::Debug for Symmetric<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Symmetric").finish_non_exhaustive()
+    }
+}
+
+impl<'a> Symmetric<'a> {
+    /// The view of `symm` that `published` proves readable.
+    pub(crate) fn new(symm: &'a symm::Symmetric, published: Published<'a>) -> Self {
+        Symmetric { symm, published }
+    }
+
+    /// `rows` as a host slice (host devices: the mapping is host memory).
+    pub fn rows(&self, rows: Rows<'a>) -> Result<&'a [u16]> {
+        match rows {
+            Rows::Tensor(t) => Ok(bytemuck::cast_slice(t)),
+            Rows::Symmetric { rank, area } => {
+                let region = self.symm.peer(rank).ok_or_else(|| {
+                    EpError::internal(format!("rank {rank} shares no memory with this one"))
+                })?;
+                self.published.view_of(region, area)
+            }
+        }
+    }
+
+    /// Values in `rows`.
+    pub fn len_of(&self, rows: Rows<'_>) -> usize {
+        match rows {
+            Rows::Tensor(t) => t.len(),
+            Rows::Symmetric { area, .. } => area.len(),
+        }
+    }
+}
