@@ -661,6 +661,247 @@ fn decode_addr(peer: usize, a: &PeerAddr) -> Result<DecodedAddr, TransportError>
     })
 }
 
+/// The provider `fi_getinfo` chose for the options, and what uep reads of it.
+struct Chosen {
+    list: InfoList,
+    /// The first node of `list`.
+    info: *mut FiInfo,
+    view: UepInfoView,
+    pinfo: ProviderInfo,
+    mr_mode: i32,
+}
+
+/// The first provider that matches `opts` with what uep needs (RDM, RMA write, remote
+/// CQ data; atomics if asked and offered), or why there is none.
+fn choose_provider(opts: &FabricOptions) -> Result<Chosen, TransportError> {
+    let base_caps = ffi::FI_MSG
+        | ffi::FI_RMA
+        | ffi::FI_WRITE
+        | ffi::FI_REMOTE_WRITE
+        // FI_RECV only matters for FI_RX_CQ_DATA providers, where remote
+        // CQ data consumes posted receives.
+        | ffi::FI_RECV;
+    let mut hints = Hints {
+        caps: base_caps | if opts.atomics { ffi::FI_ATOMIC } else { 0 },
+        ep_type: ffi::FI_EP_RDM,
+        threading: ffi::FI_THREAD_DOMAIN,
+        provider: Some(&opts.provider),
+        domain: opts.domain.as_deref(),
+        node: opts.node.as_deref(),
+    };
+    let list = match getinfo(&hints) {
+        Err(TransportError::Fabric { code, .. }) if code == ffi::FI_ENODATA && opts.atomics => {
+            // Atomics are optional: fall back to emulation.
+            hints.caps = base_caps;
+            getinfo(&hints)
+        }
+        r => r,
+    }
+    .map_err(|e| match e {
+        TransportError::Fabric { code, .. } if code == ffi::FI_ENODATA => {
+            TransportError::Invalid(format!(
+                "no libfabric provider matches {:?} (domain {:?}, node {:?}) with an RDM \
+                 endpoint, RMA write and remote CQ data; run `fi_info -l` / `uep info` to \
+                 see what is available and set UEP_FI_PROVIDER",
+                opts.provider, opts.domain, opts.node
+            ))
+        }
+        e => e,
+    })?;
+    let (info, view) = list
+        .views()
+        .into_iter()
+        .next()
+        .ok_or_else(|| TransportError::Invalid("fi_getinfo returned an empty list".into()))?;
+    let pinfo = ProviderInfo::from_view(&view);
+    let unsupported = |why: String| TransportError::Unsupported {
+        op: "open",
+        provider: pinfo.provider.clone(),
+        why,
+    };
+    if !pinfo.fits() {
+        return Err(unsupported(format!(
+            "uep needs an RDM endpoint with RMA write and >= 4 bytes of remote CQ data; \
+             got ep {} rma_write {} remote_write {} cq_data_size {}",
+            pinfo.ep_type, pinfo.rma_write, pinfo.remote_write, pinfo.cq_data_size
+        )));
+    }
+    let mr_mode = normalize_mr_mode(view.mr_mode);
+    if mr_mode & !SUPPORTED_MR_MODE != 0 {
+        return Err(unsupported(format!(
+            "provider requires mr_mode {:?}; uep handles LOCAL, VIRT_ADDR, ALLOCATED, \
+             PROV_KEY and ENDPOINT",
+            pinfo.mr_mode
+        )));
+    }
+    Ok(Chosen {
+        list,
+        info,
+        view,
+        pinfo,
+        mr_mode,
+    })
+}
+
+impl Fids {
+    /// Opens the fabric, domain, both CQs, the AV and the endpoint of `info` (a node
+    /// of `list`, which the result keeps), binds them and enables the endpoint.
+    fn open(
+        list: InfoList,
+        info: *mut FiInfo,
+        view: &UepInfoView,
+        tx_size: usize,
+        rx_size: usize,
+    ) -> Result<Fids, TransportError> {
+        let mut fids = Fids {
+            _info: list,
+            fabric: ptr::null_mut(),
+            domain: ptr::null_mut(),
+            tx_cq: ptr::null_mut(),
+            rx_cq: ptr::null_mut(),
+            av: ptr::null_mut(),
+            ep: ptr::null_mut(),
+            mr: ptr::null_mut(),
+            op_mr: ptr::null_mut(),
+        };
+        // SAFETY: `info` is a node of `fids._info` (alive); out-pointer valid.
+        let rc = unsafe { ffi::uep_fabric_open(info, &mut fids.fabric) };
+        check("fi_fabric", rc)?;
+        // SAFETY: fabric just opened; info alive; out-pointer valid.
+        let rc = unsafe { ffi::uep_domain_open(fids.fabric, info, &mut fids.domain) };
+        check("fi_domain", rc)?;
+        // SAFETY: domain open; CQ attrs built by the shim; out-pointer valid.
+        let rc = unsafe { ffi::uep_cq_open(fids.domain, tx_size, &mut fids.tx_cq) };
+        check("fi_cq_open (send)", rc)?;
+        // Room for every arrival between two polls at full rate.
+        // SAFETY: as above.
+        let rc = unsafe { ffi::uep_cq_open(fids.domain, rx_size.max(4096), &mut fids.rx_cq) };
+        check("fi_cq_open (recv)", rc)?;
+        let av_type = if view.av_type == ffi::FI_AV_MAP {
+            ffi::FI_AV_MAP
+        } else {
+            ffi::FI_AV_TABLE
+        };
+        // SAFETY: domain open; out-pointer valid.
+        let rc = unsafe { ffi::uep_av_open(fids.domain, av_type, 64, &mut fids.av) };
+        check("fi_av_open", rc)?;
+        // SAFETY: domain open; info alive; out-pointer valid.
+        let rc = unsafe { ffi::uep_ep_open(fids.domain, info, &mut fids.ep) };
+        check("fi_endpoint", rc)?;
+        // SAFETY: ep and CQs open; FI_TRANSMIT/FI_RECV select the queue.
+        let rc = unsafe { ffi::uep_ep_bind_cq(fids.ep, fids.tx_cq, ffi::FI_TRANSMIT) };
+        check("fi_ep_bind (send cq)", rc)?;
+        // SAFETY: as above.
+        let rc = unsafe { ffi::uep_ep_bind_cq(fids.ep, fids.rx_cq, ffi::FI_RECV) };
+        check("fi_ep_bind (recv cq)", rc)?;
+        // SAFETY: ep and AV open.
+        let rc = unsafe { ffi::uep_ep_bind_av(fids.ep, fids.av) };
+        check("fi_ep_bind (av)", rc)?;
+        // SAFETY: ep fully bound.
+        let rc = unsafe { ffi::uep_ep_enable(fids.ep) };
+        check("fi_enable", rc)?;
+        Ok(fids)
+    }
+
+    /// Under FI_MR_ENDPOINT, binds `mr` to the endpoint and enables it.
+    fn bind_mr(&self, mr: *mut ffi::FidMr, mr_mode: i32) -> Result<(), TransportError> {
+        if mr_mode & ffi::FI_MR_ENDPOINT != 0 {
+            // SAFETY: MR and ep open; FI_MR_ENDPOINT requires bind + enable.
+            check("fi_mr_bind", unsafe { ffi::uep_mr_bind_ep(mr, self.ep) })?;
+            // SAFETY: MR bound.
+            check("fi_mr_enable", unsafe { ffi::uep_mr_enable(mr) })?;
+        }
+        Ok(())
+    }
+
+    /// Registers `region` as the source of this rank's writes and the target of its
+    /// peers': its remote key and local descriptor.
+    fn register_region(
+        &mut self,
+        region: &RegionRef,
+        mr_mode: i32,
+        pinfo: &ProviderInfo,
+    ) -> Result<(u64, *mut c_void), TransportError> {
+        let requested = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the region's contract (RegionRef::from_raw / from_heap)
+        // guarantees `addr..addr+len` stays valid and writable for as long as
+        // `region` lives, and the transport holds `region` in a field that drops
+        // after its `Fids` close the MR.
+        let rc = unsafe {
+            ffi::uep_mr_reg(
+                self.domain,
+                region.addr() as *mut c_void,
+                region.len(),
+                // Source of our writes, target of theirs (atomics included).
+                ffi::FI_WRITE | ffi::FI_REMOTE_WRITE,
+                requested,
+                &mut self.mr,
+            )
+        };
+        check("fi_mr_reg (region)", rc)?;
+        self.bind_mr(self.mr, mr_mode)?;
+        let key = if mr_mode & ffi::FI_MR_PROV_KEY != 0 {
+            // SAFETY: MR open (and enabled under FI_MR_ENDPOINT).
+            unsafe { ffi::uep_mr_key(self.mr) }
+        } else {
+            requested
+        };
+        if key == ffi::FI_KEY_NOTAVAIL {
+            return Err(TransportError::Unsupported {
+                op: "open",
+                provider: pinfo.provider.clone(),
+                why: "memory key is not available as 64 bits (raw keys are not supported)".into(),
+            });
+        }
+        // SAFETY: MR open; the descriptor stays valid until the MR closes.
+        Ok((key, unsafe { ffi::uep_mr_desc(self.mr) }))
+    }
+
+    /// Registers the slot table, where native atomics' operands live (FI_MR_LOCAL):
+    /// its local descriptor.
+    fn register_operands(
+        &mut self,
+        slots: &Slots,
+        mr_mode: i32,
+    ) -> Result<*mut c_void, TransportError> {
+        let bytes = std::mem::size_of_val(&*slots.mem);
+        // SAFETY: the slot table is a boxed slice that never moves or shrinks and
+        // drops after the transport's `Fids` (field order), so it outlives the MR;
+        // the provider only reads operands from it.
+        let rc = unsafe {
+            ffi::uep_mr_reg(
+                self.domain,
+                slots.mem.as_ptr() as *mut c_void,
+                bytes,
+                ffi::FI_WRITE,
+                NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+                &mut self.op_mr,
+            )
+        };
+        check("fi_mr_reg (atomic operands)", rc)?;
+        self.bind_mr(self.op_mr, mr_mode)?;
+        // SAFETY: op MR open.
+        Ok(unsafe { ffi::uep_mr_desc(self.op_mr) })
+    }
+
+    /// The endpoint's address as the provider names it (at most 256 bytes).
+    fn endpoint_name(&self) -> Result<Vec<u8>, TransportError> {
+        let mut name = vec![0u8; 256];
+        let mut nlen = name.len();
+        // SAFETY: ep enabled; buffer of `nlen` writable bytes; nlen updated.
+        let rc = unsafe { ffi::uep_getname(self.ep, name.as_mut_ptr().cast(), &mut nlen) };
+        check("fi_getname", rc)?;
+        if nlen > name.len() {
+            return Err(TransportError::Invalid(format!(
+                "endpoint name of {nlen} bytes exceeds the {} bytes uep supports",
+                name.len()
+            )));
+        }
+        name.truncate(nlen);
+        Ok(name)
+    }
+}
+
 /// Keys we request when the provider does not choose them (no FI_MR_PROV_KEY).
 /// Process-wide so several transports in one process never collide.
 static NEXT_KEY: AtomicU64 = AtomicU64::new(0x7565_7000);
@@ -726,172 +967,23 @@ impl LibfabricTransport {
                 "region is empty; register at least one byte".into(),
             ));
         }
-        let base_caps = ffi::FI_MSG
-            | ffi::FI_RMA
-            | ffi::FI_WRITE
-            | ffi::FI_REMOTE_WRITE
-            // FI_RECV only matters for FI_RX_CQ_DATA providers, where remote
-            // CQ data consumes posted receives.
-            | ffi::FI_RECV;
-        let mut hints = Hints {
-            caps: base_caps | if opts.atomics { ffi::FI_ATOMIC } else { 0 },
-            ep_type: ffi::FI_EP_RDM,
-            threading: ffi::FI_THREAD_DOMAIN,
-            provider: Some(&opts.provider),
-            domain: opts.domain.as_deref(),
-            node: opts.node.as_deref(),
-        };
-        let list = match getinfo(&hints) {
-            Err(TransportError::Fabric { code, .. }) if code == ffi::FI_ENODATA && opts.atomics => {
-                // Atomics are optional: fall back to emulation.
-                hints.caps = base_caps;
-                getinfo(&hints)
-            }
-            r => r,
-        }
-        .map_err(|e| match e {
-            TransportError::Fabric { code, .. } if code == ffi::FI_ENODATA => {
-                TransportError::Invalid(format!(
-                    "no libfabric provider matches {:?} (domain {:?}, node {:?}) with an RDM \
-                     endpoint, RMA write and remote CQ data; run `fi_info -l` / `uep info` to \
-                     see what is available and set UEP_FI_PROVIDER",
-                    opts.provider, opts.domain, opts.node
-                ))
-            }
-            e => e,
-        })?;
-        let (info_ptr, view) =
-            list.views().into_iter().next().ok_or_else(|| {
-                TransportError::Invalid("fi_getinfo returned an empty list".into())
-            })?;
-        let pinfo = ProviderInfo::from_view(&view);
-        if !pinfo.fits() {
-            return Err(TransportError::Unsupported {
-                op: "open",
-                provider: pinfo.provider.clone(),
-                why: format!(
-                    "uep needs an RDM endpoint with RMA write and >= 4 bytes of remote CQ data; \
-                     got ep {} rma_write {} remote_write {} cq_data_size {}",
-                    pinfo.ep_type, pinfo.rma_write, pinfo.remote_write, pinfo.cq_data_size
-                ),
-            });
-        }
-        let mr_mode = normalize_mr_mode(view.mr_mode);
-        if mr_mode & !SUPPORTED_MR_MODE != 0 {
-            return Err(TransportError::Unsupported {
-                op: "open",
-                provider: pinfo.provider.clone(),
-                why: format!(
-                    "provider requires mr_mode {:?}; uep handles LOCAL, VIRT_ADDR, ALLOCATED, \
-                     PROV_KEY and ENDPOINT",
-                    pinfo.mr_mode
-                ),
-            });
-        }
-        let mut fids = Fids {
-            _info: list,
-            fabric: ptr::null_mut(),
-            domain: ptr::null_mut(),
-            tx_cq: ptr::null_mut(),
-            rx_cq: ptr::null_mut(),
-            av: ptr::null_mut(),
-            ep: ptr::null_mut(),
-            mr: ptr::null_mut(),
-            op_mr: ptr::null_mut(),
-        };
+        let chosen = choose_provider(opts)?;
+        let view = chosen.view;
         let tx_size = usize::try_from(view.tx_size)
             .unwrap_or(0)
             .clamp(16, 1 << 16);
         let rx_size = usize::try_from(view.rx_size)
             .unwrap_or(0)
             .clamp(16, 1 << 16);
-        let rx_cq_data = view.mode & ffi::FI_RX_CQ_DATA != 0;
         // Receive-side posted buffers exist only for FI_RX_CQ_DATA providers.
-        let rx_posts = if rx_cq_data { rx_size.min(1024) } else { 0 };
-
-        // SAFETY: `info_ptr` is a node of `fids.info` (alive); out-pointer valid.
-        let rc = unsafe { ffi::uep_fabric_open(info_ptr, &mut fids.fabric) };
-        check("fi_fabric", rc)?;
-        // SAFETY: fabric just opened; info alive; out-pointer valid.
-        let rc = unsafe { ffi::uep_domain_open(fids.fabric, info_ptr, &mut fids.domain) };
-        check("fi_domain", rc)?;
-        // SAFETY: domain open; CQ attrs built by the shim; out-pointer valid.
-        let rc = unsafe { ffi::uep_cq_open(fids.domain, tx_size, &mut fids.tx_cq) };
-        check("fi_cq_open (send)", rc)?;
-        // Room for every arrival between two polls at full rate.
-        // SAFETY: as above.
-        let rc = unsafe { ffi::uep_cq_open(fids.domain, rx_size.max(4096), &mut fids.rx_cq) };
-        check("fi_cq_open (recv)", rc)?;
-        let av_type = if view.av_type == ffi::FI_AV_MAP {
-            ffi::FI_AV_MAP
+        let rx_posts = if view.mode & ffi::FI_RX_CQ_DATA != 0 {
+            rx_size.min(1024)
         } else {
-            ffi::FI_AV_TABLE
+            0
         };
-        // SAFETY: domain open; out-pointer valid.
-        let rc = unsafe { ffi::uep_av_open(fids.domain, av_type, 64, &mut fids.av) };
-        check("fi_av_open", rc)?;
-        // SAFETY: domain open; info alive; out-pointer valid.
-        let rc = unsafe { ffi::uep_ep_open(fids.domain, info_ptr, &mut fids.ep) };
-        check("fi_endpoint", rc)?;
-        // SAFETY: ep and CQs open; FI_TRANSMIT/FI_RECV select the queue.
-        let rc = unsafe { ffi::uep_ep_bind_cq(fids.ep, fids.tx_cq, ffi::FI_TRANSMIT) };
-        check("fi_ep_bind (send cq)", rc)?;
-        // SAFETY: as above.
-        let rc = unsafe { ffi::uep_ep_bind_cq(fids.ep, fids.rx_cq, ffi::FI_RECV) };
-        check("fi_ep_bind (recv cq)", rc)?;
-        // SAFETY: ep and AV open.
-        let rc = unsafe { ffi::uep_ep_bind_av(fids.ep, fids.av) };
-        check("fi_ep_bind (av)", rc)?;
-        // SAFETY: ep fully bound.
-        let rc = unsafe { ffi::uep_ep_enable(fids.ep) };
-        check("fi_enable", rc)?;
-
-        let prov_key = mr_mode & ffi::FI_MR_PROV_KEY != 0;
-        let mr_endpoint = mr_mode & ffi::FI_MR_ENDPOINT != 0;
-        let virt_addr = mr_mode & ffi::FI_MR_VIRT_ADDR != 0;
-        let requested = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the region's contract (RegionRef::from_raw / from_heap)
-        // guarantees `addr..addr+len` stays valid and writable for as long as
-        // `region` lives, and `region` is a field of the transport that drops
-        // after `fids` closes the MR.
-        let rc = unsafe {
-            ffi::uep_mr_reg(
-                fids.domain,
-                region.addr() as *mut c_void,
-                region.len(),
-                // Source of our writes, target of theirs (atomics included).
-                ffi::FI_WRITE | ffi::FI_REMOTE_WRITE,
-                requested,
-                &mut fids.mr,
-            )
-        };
-        check("fi_mr_reg (region)", rc)?;
-        if mr_endpoint {
-            // SAFETY: MR and ep open; FI_MR_ENDPOINT requires bind + enable.
-            let rc = unsafe { ffi::uep_mr_bind_ep(fids.mr, fids.ep) };
-            check("fi_mr_bind", rc)?;
-            // SAFETY: MR bound.
-            let rc = unsafe { ffi::uep_mr_enable(fids.mr) };
-            check("fi_mr_enable", rc)?;
-        }
-        let key = if prov_key {
-            // SAFETY: MR open (and enabled under FI_MR_ENDPOINT).
-            unsafe { ffi::uep_mr_key(fids.mr) }
-        } else {
-            requested
-        };
-        if key == ffi::FI_KEY_NOTAVAIL {
-            return Err(TransportError::Unsupported {
-                op: "open",
-                provider: pinfo.provider.clone(),
-                why: "memory key is not available as 64 bits (raw keys are not supported)".into(),
-            });
-        }
-        // SAFETY: MR open; the descriptor stays valid until the MR closes.
-        let desc = unsafe { ffi::uep_mr_desc(fids.mr) };
-
+        let mut fids = Fids::open(chosen.list, chosen.info, &view, tx_size, rx_size)?;
+        let (key, desc) = fids.register_region(&region, chosen.mr_mode, &chosen.pinfo)?;
         let slots = Slots::new(tx_size + rx_posts);
-
         // Native atomics need FI_ATOMIC, proven ordering (writes before the
         // atomic must land first) and a u64 SUM the domain actually supports.
         let mut native_atomics =
@@ -900,50 +992,12 @@ impl LibfabricTransport {
         if native_atomics && unsafe { ffi::uep_query_atomic_add_u64(fids.domain) } != 0 {
             native_atomics = false;
         }
-        let mut op_desc = ptr::null_mut();
-        if native_atomics && mr_mode & ffi::FI_MR_LOCAL != 0 {
-            // Atomic operands live in the slot table; FI_MR_LOCAL needs it
-            // registered too.
-            let bytes = std::mem::size_of_val(&*slots.mem);
-            // SAFETY: the slot table is a boxed slice that never moves or
-            // shrinks and drops after `fids` (field order), so it outlives the
-            // MR; the provider only reads operands from it.
-            let rc = unsafe {
-                ffi::uep_mr_reg(
-                    fids.domain,
-                    slots.mem.as_ptr() as *mut c_void,
-                    bytes,
-                    ffi::FI_WRITE,
-                    NEXT_KEY.fetch_add(1, Ordering::Relaxed),
-                    &mut fids.op_mr,
-                )
-            };
-            check("fi_mr_reg (atomic operands)", rc)?;
-            if mr_endpoint {
-                // SAFETY: as for the region MR.
-                check("fi_mr_bind", unsafe {
-                    ffi::uep_mr_bind_ep(fids.op_mr, fids.ep)
-                })?;
-                // SAFETY: as for the region MR.
-                check("fi_mr_enable", unsafe { ffi::uep_mr_enable(fids.op_mr) })?;
-            }
-            // SAFETY: op MR open.
-            op_desc = unsafe { ffi::uep_mr_desc(fids.op_mr) };
-        }
-
-        let mut name = vec![0u8; 256];
-        let mut nlen = name.len();
-        // SAFETY: ep enabled; buffer of `nlen` writable bytes; nlen updated.
-        let rc = unsafe { ffi::uep_getname(fids.ep, name.as_mut_ptr().cast(), &mut nlen) };
-        check("fi_getname", rc)?;
-        if nlen > name.len() {
-            return Err(TransportError::Invalid(format!(
-                "endpoint name of {nlen} bytes exceeds the {} bytes uep supports",
-                name.len()
-            )));
-        }
-        name.truncate(nlen);
-
+        let op_desc = match native_atomics && chosen.mr_mode & ffi::FI_MR_LOCAL != 0 {
+            true => fids.register_operands(&slots, chosen.mr_mode)?,
+            false => ptr::null_mut(),
+        };
+        let name = fids.endpoint_name()?;
+        let pinfo = chosen.pinfo;
         let caps = Caps {
             ordered: proves_order(&view),
             native_atomics,
@@ -968,7 +1022,7 @@ impl LibfabricTransport {
             desc,
             op_desc,
             key,
-            virt_addr,
+            virt_addr: chosen.mr_mode & ffi::FI_MR_VIRT_ADDR != 0,
             name,
             peers: None,
             caps,

@@ -11,7 +11,7 @@
 //!
 //! ```
 //! use uep_shm::Region;
-//! use uep_transport::{mem::MemNet, Arrival, PeerAddr, Transport};
+//! use uep_transport::{mem::MemNet, Arrival, PeerAddr, Transport, WriteOp};
 //!
 //! let net = MemNet::new(2);
 //! let (r0, r1) = (Region::anonymous(4096).unwrap(), Region::anonymous(4096).unwrap());

@@ -13,6 +13,7 @@ use crate::invalid;
 use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket};
 use crate::symm::Published;
+use crate::topology::Topology;
 use crate::wait::Wait;
 
 /// Where the rows for each of this rank's tokens came back: per contributing rank, its
@@ -241,7 +242,8 @@ impl Ctx {
 
     /// Phase 5, reduce: per token, in f32 and rounded once, the rows of this node's
     /// ranks and the partial sum of each other node, in rank order (a node's partial in
-    /// the place of the rank that relayed it), then the biases, as the reference does.
+    /// the place of the rank that relayed it), then the biases, as the reference does;
+    /// the weights summed the same way.
     #[allow(clippy::too_many_arguments)]
     fn reduce(
         &self,
@@ -253,22 +255,8 @@ impl Ctx {
         combined_x: &mut [bf16],
         combined_w: Option<&mut [f32]>,
     ) -> Result<()> {
-        let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
-        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
-        let in_rank = &handle.is_token_in_rank;
-        let node_hit = |t: usize, m: usize| in_rank.row(t, r_n)[topo.node_ranks(m)].contains(&true);
-        let parts_of = |t: usize, r: usize| {
-            if topo.is_local(r) {
-                in_rank[t * r_n + r]
-            } else {
-                r == topo.relay(me, topo.node_of(r)) && node_hit(t, topo.node_of(r))
-            }
-        };
-        // Where this rank's own rows for its tokens are in `x`.
-        let mut own_row = vec![usize::MAX; handle.num_tokens];
-        for i in handle.rows_from(me, me) {
-            own_row[handle.recv_src_idx[i] as usize] = i;
-        }
+        let me = self.topo.rank;
+        let from = Contributions::new(self.topo, handle, g, areas.shape.max_tokens);
         // The sources: `x`, the node's combine rows, each relay's packet, the biases.
         let mut sources = vec![
             Rows::Tensor(x),
@@ -277,37 +265,39 @@ impl Ctx {
                 area: areas.combine_x,
             },
         ];
-        let mut packet_source = vec![u32::MAX; r_n];
-        for r in (0..r_n).filter(|&r| !g.packet_row[r].is_empty()) {
+        let mut packet_source = vec![u32::MAX; self.topo.num_ranks];
+        for (r, rows) in g
+            .packet_row
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !p.is_empty())
+        {
+            debug_assert_eq!(rows.len(), handle.num_tokens);
             packet_source[r] = sources.len() as u32;
             let area = g.partial_x[r];
             sources.push(Rows::Symmetric { rank: me, area });
         }
         let biases = sources.len() as u32;
         sources.extend(args.bias.iter().flatten().map(|b| Rows::Tensor(b)));
-        let mut starts = Vec::with_capacity(handle.num_tokens + 1);
-        let mut parts = Vec::new();
         let part = |source: u32, row: usize| Part {
             source,
             row: row as u32,
             weight: 1.0,
         };
-        for (t, &own) in own_row.iter().enumerate() {
+        let mut starts = Vec::with_capacity(handle.num_tokens + 1);
+        let mut parts = Vec::new();
+        for t in 0..handle.num_tokens {
             starts.push(parts.len() as u32);
-            for r in (0..r_n).filter(|&r| parts_of(t, r)) {
-                parts.push(if r == me {
-                    part(0, own)
-                } else if g.packet_row[r].is_empty() {
-                    part(1, r * t_max + t)
-                } else {
-                    part(packet_source[r], g.packet_row[r][t])
-                });
-            }
+            parts.extend(from.of(t).map(|place| match place {
+                Place::Own(i) => part(0, i),
+                Place::Node(i) => part(1, i),
+                Place::Packet(r, j) => part(packet_source[r], j),
+            }));
             parts.extend((biases..sources.len() as u32).map(|b| part(b, t)));
         }
         starts.push(parts.len() as u32);
         let phase = ReducePhase {
-            hidden: h,
+            hidden: areas.shape.hidden,
             sources: &sources,
             starts: &starts,
             parts: &parts,
@@ -316,23 +306,87 @@ impl Ctx {
         };
         self.device.reduce(&phase, combined_x)?;
         if let (Some(out), Some(own_w)) = (combined_w, args.topk_weights) {
-            out.fill(0.0);
-            for (t, out_row) in out.chunks_exact_mut(k).enumerate() {
-                for r in (0..r_n).filter(|&r| parts_of(t, r)) {
-                    let w = if r == me {
-                        &own_w[own_row[t] * k..(own_row[t] + 1) * k]
-                    } else if g.packet_row[r].is_empty() {
-                        &g.wrows[(r * t_max + t) * k..(r * t_max + t + 1) * k]
-                    } else {
-                        let j = g.packet_row[r][t];
-                        &g.partial_w[r][j * k..(j + 1) * k]
-                    };
-                    for (a, &b) in out_row.iter_mut().zip(w) {
-                        *a += b;
-                    }
+            from.sum_weights(g, own_w, areas.shape.topk, out);
+        }
+        Ok(())
+    }
+}
+
+/// Where a rank's row (or weights) for one of this rank's tokens came back.
+#[derive(Clone, Copy, Debug)]
+enum Place {
+    /// This rank's own: row `i` of the combine's input.
+    Own(usize),
+    /// A same-node rank's: row `i` of the node's combine rows (`[R, T]`).
+    Node(usize),
+    /// Another node's partial sum: row `j` of the packet relayed by rank `r`.
+    Packet(usize, usize),
+}
+
+/// Which ranks contribute to each of this rank's tokens, and where their rows are.
+struct Contributions<'a> {
+    topo: Topology,
+    handle: &'a NormalHandle,
+    packet_row: &'a [Vec<usize>],
+    /// Where this rank's own row for each token is in the combine's input.
+    own_row: Vec<usize>,
+    t_max: usize,
+}
+
+impl<'a> Contributions<'a> {
+    fn new(topo: Topology, handle: &'a NormalHandle, g: &'a Gathered<'_>, t_max: usize) -> Self {
+        let mut own_row = vec![usize::MAX; handle.num_tokens];
+        for i in handle.rows_from(topo.rank, topo.rank) {
+            own_row[handle.recv_src_idx[i] as usize] = i;
+        }
+        Contributions {
+            topo,
+            handle,
+            packet_row: &g.packet_row,
+            own_row,
+            t_max,
+        }
+    }
+
+    /// Token `t`'s contributions in rank order: a same-node rank that got it, and for
+    /// each other node it went to, the rank that relayed that node's partial sum.
+    fn of(&self, t: usize) -> impl Iterator<Item = Place> + '_ {
+        let (topo, r_n) = (self.topo, self.topo.num_ranks);
+        let in_rank = self.handle.is_token_in_rank.row(t, r_n);
+        let contributes = move |r: usize| {
+            let m = topo.node_of(r);
+            match topo.is_local(r) {
+                true => in_rank[r],
+                false => {
+                    r == topo.relay(topo.rank, m) && in_rank[topo.node_ranks(m)].contains(&true)
+                }
+            }
+        };
+        (0..r_n).filter(move |&r| contributes(r)).map(move |r| {
+            if r == topo.rank {
+                Place::Own(self.own_row[t])
+            } else if self.packet_row[r].is_empty() {
+                Place::Node(r * self.t_max + t)
+            } else {
+                Place::Packet(r, self.packet_row[r][t])
+            }
+        })
+    }
+
+    /// `out` (`[tokens, k]`) gets each token's weights summed over its contributions.
+    fn sum_weights(&self, g: &Gathered<'_>, own_w: &[f32], k: usize, out: &mut [f32]) {
+        out.fill(0.0);
+        for (t, out_row) in out.chunks_exact_mut(k).enumerate() {
+            for place in self.of(t) {
+                let w = match place {
+                    Place::Own(i) => own_w.row(i, k),
+                    Place::Node(i) => g.wrows.row(i, k),
+                    Place::Packet(r, j) => g.partial_w[r].row(j, k),
+                };
+                for (a, &b) in out_row.iter_mut().zip(w) {
+                    *a += b;
                 }
             }
         }
-        Ok(())
     }
 }
