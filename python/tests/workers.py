@@ -900,6 +900,12 @@ def _corrupt(kind: str, t: Any) -> Any:
     """`t` made wrong in way `kind`."""
     if kind == "none":
         return None
+    if kind == "range":  # an expert id past the last expert, another below -1
+        t = t.clone()
+        t.view(-1)[0], t.view(-1)[-1] = 1 << 20, -7
+        return t
+    if kind == "too_many":  # more tokens than the call may take
+        return torch.cat([t] * 4)
     if kind == "dtype":
         return t.to(torch.float32 if t.dtype != torch.float32 else torch.int32)
     if kind == "rank":
@@ -917,15 +923,30 @@ _TARGETS = [("layout", "topk_idx"), ("dispatch", "x"), ("dispatch", "topk_idx"),
             ("combine", "topk_weights"), ("cached", "x"), ("ll_dispatch", "x"), ("ll_dispatch", "topk_idx"),
             ("ll_combine", "x"), ("ll_combine", "topk_weights")]
 _KINDS = ["none", "dtype", "rank", "shape", "strided"]
+#: Cases that only some arguments have, each run once per fuzz: ids out of range, a
+#: handle of another Buffer (the previous case's), more tokens than the Buffer takes.
+_SPECIAL = [("layout", "topk_idx", "range"), ("dispatch", "topk_idx", "range"),
+            ("ll_dispatch", "topk_idx", "range"), ("combine", "handle", "foreign"),
+            ("cached", "handle", "foreign"), ("ll_combine", "handle", "foreign"),
+            ("ll_dispatch", "x", "too_many")]
 
 
-def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad: bool) -> None:
-    """Run one step of `call`, with `arg` corrupted on this rank if `bad`."""
+def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad: bool,
+          foreign: Dict[str, Any]) -> None:
+    """Run one step of `call`, with `arg` corrupted on this rank if `bad`; `foreign`
+    holds the handles the previous case's Buffer made, and gets this case's."""
     n, h, E = 16, 256, 8
     x = torch.randn((n, h), dtype=torch.bfloat16)
     idx = torch.randint(0, E, (n, 2))
     w = torch.rand((n, 2))
-    c = (lambda name, t: _corrupt(kind, t) if bad and name == arg else t)  # noqa: E731
+
+    def c(name: str, t: Any) -> Any:
+        # Too many tokens: x and topk_idx alike, so nothing but the count is wrong.
+        hit = name == arg or (kind == "too_many" and name in ("x", "topk_idx"))
+        if not bad or not hit:
+            return t
+        return foreign[call.replace("cached", "combine")] if kind == "foreign" else _corrupt(kind, t)
+
     if call == "layout":
         buffer.get_dispatch_layout(c("topk_idx", idx), E)
         buffer.dispatch(x, topk_idx=idx, topk_weights=w, **_layout(buffer, idx, E))
@@ -935,16 +956,18 @@ def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad:
         if call == "dispatch":
             args = {k: c(k, v) for k, v in args.items()}
         recv_x, _, recv_w, _, handle, _ = buffer.dispatch(c("x", x) if call == "dispatch" else x, **args)
+        foreign.setdefault("next", {})["combine"] = handle
         if call == "combine":
-            buffer.combine(c("x", recv_x), handle, topk_weights=c("topk_weights", recv_w))
+            buffer.combine(c("x", recv_x), c("handle", handle), topk_weights=c("topk_weights", recv_w))
         elif call == "cached":
-            buffer.dispatch(c("x", x), handle=handle)
+            buffer.dispatch(c("x", x), handle=c("handle", handle))
     else:
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(c("x", x) if call == "ll_dispatch" else x,
                                                              c("topk_idx", idx) if call == "ll_dispatch" else idx,
                                                              n, E, use_fp8=False)
+        foreign.setdefault("next", {})["ll_combine"] = handle
         if call == "ll_combine":
-            buffer.low_latency_combine(c("x", recv_x), idx, c("topk_weights", w), handle)
+            buffer.low_latency_combine(c("x", recv_x), idx, c("topk_weights", w), c("handle", handle))
 
 
 def corrupted_calls(ctx: Ctx, seed: int, cases: int, deadline: float) -> Dict[str, Any]:
@@ -956,15 +979,21 @@ def corrupted_calls(ctx: Ctx, seed: int, cases: int, deadline: float) -> Dict[st
     rng = random.Random(seed)  # the same on every rank: they agree on each case
     rank, R = ctx.rank, ctx.world
     log = []
-    for i in range(cases):
-        call, arg = rng.choice(_TARGETS)
-        kind = rng.choice(_KINDS)
+    # The special cases once each (a foreign handle after a case that made one), then
+    # random (call, argument, kind) triples.
+    picks = list(_SPECIAL)
+    rng.shuffle(picks)
+    picks = [("combine", "x", "none"), ("ll_combine", "x", "shape")] + picks
+    picks += [(*rng.choice(_TARGETS), rng.choice(_KINDS)) for _ in range(max(cases - len(picks), 0))]
+    foreign: Dict[str, Any] = {}
+    for i, (call, arg, kind) in enumerate(picks):
         bad = rng.randrange(R)
         torch.manual_seed(seed + 101 * i + rank)
         buffer = ctx.buffer(int(2e9), int(1e9))
         start = time.monotonic()
+        foreign.update(foreign.pop("next", {}))
         try:
-            _case(ctx, buffer, call, arg, kind, rank == bad)
+            _case(ctx, buffer, call, arg, kind, rank == bad, foreign)
             error = None
         except deep_ep.UepError as e:  # anything else is a bug: it fails the test
             error = f"{type(e).__name__}: {e}"

@@ -283,28 +283,40 @@ pub(crate) fn make_inputs(
     Ok(workload::generate_all(&spec)?)
 }
 
+/// Rank `rank`'s inputs from `dir/rank{rank}/` (`x.npy`, `topk_idx.npy`,
+/// `topk_weights.npy`); an error names the file and what is wrong with it.
 fn read_inputs(dir: &Path, rank: usize, shape: &JobShape) -> anyhow::Result<RankInput> {
+    use anyhow::Context;
     use uep_harness::npy::NpyArray;
     let d = dir.join(format!("rank{rank}"));
-    let x = NpyArray::read(&d.join("x.npy"))?;
-    let hidden = *x.shape.last().unwrap_or(&0);
+    // The npy errors name the file; the path in front of the others.
+    let context = |path: &Path| format!("rank {rank}'s inputs: {}", path.display());
+    let read = |name: &str| -> anyhow::Result<(NpyArray, PathBuf)> {
+        let path = d.join(name);
+        let array = NpyArray::read(&path).with_context(|| format!("rank {rank}'s inputs"))?;
+        Ok((array, path))
+    };
+    let (x, path) = read("x.npy")?;
+    let hidden = x.shape.last().copied().unwrap_or(0);
     if hidden != shape.hidden {
-        return Err(anyhow::anyhow!(format!(
+        return Err(anyhow::anyhow!(
             "{}: hidden is {hidden}, but --hidden is {}",
-            d.join("x.npy").display(),
+            context(&path),
             shape.hidden
-        )));
+        ));
     }
-    let x = x.into_bf16()?;
-    let topk_idx = NpyArray::read(&d.join("topk_idx.npy"))?.into_i64()?;
-    let topk_weights = NpyArray::read(&d.join("topk_weights.npy"))?.into_f32()?;
+    let x = x.into_bf16().with_context(|| context(&path))?;
+    let (topk_idx, path) = read("topk_idx.npy")?;
+    let topk_idx = topk_idx.into_i64().with_context(|| context(&path))?;
+    let (topk_weights, path) = read("topk_weights.npy")?;
+    let topk_weights = topk_weights.into_f32().with_context(|| context(&path))?;
     let t = x.len() / shape.hidden;
     if topk_idx.len() != t * shape.topk || topk_weights.len() != t * shape.topk {
-        return Err(anyhow::anyhow!(format!(
-            "{}: topk_idx/topk_weights must be [{t}, {}] (tokens of x.npy, --topk)",
+        return Err(anyhow::anyhow!(
+            "rank {rank}'s inputs: {}: topk_idx/topk_weights must be [{t}, {}] (tokens of x.npy, --topk)",
             d.display(),
             shape.topk
-        )));
+        ));
     }
     Ok(RankInput {
         num_tokens: t,

@@ -10,12 +10,15 @@
 //! launcher; elsewhere they skip and say why. In CI (`CI` set) a missing privilege or
 //! program fails them instead.
 
-use std::net::{Ipv4Addr, TcpListener};
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use uep_harness::netns::Hosts;
+
+mod common;
+use common::{find, free_port_pair, skip, MPI_AS_ROOT};
 
 /// The launcher whose variables the ranks get.
 #[derive(Clone, Copy, Debug)]
@@ -24,58 +27,10 @@ enum Launcher {
     Slurm,
 }
 
-/// Skips a test (returns `None`) with `why`, except in CI, where it fails.
-fn skip<T>(why: String) -> Option<T> {
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "CI must run this test: {why}"
-    );
-    eprintln!("skipped: {why}");
-    None
-}
-
 fn hosts(n: usize) -> Option<Hosts> {
     match Hosts::unavailable() {
         Some(why) => skip(why),
         None => Some(Hosts::new(n).expect("build hosts")),
-    }
-}
-
-/// A program from `$var`, else the workspace's test environment (`.venv/bin`), else
-/// `PATH`.
-fn find(program: &str, var: &str) -> Option<PathBuf> {
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin");
-    std::env::var_os(var)
-        .map(PathBuf::from)
-        .into_iter()
-        .chain(std::iter::once(venv.join(program)))
-        .chain(
-            std::env::var_os("PATH")
-                .map(|p| {
-                    std::env::split_paths(&p)
-                        .map(|d| d.join(program))
-                        .collect::<Vec<_>>()
-                })
-                .unwrap_or_default(),
-        )
-        .find(|p| p.is_file())
-        .inspect(|p| eprintln!("{program}: {}", p.display()))
-        .or_else(|| {
-            skip(format!(
-                "`{program}` not found (set {var}, or run ./dev venv)"
-            ))
-        })
-}
-
-/// A loopback port `p` with `p + 1` free too (the launcher's store and uep's
-/// rendezvous), for jobs on this host's own namespace.
-fn free_port_pair() -> u16 {
-    loop {
-        let a = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < u16::MAX && TcpListener::bind((Ipv4Addr::LOCALHOST, p + 1)).is_ok() {
-            return p;
-        }
     }
 }
 
@@ -382,12 +337,6 @@ fn torchrun_two_hosts() {
     let reports = verified_reports(&outputs, &outputs[0].stdout, "torchrun --nnodes 2");
     assert!(reports.iter().all(|r| r["nodes"] == 2), "{reports:?}");
 }
-
-/// `mpirun` as root needs these (Open MPI refuses root otherwise).
-const MPI_AS_ROOT: [(&str, &str); 2] = [
-    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
-    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
-];
 
 #[test]
 fn mpirun_one_host() {

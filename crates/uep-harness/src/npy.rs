@@ -85,12 +85,12 @@ pub struct NpyArray {
 #[derive(Debug, thiserror::Error)]
 pub enum NpyError {
     /// Reading or writing the file failed.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The underlying error.
-        source: io::Error,
+        /// The underlying error (in the message, so not a `source` too).
+        error: io::Error,
     },
     /// The contents of a file were rejected; `error` says why.
     #[error("{path}: {error}")]
@@ -330,9 +330,9 @@ impl NpyArray {
 
     /// Read and parse the file at `path`.
     pub fn read(path: &Path) -> Result<NpyArray, NpyError> {
-        let bytes = std::fs::read(path).map_err(|source| NpyError::Io {
+        let bytes = std::fs::read(path).map_err(|error| NpyError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         NpyArray::parse(&bytes).map_err(|e| NpyError::InFile {
             path: path.to_path_buf(),
@@ -364,9 +364,9 @@ impl NpyArray {
             path: path.to_path_buf(),
             error: Box::new(e),
         })?;
-        std::fs::write(path, self.to_bytes()).map_err(|source| NpyError::Io {
+        std::fs::write(path, self.to_bytes()).map_err(|error| NpyError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })
     }
 

@@ -1,0 +1,60 @@
+//! What the CLI's integration tests share: finding a launcher, skipping where one is
+//! missing (failing in CI instead), a free port pair for a launcher's store.
+#![allow(dead_code)] // each test binary uses its own part of it
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::PathBuf;
+
+/// Skips a test (returns `None`) with `why`, except in CI, where it fails.
+pub fn skip<T>(why: String) -> Option<T> {
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI must run this test: {why}"
+    );
+    eprintln!("skipped: {why}");
+    None
+}
+
+/// A program from `$var`, else the workspace's test environment (`.venv/bin`), else
+/// `PATH`.
+pub fn find(program: &str, var: &str) -> Option<PathBuf> {
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin");
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(std::iter::once(venv.join(program)))
+        .chain(
+            std::env::var_os("PATH")
+                .map(|p| {
+                    std::env::split_paths(&p)
+                        .map(|d| d.join(program))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default(),
+        )
+        .find(|p| p.is_file())
+        .inspect(|p| eprintln!("{program}: {}", p.display()))
+        .or_else(|| {
+            skip(format!(
+                "`{program}` not found (set {var}, or run ./dev venv)"
+            ))
+        })
+}
+
+/// A loopback port `p` with `p + 1` free too (the launcher's store and uep's
+/// rendezvous), for jobs on this host's own namespace.
+pub fn free_port_pair() -> u16 {
+    loop {
+        let a = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < u16::MAX && TcpListener::bind((Ipv4Addr::LOCALHOST, p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// `mpirun` as root needs these (Open MPI refuses root otherwise).
+pub const MPI_AS_ROOT: [(&str, &str); 2] = [
+    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+];
