@@ -10,7 +10,7 @@ from conftest import launch
 if __name__ == "__main__":
     cases = 16
     rs = launch("corrupted_calls", 4, env={"UEP_TIMEOUT_S": "3"}, seed=int(sys.argv[1]), cases=cases, deadline=3.0)
-    for i in range(cases):
+    for i in range(len(rs[0]["log"])):
         case = [r["log"][i] for r in rs]
         bad = case[0]["case"][3]
         print(case[0]["case"], [round(c["seconds"], 2) for c in case], "|",
