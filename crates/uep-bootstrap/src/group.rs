@@ -367,55 +367,93 @@ fn root_join(
     listener: TcpListener,
     timeout: Duration,
 ) -> Result<Group, BootstrapError> {
-    let n = info.world_size;
-    let start = Instant::now();
-    let deadline = start + timeout;
-    let local = listener
-        .local_addr()
-        .map_err(|e| BootstrapError::io("reading the listener's address", e))?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| BootstrapError::io("making the listener non-blocking", e))?;
-    let expect = Arc::new(Expect {
+    let (n, start) = (info.world_size, Instant::now());
+    let mut lobby = Lobby::open(info, listener, start + timeout)?;
+    tracing::debug!(listener = %lobby.local, world_size = n, "bootstrap: rank 0 waiting for ranks");
+    while lobby.count < n {
+        lobby.accept_pending()?;
+        lobby.take_verdicts();
+        if lobby.count < n && Instant::now() >= lobby.deadline {
+            return Err(lobby.give_up(timeout));
+        }
+    }
+    // Everyone is here: stop listening at once, so nothing else can join or queue up.
+    let mut joined = lobby.close();
+    let job_id =
+        proto::random_hex::<8>().map_err(|e| BootstrapError::io("generating the job id", e))?;
+    welcome(info, &mut joined, &job_id, Instant::now() + timeout)?;
+    let role = start_root(joined)?;
+    tracing::info!(
+        job_id,
+        world_size = n,
+        elapsed = ?start.elapsed(),
+        "bootstrap: all ranks joined"
+    );
+    Ok(Group {
+        rank: 0,
         world_size: n,
+        local_rank: 0,
         local_world_size: info.local_world_size,
-        secret: info.secret.clone(),
-    });
-    let (vtx, vrx) = mpsc::channel::<Verdict>();
-    let active = Arc::new(AtomicUsize::new(0));
-    let mut joined: Vec<Option<Joined>> = (0..n).map(|_| None).collect();
-    let mut count = 1;
-    let mut rejections = Rejections::default();
-    tracing::debug!(listener = %local, world_size = n, "bootstrap: rank 0 waiting for ranks");
+        job_id,
+        timeout_ns: AtomicU64::new(nanos(timeout)),
+        role,
+    })
+}
 
-    while count < n {
-        // Accept everything pending; each handshake runs on its own thread so a slow or
-        // malicious connection cannot hold up the real ranks.
+/// Rank 0's side of the rendezvous while the ranks join: its listener, the handshake
+/// threads and their verdicts, and who joined so far (rank 0 counts itself).
+struct Lobby {
+    listener: TcpListener,
+    local: SocketAddr,
+    expect: Arc<Expect>,
+    vtx: mpsc::Sender<Verdict>,
+    vrx: mpsc::Receiver<Verdict>,
+    /// Handshakes in progress.
+    active: Arc<AtomicUsize>,
+    joined: Vec<Option<Joined>>,
+    count: usize,
+    rejections: Rejections,
+    deadline: Instant,
+}
+
+impl Lobby {
+    fn open(
+        info: &WorldInfo,
+        listener: TcpListener,
+        deadline: Instant,
+    ) -> Result<Lobby, BootstrapError> {
+        let local = listener
+            .local_addr()
+            .map_err(|e| BootstrapError::io("reading the listener's address", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| BootstrapError::io("making the listener non-blocking", e))?;
+        let (vtx, vrx) = mpsc::channel::<Verdict>();
+        Ok(Lobby {
+            listener,
+            local,
+            expect: Arc::new(Expect {
+                world_size: info.world_size,
+                local_world_size: info.local_world_size,
+                secret: info.secret.clone(),
+            }),
+            vtx,
+            vrx,
+            active: Arc::new(AtomicUsize::new(0)),
+            joined: (0..info.world_size).map(|_| None).collect(),
+            count: 1,
+            rejections: Rejections::default(),
+            deadline,
+        })
+    }
+
+    /// Accepts everything pending; each handshake runs on its own thread so a slow or
+    /// malicious connection cannot hold up the real ranks.
+    fn accept_pending(&mut self) -> Result<(), BootstrapError> {
         loop {
-            match listener.accept() {
-                Ok((stream, addr)) => {
-                    if active.load(Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
-                        rejections.note(
-                            &local,
-                            format!("{addr}: dropped, too many handshakes in progress"),
-                        );
-                        continue;
-                    }
-                    active.fetch_add(1, Ordering::SeqCst);
-                    let (expect, vtx, active) = (expect.clone(), vtx.clone(), active.clone());
-                    let hs_deadline = deadline.min(Instant::now() + HANDSHAKE_LIMIT);
-                    let spawned = thread::Builder::new()
-                        .name("uep-bootstrap-hs".into())
-                        .spawn(move || {
-                            serve_joiner(stream, addr, &expect, hs_deadline, &vtx);
-                            active.fetch_sub(1, Ordering::SeqCst);
-                        });
-                    if let Err(e) = spawned {
-                        abort_joined(&mut joined, "rank 0 could not start a thread");
-                        return Err(BootstrapError::io("spawning a handshake thread", e));
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            match self.listener.accept() {
+                Ok((stream, addr)) => self.handshake(stream, addr)?,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e)
                     if matches!(
                         e.kind(),
@@ -424,92 +462,132 @@ fn root_join(
                             | std::io::ErrorKind::Interrupted
                     ) => {}
                 Err(e) => {
-                    abort_joined(
-                        &mut joined,
-                        &format!("rank 0 failed to accept connections: {e}"),
-                    );
-                    return Err(BootstrapError::io(
-                        format!("accepting joiners on {local}"),
-                        e,
-                    ));
+                    let why = format!("rank 0 failed to accept connections: {e}");
+                    abort_joined(&mut self.joined, &why);
+                    let context = format!("accepting joiners on {}", self.local);
+                    return Err(BootstrapError::io(context, e));
                 }
             }
         }
-        let mut verdict = vrx.recv_timeout(ACCEPT_POLL).ok();
+    }
+
+    /// Starts the handshake of a new connection on a thread of its own, unless too
+    /// many are in progress.
+    fn handshake(&mut self, stream: TcpStream, addr: SocketAddr) -> Result<(), BootstrapError> {
+        if self.active.load(Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
+            let why = format!("{addr}: dropped, too many handshakes in progress");
+            self.rejections.note(&self.local, why);
+            return Ok(());
+        }
+        self.active.fetch_add(1, Ordering::SeqCst);
+        let (expect, vtx, active) = (self.expect.clone(), self.vtx.clone(), self.active.clone());
+        let hs_deadline = self.deadline.min(Instant::now() + HANDSHAKE_LIMIT);
+        let spawned = thread::Builder::new()
+            .name("uep-bootstrap-hs".into())
+            .spawn(move || {
+                serve_joiner(stream, addr, &expect, hs_deadline, &vtx);
+                active.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            abort_joined(&mut self.joined, "rank 0 could not start a thread");
+            return Err(BootstrapError::io("spawning a handshake thread", e));
+        }
+        Ok(())
+    }
+
+    /// Admits the ranks whose handshakes ended (waiting a poll interval for the first),
+    /// turning away a second connection that claims a rank already here.
+    fn take_verdicts(&mut self) {
+        let mut verdict = self.vrx.recv_timeout(ACCEPT_POLL).ok();
         while let Some(v) = verdict {
             match v {
-                Ok(j) => match &joined[j.rank] {
+                Ok(j) => match &self.joined[j.rank] {
                     Some(first) => {
                         let reason = format!(
                             "rank {} already joined from {}; every rank must be unique (are two \
                              jobs using the same MASTER_PORT?)",
                             j.rank, first.addr
                         );
-                        let _ = write_frame(
-                            &j.stream,
-                            &Msg::Reject {
-                                reason: reason.clone(),
-                            }
-                            .encode(),
-                            Instant::now() + NOTICE_WRITE_LIMIT,
-                        );
-                        rejections.note(&local, format!("{}: {reason}", j.addr));
+                        let notice = Msg::Reject {
+                            reason: reason.clone(),
+                        };
+                        let limit = Instant::now() + NOTICE_WRITE_LIMIT;
+                        let _ = write_frame(&j.stream, &notice.encode(), limit);
+                        self.rejections
+                            .note(&self.local, format!("{}: {reason}", j.addr));
                     }
                     None => {
                         tracing::debug!(rank = j.rank, addr = %j.addr, "bootstrap: rank joined");
                         let r = j.rank;
-                        joined[r] = Some(j);
-                        count += 1;
+                        self.joined[r] = Some(j);
+                        self.count += 1;
                     }
                 },
-                Err(r) => rejections.note(&local, r),
+                Err(r) => self.rejections.note(&self.local, r),
             }
-            verdict = vrx.try_recv().ok();
-        }
-        if count < n && Instant::now() >= deadline {
-            let missing: Vec<usize> = (1..n).filter(|&r| joined[r].is_none()).collect();
-            let rejections = rejections.summary();
-            abort_joined(
-                &mut joined,
-                &format!(
-                    "rank 0 gave up: only {count} of {n} ranks joined within {timeout:?} \
-                     (missing ranks {missing:?})"
-                ),
-            );
-            return Err(BootstrapError::JoinTimeout {
-                joined: count,
-                world_size: n,
-                timeout,
-                missing,
-                rejections,
-            });
+            verdict = self.vrx.try_recv().ok();
         }
     }
-    // Everyone is here: stop listening at once, so nothing else can join or queue up.
-    drop(listener);
 
-    let job_id =
-        proto::random_hex::<8>().map_err(|e| BootstrapError::io("generating the job id", e))?;
-    let welcome_deadline = Instant::now() + timeout;
-    for r in 1..n {
+    /// The deadline passed before every rank joined: tells those who did, and says
+    /// who is missing and who was turned away.
+    fn give_up(mut self, timeout: Duration) -> BootstrapError {
+        let (n, count) = (self.joined.len(), self.count);
+        let missing: Vec<usize> = (1..n).filter(|&r| self.joined[r].is_none()).collect();
+        abort_joined(
+            &mut self.joined,
+            &format!(
+                "rank 0 gave up: only {count} of {n} ranks joined within {timeout:?} \
+                 (missing ranks {missing:?})"
+            ),
+        );
+        BootstrapError::JoinTimeout {
+            joined: count,
+            world_size: n,
+            timeout,
+            missing,
+            rejections: self.rejections.summary(),
+        }
+    }
+
+    /// Stops listening; the ranks that joined.
+    fn close(self) -> Vec<Option<Joined>> {
+        self.joined
+    }
+}
+
+/// Sends every joined rank its welcome (the job id, and the proof of the secret where
+/// there is one); a rank lost on the way fails the rendezvous for all.
+fn welcome(
+    info: &WorldInfo,
+    joined: &mut [Option<Joined>],
+    job_id: &str,
+    deadline: Instant,
+) -> Result<(), BootstrapError> {
+    for r in 1..joined.len() {
         let Some(j) = &joined[r] else { continue };
         let proof = info
             .secret
             .as_deref()
-            .map(|s| proto::welcome_proof(s, &j.client_nonce, &j.server_nonce, r as u32, &job_id));
+            .map(|s| proto::welcome_proof(s, &j.client_nonce, &j.server_nonce, r as u32, job_id));
         let frame = Msg::Welcome {
-            job_id: job_id.clone(),
+            job_id: job_id.to_string(),
             proof,
         }
         .encode();
-        if let Err(e) = write_frame(&j.stream, &frame, welcome_deadline) {
+        if let Err(e) = write_frame(&j.stream, &frame, deadline) {
             let reason = format!("connection lost while completing the rendezvous: {e}");
             joined[r] = None;
-            abort_joined(&mut joined, &format!("rank {r} failed: {reason}"));
+            abort_joined(joined, &format!("rank {r} failed: {reason}"));
             return Err(BootstrapError::RankFailed { rank: r, reason });
         }
     }
+    Ok(())
+}
 
+/// Rank 0's role once everyone joined: a writer and a reader thread per rank.
+fn start_root(joined: Vec<Option<Joined>>) -> Result<Role, BootstrapError> {
+    let n = joined.len();
     let (tx, rx) = mpsc::channel();
     let mut writers = Vec::with_capacity(n);
     let mut readers = Vec::with_capacity(n);
@@ -535,24 +613,10 @@ fn root_join(
             .spawn(move || root_reader(&shared, r, &stream, &tx))
             .map_err(|e| BootstrapError::io("spawning a reader thread", e))?;
     }
-    tracing::info!(
-        job_id,
-        world_size = n,
-        elapsed = ?start.elapsed(),
-        "bootstrap: all ranks joined"
-    );
-    Ok(Group {
-        rank: 0,
-        world_size: n,
-        local_rank: 0,
-        local_world_size: info.local_world_size,
-        job_id,
-        timeout_ns: AtomicU64::new(nanos(timeout)),
-        role: Role::Root(Root {
-            shared,
-            coll: Mutex::new(RootColl { rx, seq: 0 }),
-        }),
-    })
+    Ok(Role::Root(Root {
+        shared,
+        coll: Mutex::new(RootColl { rx, seq: 0 }),
+    }))
 }
 
 /// Joiners rank 0 turned away, kept (bounded) for the join-timeout message.

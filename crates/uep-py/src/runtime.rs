@@ -27,7 +27,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
 use uep_bootstrap::Group;
 use uep_ep::{
-    Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchLayout, EpError, ErrorKind,
+    Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchLayout, EpError, ErrorKind, Lease,
     LlCombineInput, LlCombinePending, LlHandle, LlPending, NormalHandle, Shape, Tokens, Topology,
 };
 
@@ -359,6 +359,39 @@ impl Runtime {
             .ok_or_else(|| errors::invalid("this Buffer has not been set up"))
     }
 
+    /// Runs a normal dispatch of `args`; a call past the Buffer's capacity grows the
+    /// Buffer to the tokens it needs (collectively: every rank sees the same error)
+    /// and runs once more. The handle and the tokens each local expert received.
+    fn dispatch_growing(
+        &self,
+        py: Python<'_>,
+        st: &mut MutexGuard<'_, State>,
+        args: DispatchArgs<'_>,
+    ) -> PyResult<(NormalHandle, Vec<usize>)> {
+        let mut retried = false;
+        loop {
+            let buffer = Self::buffer(st)?;
+            let r = py.detach(|| {
+                buffer
+                    .dispatch(args)
+                    .map(|o| (o.handle, o.num_recv_tokens_per_expert))
+            });
+            match r {
+                Ok(v) => return Ok(v),
+                Err(EpError::Capacity { tokens, .. }) if !retried => {
+                    retried = true;
+                    let shape = buffer.config().normal.expect("a normal shape");
+                    let want = Want::Normal(Shape {
+                        max_tokens: tokens,
+                        ..shape
+                    });
+                    self.rebuild(py, st, Ok(want))?;
+                }
+                Err(e) => return Err(ep_err(e)),
+            }
+        }
+    }
+
     fn check_generation(st: &State, generation: u64, what: &str) -> PyResult<()> {
         if generation != st.generation {
             return Err(errors::invalid(format!("the {what} comes from before the Buffer was rebuilt for larger or other shapes; dispatch again"
@@ -368,6 +401,12 @@ impl Runtime {
     }
 }
 
+/// An optional tensor argument.
+type Arg<'a, 'py> = Option<&'a Bound<'py, PyAny>>;
+
+/// `num_tokens_per_rank`, `num_tokens_per_expert`, `is_token_in_rank`.
+type LayoutArgs<'a, 'py> = (Arg<'a, 'py>, Arg<'a, 'py>, Arg<'a, 'py>);
+
 /// The parts of a normal dispatch the Python layer passed.
 struct NormalIn<'py> {
     x: In<'py>,
@@ -376,6 +415,161 @@ struct NormalIn<'py> {
     topk_weights: Option<In<'py>>,
     layout: Option<DispatchLayout>,
     hidden: usize,
+}
+
+impl<'py> NormalIn<'py> {
+    /// The tensors of a normal dispatch, checked: `x` (FP8 codes when there are
+    /// scales) with its scales, ids and weights, and the layout triple (all or none).
+    fn parse(
+        t: Topology,
+        (x, x_scales, topk_idx, topk_weights): (
+            &Bound<'py, PyAny>,
+            Arg<'_, 'py>,
+            Arg<'_, 'py>,
+            Arg<'_, 'py>,
+        ),
+        layout: LayoutArgs<'_, 'py>,
+    ) -> PyResult<NormalIn<'py>> {
+        let fp8 = x_scales.is_some();
+        let x = In::new(x, "x", if fp8 { DType::U8 } else { DType::BF16 })?;
+        x.expect_ndim(2)?;
+        let (tokens, hidden) = (x.dim(0)?, x.dim(1)?);
+        Ok(NormalIn {
+            scales: In::opt(x_scales, "x scales", DType::F32)?,
+            topk_idx: In::opt(topk_idx, "topk_idx", DType::I64)?,
+            topk_weights: In::opt(topk_weights, "topk_weights", DType::F32)?,
+            layout: parse_layout(t, tokens, layout)?,
+            x,
+            hidden,
+        })
+    }
+
+    /// The rows to send.
+    fn tokens(&self) -> Tokens<'_> {
+        match &self.scales {
+            Some(s) => Tokens::Fp8 {
+                data: self.x.slice::<u8>(),
+                scales: s.slice::<f32>(),
+            },
+            None => Tokens::Bf16(self.x.slice::<bf16>()),
+        }
+    }
+}
+
+/// The layout DeepEP's caller passes (`num_tokens_per_rank`, `num_tokens_per_expert`,
+/// `is_token_in_rank`: all three or none), as uep's type.
+fn parse_layout(
+    t: Topology,
+    tokens: usize,
+    layout: LayoutArgs<'_, '_>,
+) -> PyResult<Option<DispatchLayout>> {
+    let (pr, pe, ir) = match layout {
+        (Some(pr), Some(pe), Some(ir)) => (pr, pe, ir),
+        (None, None, None) => return Ok(None),
+        _ => {
+            return Err(errors::raise(
+                ErrorKind::InvalidArgument,
+                "num_tokens_per_rank, num_tokens_per_expert and is_token_in_rank go together"
+                    .into(),
+            ))
+        }
+    };
+    let pr = In::new(pr, "num_tokens_per_rank", DType::I32)?;
+    let pe = In::new(pe, "num_tokens_per_expert", DType::I32)?;
+    let ir = In::new(ir, "is_token_in_rank", DType::BOOL)?;
+    ir.expect_ndim(2)?;
+    if ir.shape() != [tokens, t.num_ranks] || pr.shape() != [t.num_ranks] {
+        return Err(errors::raise(
+            ErrorKind::InvalidArgument,
+            format!(
+                "is_token_in_rank has shape {:?} and num_tokens_per_rank {:?}; expected [{tokens}, {r}] and [{r}]",
+                ir.shape(),
+                pr.shape(),
+                r = t.num_ranks
+            ),
+        ));
+    }
+    let in_rank: Vec<bool> = ir.slice::<u8>().iter().map(|&b| b != 0).collect();
+    let per_node = (0..t.num_nodes)
+        .map(|m| {
+            (in_rank.chunks(t.num_ranks))
+                .filter(|row| row[t.node_ranks(m)].contains(&true))
+                .count() as i32
+        })
+        .collect();
+    Ok(Some(DispatchLayout {
+        num_tokens: tokens,
+        num_ranks: t.num_ranks,
+        num_experts: pe.shape().first().copied().unwrap_or(0),
+        num_tokens_per_rank: pr.slice::<i32>().to_vec(),
+        num_tokens_per_rdma_rank: per_node,
+        num_tokens_per_expert: pe.slice::<i32>().to_vec(),
+        is_token_in_rank: in_rank,
+    }))
+}
+
+/// The normal shape a dispatch needs, from its arguments' shapes (usable or not), and
+/// its expert count: experts from the layout, the handle or the Buffer's; top-k from
+/// the ids, the handle, the Buffer's, or 1.
+fn normal_want(
+    x: &Bound<'_, PyAny>,
+    topk_idx: Option<&Bound<'_, PyAny>>,
+    num_tokens_per_expert: Option<&Bound<'_, PyAny>>,
+    handle: Option<&NormalHandlePy>,
+    have: Option<Shape>,
+) -> (Option<Want>, Option<usize>) {
+    let dim = |o: Option<&Bound<'_, PyAny>>, i: usize| {
+        o.and_then(peek_shape).and_then(|s| s.get(i).copied())
+    };
+    let topk = dim(topk_idx, 1)
+        .or(handle.map(|h| h.inner.topk))
+        .or(have.map(|s| s.topk))
+        .unwrap_or(1);
+    let experts = dim(num_tokens_per_expert, 0)
+        .or(handle.map(|h| h.num_experts))
+        .or(have.map(|s| s.num_experts));
+    let want = match (experts, dim(Some(x), 0), dim(Some(x), 1)) {
+        (Some(num_experts), Some(tokens), Some(hidden)) => Some(Want::Normal(Shape {
+            num_experts,
+            hidden,
+            topk,
+            max_tokens: tokens,
+        })),
+        _ => None,
+    };
+    (want, experts)
+}
+
+/// `recv_x`, its scales, the received ids and weights, as capsules.
+type DispatchCapsules<'py> = (
+    Bound<'py, PyCapsule>,
+    Option<Bound<'py, PyCapsule>>,
+    Option<Bound<'py, PyCapsule>>,
+    Option<Bound<'py, PyCapsule>>,
+);
+
+/// A dispatch's outputs as DLPack capsules over its lease: `recv_x`, its scales
+/// (FP8), the received ids and weights (where the call carried them).
+fn export_dispatch<'py>(
+    py: Python<'py>,
+    lease: &Lease,
+    out: &NormalHandle,
+    h: usize,
+) -> PyResult<DispatchCapsules<'py>> {
+    let (rows, k) = (out.num_rows, out.topk);
+    let part =
+        |i: usize, shape: &[usize], dtype: DType| export_lease(py, lease, i, shape, None, dtype);
+    let recv_x = part(0, &[rows, h], if out.fp8 { DType::U8 } else { DType::BF16 })?;
+    let scales = (out.fp8)
+        .then(|| part(1, &[rows, h / 128], DType::F32))
+        .transpose()?;
+    let idx = (!lease.parts[2].is_empty() || (out.carries_topk() && rows == 0))
+        .then(|| part(2, &[rows, k], DType::I64))
+        .transpose()?;
+    let w = (!lease.parts[3].is_empty() || (out.carries_weights() && rows == 0))
+        .then(|| part(3, &[rows, k], DType::F32))
+        .transpose()?;
+    Ok((recv_x, scales, idx, w))
 }
 
 #[pymethods]
@@ -516,89 +710,17 @@ impl Runtime {
         expert_alignment: usize,
         num_worst_tokens: usize,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let t = self.topo;
-        let parsed = (|| -> PyResult<NormalIn<'py>> {
-            let fp8 = x_scales.is_some();
-            let x = In::new(x, "x", if fp8 { DType::U8 } else { DType::BF16 })?;
-            x.expect_ndim(2)?;
-            let (tokens, hidden) = (x.dim(0)?, x.dim(1)?);
-            let scales = In::opt(x_scales, "x scales", DType::F32)?;
-            let topk_idx = In::opt(topk_idx, "topk_idx", DType::I64)?;
-            let topk_weights = In::opt(topk_weights, "topk_weights", DType::F32)?;
-            let layout = match (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank) {
-                (Some(pr), Some(pe), Some(ir)) => {
-                    let pr = In::new(pr, "num_tokens_per_rank", DType::I32)?;
-                    let pe = In::new(pe, "num_tokens_per_expert", DType::I32)?;
-                    let ir = In::new(ir, "is_token_in_rank", DType::BOOL)?;
-                    ir.expect_ndim(2)?;
-                    if ir.shape() != [tokens, t.num_ranks] || pr.shape() != [t.num_ranks] {
-                        return Err(errors::raise(ErrorKind::InvalidArgument, format!(
-                            "is_token_in_rank has shape {:?} and num_tokens_per_rank {:?}; expected [{tokens}, {r}] and [{r}]",
-                            ir.shape(),
-                            pr.shape(),
-                            r = t.num_ranks
-                        )));
-                    }
-                    let in_rank: Vec<bool> = ir.slice::<u8>().iter().map(|&b| b != 0).collect();
-                    let per_node = (0..t.num_nodes)
-                        .map(|m| {
-                            in_rank
-                                .chunks(t.num_ranks)
-                                .filter(|row| row[t.node_ranks(m)].contains(&true))
-                                .count() as i32
-                        })
-                        .collect();
-                    Some(DispatchLayout {
-                        num_tokens: tokens,
-                        num_ranks: t.num_ranks,
-                        num_experts: pe.shape().first().copied().unwrap_or(0),
-                        num_tokens_per_rank: pr.slice::<i32>().to_vec(),
-                        num_tokens_per_rdma_rank: per_node,
-                        num_tokens_per_expert: pe.slice::<i32>().to_vec(),
-                        is_token_in_rank: in_rank,
-                    })
-                }
-                (None, None, None) => None,
-                _ => return Err(errors::raise(
-                    ErrorKind::InvalidArgument,
-                    "num_tokens_per_rank, num_tokens_per_expert and is_token_in_rank go together"
-                        .into(),
-                )),
-            };
-            Ok(NormalIn {
-                x,
-                scales,
-                topk_idx,
-                topk_weights,
-                layout,
-                hidden,
-            })
-        })();
+        let parsed = NormalIn::parse(
+            self.topo,
+            (x, x_scales, topk_idx, topk_weights),
+            (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank),
+        );
         let mut st = self.lock(py);
         // The shape this call needs, read from the arguments' shapes even when they are
-        // unusable (so that this rank decides as its peers do): experts from the layout
-        // or the handle (or the Buffer's), top-k from the ids (or the handle, the
-        // Buffer's, 1).
+        // unusable (so that this rank decides as its peers do).
         let have = st.buffer.as_ref().and_then(|b| b.config().normal);
-        let dim = |o: Option<&Bound<'py, PyAny>>, i: usize| {
-            o.and_then(peek_shape).and_then(|s| s.get(i).copied())
-        };
-        let topk = dim(topk_idx, 1)
-            .or(handle.as_ref().map(|h| h.inner.topk))
-            .or(have.map(|s| s.topk))
-            .unwrap_or(1);
-        let experts = dim(num_tokens_per_expert, 0)
-            .or(handle.as_ref().map(|h| h.num_experts))
-            .or(have.map(|s| s.num_experts));
-        let want = match (experts, dim(Some(x), 0), dim(Some(x), 1)) {
-            (Some(num_experts), Some(tokens), Some(hidden)) => Some(Want::Normal(Shape {
-                num_experts,
-                hidden,
-                topk,
-                max_tokens: tokens,
-            })),
-            _ => None,
-        };
+        let (want, experts) =
+            normal_want(x, topk_idx, num_tokens_per_expert, handle.as_deref(), have);
         let bad = match &parsed {
             Err(e) => Some(e.to_string()),
             Ok(_) if experts.is_none() => Some(
@@ -612,20 +734,12 @@ impl Runtime {
         if let Some(h) = &handle {
             Self::check_generation(&st, h.generation, "handle")?;
         }
-        let generation = st.generation;
         let num_experts = st
             .buffer
             .as_ref()
             .and_then(|b| b.config().normal)
             .map_or(0, |s| s.num_experts);
-        let x = match &p.scales {
-            Some(s) => Tokens::Fp8 {
-                data: p.x.slice::<u8>(),
-                scales: s.slice::<f32>(),
-            },
-            None => Tokens::Bf16(p.x.slice::<bf16>()),
-        };
-        let mut args = DispatchArgs::new(x)
+        let mut args = DispatchArgs::new(p.tokens())
             .expert_alignment(expert_alignment)
             .num_worst_tokens(num_worst_tokens);
         if let Some(h) = &handle {
@@ -640,46 +754,11 @@ impl Runtime {
         if let Some(l) = &p.layout {
             args = args.layout(l);
         }
-        let mut retried = false;
-        let (out, counts) = loop {
-            let buffer = Self::buffer(&mut st)?;
-            let r = py.detach(|| {
-                buffer
-                    .dispatch(args)
-                    .map(|o| (o.handle, o.num_recv_tokens_per_expert))
-            });
-            match r {
-                Ok(v) => break v,
-                Err(EpError::Capacity { tokens, .. }) if !retried => {
-                    retried = true;
-                    let shape = buffer.config().normal.expect("a normal shape");
-                    let want = Want::Normal(Shape {
-                        max_tokens: tokens,
-                        ..shape
-                    });
-                    self.rebuild(py, &mut st, Ok(want))?;
-                }
-                Err(e) => return Err(ep_err(e)),
-            }
-        };
-        let generation = if retried { st.generation } else { generation };
+        let (out, counts) = self.dispatch_growing(py, &mut st, args)?;
+        let generation = st.generation;
         let buffer = Self::buffer(&mut st)?;
         let lease = buffer.lease_dispatch(&out).map_err(ep_err)?;
-        let (rows, h, k) = (out.num_rows, p.hidden, out.topk);
-        let fp8 = out.fp8;
-        let part = |i: usize, shape: &[usize], dtype: DType| {
-            export_lease(py, &lease, i, shape, None, dtype)
-        };
-        let recv_x = part(0, &[rows, h], if fp8 { DType::U8 } else { DType::BF16 })?;
-        let scales = fp8
-            .then(|| part(1, &[rows, h / 128], DType::F32))
-            .transpose()?;
-        let idx = (!lease.parts[2].is_empty() || (out.carries_topk() && rows == 0))
-            .then(|| part(2, &[rows, k], DType::I64))
-            .transpose()?;
-        let w = (!lease.parts[3].is_empty() || (out.carries_weights() && rows == 0))
-            .then(|| part(3, &[rows, k], DType::F32))
-            .transpose()?;
+        let (recv_x, scales, idx, w) = export_dispatch(py, &lease, &out, p.hidden)?;
         let handle = Py::new(
             py,
             NormalHandlePy {
