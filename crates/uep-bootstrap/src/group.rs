@@ -1139,107 +1139,20 @@ fn connect_retry(
 fn member_join(info: &WorldInfo, timeout: Duration, version: u16) -> Result<Group, BootstrapError> {
     let deadline = Instant::now() + timeout;
     let addr = host_port(info);
-    let perr = |detail: String| BootstrapError::Protocol {
-        peer: format!("rank 0 at {addr}"),
-        detail,
-    };
     let stream = connect_retry(info, deadline, timeout)?;
     let _ = stream.set_nodelay(true);
-    let server_nonce = match read_msg(&stream, Some(deadline), HANDSHAKE_MAX) {
-        Ok(Msg::Challenge { nonce, .. }) => nonce,
-        Ok(other) => return Err(perr(format!("expected a Challenge, got {}", other.name()))),
-        Err(ReadError::Malformed(m)) => {
-            return Err(perr(format!(
-                "the process listening there is not a uep rank 0 ({m})"
-            )))
-        }
-        Err(ReadError::Timeout) => {
-            return Err(BootstrapError::Timeout {
-                what: format!("waiting for rank 0 at {addr} to start the handshake"),
-                timeout,
-            })
-        }
-        Err(e) => {
-            return Err(perr(format!(
-                "connection closed during the handshake ({e}); the group may already be \
-                 complete, or another job uses this MASTER_PORT"
-            )))
-        }
+    let hs = Handshake {
+        info,
+        stream: &stream,
+        addr: &addr,
+        deadline,
+        timeout,
     };
+    let server_nonce = hs.challenge()?;
     let client_nonce: Nonce =
         proto::random().map_err(|e| BootstrapError::io("generating a nonce", e))?;
-    let hello = if version == PROTOCOL_VERSION {
-        let mut h = Hello {
-            version,
-            rank: info.rank as u32,
-            world_size: info.world_size as u32,
-            local_world_size: info.local_world_size as u32,
-            nonce: client_nonce,
-            mac: None,
-        };
-        h.mac = info
-            .secret
-            .as_deref()
-            .map(|s| proto::hello_mac(s, &server_nonce, &h));
-        Msg::Hello(h)
-    } else {
-        Msg::ForeignHello { version }
-    };
-    write_frame(&stream, &hello.encode(), deadline)
-        .map_err(|e| perr(format!("could not send the hello: {e}")))?;
-    let job_id = match read_msg(&stream, Some(deadline), HANDSHAKE_MAX) {
-        Ok(Msg::Welcome { job_id, proof }) => {
-            let proven = match (&info.secret, &proof) {
-                (Some(s), Some(p)) => proto::verify_welcome_proof(
-                    s,
-                    &client_nonce,
-                    &server_nonce,
-                    info.rank as u32,
-                    &job_id,
-                    p,
-                ),
-                (None, None) => true,
-                _ => false,
-            };
-            if !proven {
-                return Err(perr(
-                    "rank 0 did not prove it knows UEP_SECRET; refusing to join an \
-                     unauthenticated rank 0"
-                        .into(),
-                ));
-            }
-            job_id
-        }
-        Ok(Msg::Reject { reason }) => {
-            return Err(BootstrapError::Rejected {
-                addr,
-                rank: info.rank,
-                reason,
-            })
-        }
-        Ok(Msg::Abort { rank, reason }) => {
-            return Err(BootstrapError::RankFailed {
-                rank: rank as usize,
-                reason,
-            })
-        }
-        Ok(other) => return Err(perr(format!("expected a Welcome, got {}", other.name()))),
-        Err(ReadError::Timeout) => {
-            return Err(BootstrapError::Timeout {
-                what: format!(
-                    "waiting at {addr} for all {} ranks to join (this rank was accepted; the \
-                     group forms once every rank has joined)",
-                    info.world_size
-                ),
-                timeout,
-            })
-        }
-        Err(e) => {
-            return Err(perr(format!(
-                "connection lost while waiting to be admitted: {e}"
-            )))
-        }
-    };
+    hs.hello(version, &client_nonce, &server_nonce)?;
+    let job_id = hs.welcome(&client_nonce, &server_nonce)?;
     let write = stream
         .try_clone()
         .map_err(|e| BootstrapError::io("cloning the socket to rank 0", e))?;
@@ -1259,6 +1172,111 @@ fn member_join(info: &WorldInfo, timeout: Duration, version: u16) -> Result<Grou
             failure: Mutex::new(None),
         }),
     })
+}
+
+/// A joining rank's handshake with rank 0: challenge, hello, welcome.
+struct Handshake<'a> {
+    info: &'a WorldInfo,
+    stream: &'a TcpStream,
+    addr: &'a str,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl Handshake<'_> {
+    /// A protocol error of rank 0's side.
+    fn perr(&self, detail: String) -> BootstrapError {
+        BootstrapError::Protocol {
+            peer: format!("rank 0 at {}", self.addr),
+            detail,
+        }
+    }
+
+    /// Rank 0's challenge: its nonce.
+    fn challenge(&self) -> Result<Nonce, BootstrapError> {
+        match read_msg(self.stream, Some(self.deadline), HANDSHAKE_MAX) {
+            Ok(Msg::Challenge { nonce, .. }) => Ok(nonce),
+            Ok(other) => Err(self.perr(format!("expected a Challenge, got {}", other.name()))),
+            Err(ReadError::Malformed(m)) => Err(self.perr(format!(
+                "the process listening there is not a uep rank 0 ({m})"
+            ))),
+            Err(ReadError::Timeout) => Err(BootstrapError::Timeout {
+                what: format!("waiting for rank 0 at {} to start the handshake", self.addr),
+                timeout: self.timeout,
+            }),
+            Err(e) => Err(self.perr(format!(
+                "connection closed during the handshake ({e}); the group may already be \
+                 complete, or another job uses this MASTER_PORT"
+            ))),
+        }
+    }
+
+    /// This rank's hello (with the secret's MAC where there is one), or, to test rank
+    /// 0's answer to another protocol version, a foreign one.
+    fn hello(&self, version: u16, client: &Nonce, server: &Nonce) -> Result<(), BootstrapError> {
+        let info = self.info;
+        let hello = if version == PROTOCOL_VERSION {
+            let mut h = Hello {
+                version,
+                rank: info.rank as u32,
+                world_size: info.world_size as u32,
+                local_world_size: info.local_world_size as u32,
+                nonce: *client,
+                mac: None,
+            };
+            h.mac = (info.secret.as_deref()).map(|s| proto::hello_mac(s, server, &h));
+            Msg::Hello(h)
+        } else {
+            Msg::ForeignHello { version }
+        };
+        write_frame(self.stream, &hello.encode(), self.deadline)
+            .map_err(|e| self.perr(format!("could not send the hello: {e}")))
+    }
+
+    /// Rank 0's welcome once every rank joined (its proof of the secret checked): the
+    /// job id; or why it turned this rank away.
+    fn welcome(&self, client: &Nonce, server: &Nonce) -> Result<String, BootstrapError> {
+        let (info, addr) = (self.info, self.addr);
+        match read_msg(self.stream, Some(self.deadline), HANDSHAKE_MAX) {
+            Ok(Msg::Welcome { job_id, proof }) => {
+                let rank = info.rank as u32;
+                let proven = match (&info.secret, &proof) {
+                    (Some(s), Some(p)) => {
+                        proto::verify_welcome_proof(s, client, server, rank, &job_id, p)
+                    }
+                    (None, None) => true,
+                    _ => false,
+                };
+                match proven {
+                    true => Ok(job_id),
+                    false => Err(self.perr(
+                        "rank 0 did not prove it knows UEP_SECRET; refusing to join an \
+                         unauthenticated rank 0"
+                            .into(),
+                    )),
+                }
+            }
+            Ok(Msg::Reject { reason }) => Err(BootstrapError::Rejected {
+                addr: addr.to_string(),
+                rank: info.rank,
+                reason,
+            }),
+            Ok(Msg::Abort { rank, reason }) => Err(BootstrapError::RankFailed {
+                rank: rank as usize,
+                reason,
+            }),
+            Ok(other) => Err(self.perr(format!("expected a Welcome, got {}", other.name()))),
+            Err(ReadError::Timeout) => Err(BootstrapError::Timeout {
+                what: format!(
+                    "waiting at {addr} for all {} ranks to join (this rank was accepted; the \
+                     group forms once every rank has joined)",
+                    info.world_size
+                ),
+                timeout: self.timeout,
+            }),
+            Err(e) => Err(self.perr(format!("connection lost while waiting to be admitted: {e}"))),
+        }
+    }
 }
 
 impl Member {

@@ -256,6 +256,99 @@ fn open_device(kind: DeviceKind, threads: usize) -> anyhow::Result<Arc<dyn Devic
 }
 
 /// One rank's benchmark run: the flags, the step count and what it found wrong.
+/// What a step does besides running: whether it is timed, checked, the last.
+#[derive(Clone, Copy, Debug)]
+struct Step {
+    timed: bool,
+    check: bool,
+    last: bool,
+}
+
+/// What a run measures over its timed steps: each op's times and the bytes it handed
+/// to the proxy, and the token copies the steps move (each op moves every copy once,
+/// at its own bytes a copy).
+struct Tally {
+    ops: Vec<OpTally>,
+    /// Token copies dispatched, and of them those that cross the network.
+    copies: u64,
+    net_copies: u64,
+}
+
+/// One op of a [`Tally`].
+struct OpTally {
+    op: &'static str,
+    mode: &'static str,
+    timer: Timer,
+    /// Bytes of one token copy.
+    copy_bytes: u64,
+    /// Bytes handed to the proxy.
+    wire: u64,
+}
+
+impl Tally {
+    /// `(op, mode, bytes a copy)` of each op, in order.
+    fn new(args: &BenchArgs, ops: &[(&'static str, &'static str, u64)]) -> Self {
+        let ops = (ops.iter())
+            .map(|&(op, mode, copy_bytes)| OpTally {
+                op,
+                mode,
+                timer: Timer::new(args.warmup, args.iters),
+                copy_bytes,
+                wire: 0,
+            })
+            .collect();
+        Tally {
+            ops,
+            copies: 0,
+            net_copies: 0,
+        }
+    }
+
+    /// Counts the copies a step of `layout` moves from `rank` (a token crosses the
+    /// network once per other node it goes to).
+    fn count(&mut self, layout: &uep_ep::DispatchLayout, rank: usize, lws: usize) {
+        self.copies += layout
+            .num_tokens_per_rank
+            .iter()
+            .map(|&n| n as u64)
+            .sum::<u64>();
+        self.net_copies += (0..layout.num_ranks / lws)
+            .filter(|&m| m != rank / lws)
+            .map(|m| layout.num_tokens_per_rdma_rank[m] as u64)
+            .sum::<u64>();
+    }
+
+    /// Op `i` took `elapsed`, and the proxy was handed `wire` bytes more.
+    fn record(&mut self, i: usize, elapsed: Duration, wire: Option<u64>) {
+        self.ops[i].timer.record(elapsed);
+        self.ops[i].wire += wire.unwrap_or(0);
+    }
+
+    /// Every op, per iteration.
+    fn measured(self, t_n: usize, iters: usize) -> Vec<Measured> {
+        let (copies, net, iters) = (self.copies, self.net_copies, iters as u64);
+        (self.ops.into_iter())
+            .map(|o| Measured {
+                op: o.op,
+                mode: o.mode,
+                tokens: t_n,
+                bytes: copies * o.copy_bytes / iters,
+                net_bytes: net * o.copy_bytes / iters,
+                wire_bytes: o.wire / iters,
+                timer: o.timer,
+            })
+            .collect()
+    }
+}
+
+/// What a normal-mode run reuses across steps: the experts' rows, the cached handle,
+/// the combine's outputs.
+struct NormalScratch {
+    y: Vec<bf16>,
+    cached: Option<uep_ep::NormalHandle>,
+    combined: uep_ep::CombineOutput,
+}
+
 struct Run<'a> {
     args: &'a BenchArgs,
     shape: JobShape,
@@ -275,164 +368,171 @@ impl Run<'_> {
         buffer: &mut Buffer,
         inputs: Vec<RankInput>,
     ) -> anyhow::Result<Vec<Measured>> {
-        let (args, shape, rank, steps) = (self.args, self.shape, self.rank, self.steps);
-        let (world, lws, h, token_bytes) = (
-            shape.num_ranks,
-            shape.ranks_per_node,
-            args.hidden,
-            self.token_bytes,
-        );
-        let (progress, bad) = (&self.progress, &mut self.bad);
-        let mut measured = Vec::new();
+        let (args, shape, rank) = (self.args, self.shape, self.rank);
         let mut case = NormalCase::new(inputs, &shape, rank, args.fp8, args.expert_alignment)?;
         let t_n = case.sent[rank].num_tokens;
-        let mut t_layout = Timer::new(args.warmup, args.iters);
-        let mut t_dispatch = Timer::new(args.warmup, args.iters);
-        let mut t_combine = Timer::new(args.warmup, args.iters);
-        let (mut copies, mut net_copies) = (0usize, 0usize);
-        // Bytes handed to the proxy in timed steps: dispatch, combine.
-        let mut wire = [0u64; 2];
-        let mut y: Vec<bf16> = Vec::new();
-        let mut cached: Option<uep_ep::NormalHandle> = None;
-        // Outputs live across steps, as a framework's allocator would hand them out.
-        let mut combined = uep_ep::CombineOutput {
-            combined_x: vec![bf16::ZERO; t_n * h],
-            combined_topk_weights: Some(vec![0f32; t_n * args.topk]),
+        let row = 2 * args.hidden as u64;
+        let ops = [
+            ("layout", "layout", 0),
+            ("dispatch", "normal", self.token_bytes),
+            ("combine", "normal", row),
+        ];
+        let mut tally = Tally::new(args, &ops);
+        let mut scratch = NormalScratch {
+            y: Vec::new(),
+            cached: None,
+            // Outputs live across steps, as a framework's allocator would hand them out.
+            combined: uep_ep::CombineOutput {
+                combined_x: vec![bf16::ZERO; t_n * args.hidden],
+                combined_topk_weights: Some(vec![0f32; t_n * args.topk]),
+            },
         };
-        for step in 0..steps {
+        for step in 0..self.steps {
             if args.fresh && step > 0 {
                 let inputs = make_inputs(args, &shape, args.tokens, step_salt(0, step))?;
                 case = NormalCase::new(inputs, &shape, rank, args.fp8, args.expert_alignment)?;
             }
-            let check = args.fresh || step == 0 || step + 1 == steps;
-            let mine = &case.sent[rank];
-            let (x, layout) = (case.x(rank), &case.layout);
-            if step >= args.warmup as u64 {
-                copies += layout
-                    .num_tokens_per_rank
-                    .iter()
-                    .map(|&n| n as usize)
-                    .sum::<usize>();
-                // A token crosses the network once per other node it goes to.
-                net_copies += (0..world / lws)
-                    .filter(|&m| m != rank / lws)
-                    .map(|m| layout.num_tokens_per_rdma_rank[m] as usize)
-                    .sum::<usize>();
+            let timed = step >= args.warmup as u64;
+            if timed {
+                tally.count(&case.layout, rank, shape.ranks_per_node);
             }
-            progress.set_message("layout");
-            buffer.barrier()?;
-            let start = Instant::now();
-            let l = buffer.get_dispatch_layout(&mine.topk_idx)?;
-            t_layout.record(start.elapsed());
-            bad.eq(
-                "layout.is_token_in_rank",
-                &l.is_token_in_rank,
-                &layout.is_token_in_rank,
-            );
-            progress.inc(1);
-
-            progress.set_message("dispatch");
-            buffer.barrier()?;
-            let args_d = match &cached {
-                Some(handle) => DispatchArgs::new(x).cached(handle),
-                None => DispatchArgs::new(x)
-                    .topk(&mine.topk_idx, Some(&mine.topk_weights))
-                    .layout(layout),
-            }
-            .expert_alignment(args.expert_alignment)
-            .num_worst_tokens(args.num_worst_tokens);
-            let sent = buffer.net_bytes_sent();
-            let start = Instant::now();
-            let out = buffer.dispatch(args_d)?;
-            t_dispatch.record(start.elapsed());
-            if check {
-                uep_harness::check::normal_dispatch(bad, &out, &case.expected, h);
-            }
-            let mut dump = match &args.dump {
-                Some(_) if step + 1 == steps => Some(crate::dump::Dump::normal(&out, h)),
-                _ => None,
+            self.normal_layout(buffer, &case, &mut tally)?;
+            let step = Step {
+                timed,
+                check: args.fresh || step == 0 || step + 1 == self.steps,
+                last: step + 1 == self.steps,
             };
-            let n = out.handle.num_recv_tokens;
-            y.resize(n * h, bf16::ZERO);
-            identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, &mut y)?;
-            let w = out.recv_topk_weights.map(<[f32]>::to_vec);
-            let handle = out.handle;
-            if args.cached && cached.is_none() {
-                cached = Some(handle.clone());
-            }
-            if step >= args.warmup as u64 {
-                wire[0] += buffer.net_bytes_sent() - sent;
-            }
-            progress.inc(1);
-
-            progress.set_message("combine");
-            buffer.barrier()?;
-            let sent = buffer.net_bytes_sent();
-            let start = Instant::now();
-            let out_w = combined
-                .combined_topk_weights
-                .as_deref_mut()
-                .filter(|_| w.is_some());
-            let combine_args = CombineArgs {
-                topk_weights: w.as_deref(),
-                ..Default::default()
-            };
-            buffer.combine_into(&y, combine_args, &handle, &mut combined.combined_x, out_w)?;
-            t_combine.record(start.elapsed());
-            if step >= args.warmup as u64 {
-                wire[1] += buffer.net_bytes_sent() - sent;
-            }
-            if check {
-                bad.bits(
-                    "combine.combined_x",
-                    &combined.combined_x,
-                    &case.expected_combine.0,
-                );
-                if let (Some(got), Some(want), true) = (
-                    &combined.combined_topk_weights,
-                    &case.expected_combine.1,
-                    w.is_some(),
-                ) {
-                    bad.bits("combine.combined_topk_weights", got, want);
-                }
-                if let (Some(dump), Some(dir)) = (dump.as_mut(), &args.dump) {
-                    dump.bf16("combined_x", &[t_n, h], &combined.combined_x);
-                    if let (Some(cw), true) = (&combined.combined_topk_weights, w.is_some()) {
-                        dump.f32("combined_topk_weights", &[t_n, args.topk], cw);
-                    }
-                    dump.write(dir, rank)?;
-                }
-            }
-            progress.inc(1);
+            let (handle, w, dump) =
+                self.normal_dispatch(buffer, &case, step, &mut tally, &mut scratch)?;
+            let combined = (handle, w.as_deref(), dump);
+            self.normal_combine(buffer, &case, step, combined, &mut tally, &mut scratch)?;
         }
-        measured.push(Measured {
-            op: "layout",
-            mode: "layout",
-            tokens: t_n,
-            bytes: 0,
-            net_bytes: 0,
-            wire_bytes: 0,
-            timer: t_layout,
-        });
-        measured.push(Measured {
-            op: "dispatch",
-            mode: "normal",
-            tokens: t_n,
-            bytes: copies as u64 * token_bytes / args.iters as u64,
-            net_bytes: net_copies as u64 * token_bytes / args.iters as u64,
-            wire_bytes: wire[0] / args.iters as u64,
-            timer: t_dispatch,
-        });
-        measured.push(Measured {
-            op: "combine",
-            mode: "normal",
-            tokens: t_n,
-            bytes: copies as u64 * 2 * h as u64 / args.iters as u64,
-            net_bytes: net_copies as u64 * 2 * h as u64 / args.iters as u64,
-            wire_bytes: wire[1] / args.iters as u64,
-            timer: t_combine,
-        });
-        Ok(measured)
+        Ok(tally.measured(t_n, args.iters))
+    }
+
+    /// One timed layout, checked.
+    fn normal_layout(
+        &mut self,
+        buffer: &mut Buffer,
+        case: &NormalCase,
+        tally: &mut Tally,
+    ) -> anyhow::Result<()> {
+        self.progress.set_message("layout");
+        buffer.barrier()?;
+        let start = Instant::now();
+        let l = buffer.get_dispatch_layout(&case.sent[self.rank].topk_idx)?;
+        tally.record(0, start.elapsed(), None);
+        let want = &case.layout.is_token_in_rank;
+        self.bad
+            .eq("layout.is_token_in_rank", &l.is_token_in_rank, want);
+        self.progress.inc(1);
+        Ok(())
+    }
+
+    /// One timed dispatch (through the cached handle after the first with
+    /// `--cached`), checked, and the identity experts' rows into `scratch.y`: the
+    /// handle, the received weights and, on the last step with `--dump`, the dump.
+    fn normal_dispatch(
+        &mut self,
+        buffer: &mut Buffer,
+        case: &NormalCase,
+        step: Step,
+        tally: &mut Tally,
+        scratch: &mut NormalScratch,
+    ) -> anyhow::Result<(
+        uep_ep::NormalHandle,
+        Option<Vec<f32>>,
+        Option<crate::dump::Dump>,
+    )> {
+        let (args, h, mine) = (self.args, self.args.hidden, &case.sent[self.rank]);
+        self.progress.set_message("dispatch");
+        buffer.barrier()?;
+        let x = case.x(self.rank);
+        let args_d = match &scratch.cached {
+            Some(handle) => DispatchArgs::new(x).cached(handle),
+            None => DispatchArgs::new(x)
+                .topk(&mine.topk_idx, Some(&mine.topk_weights))
+                .layout(&case.layout),
+        }
+        .expert_alignment(args.expert_alignment)
+        .num_worst_tokens(args.num_worst_tokens);
+        let sent = buffer.net_bytes_sent();
+        let start = Instant::now();
+        let out = buffer.dispatch(args_d)?;
+        let took = start.elapsed();
+        if step.check {
+            uep_harness::check::normal_dispatch(&mut self.bad, &out, &case.expected, h);
+        }
+        let dump = (args.dump.is_some() && step.last).then(|| crate::dump::Dump::normal(&out, h));
+        let n = out.handle.num_recv_tokens;
+        scratch.y.resize(n * h, bf16::ZERO);
+        identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, &mut scratch.y)?;
+        let w = out.recv_topk_weights.map(<[f32]>::to_vec);
+        let handle = out.handle;
+        if args.cached && scratch.cached.is_none() {
+            scratch.cached = Some(handle.clone());
+        }
+        tally.record(1, took, step.timed.then(|| buffer.net_bytes_sent() - sent));
+        self.progress.inc(1);
+        Ok((handle, w, dump))
+    }
+
+    /// One timed combine of `scratch.y` through `handle`, checked (and dumped).
+    fn normal_combine(
+        &mut self,
+        buffer: &mut Buffer,
+        case: &NormalCase,
+        step: Step,
+        (handle, w, dump): (
+            uep_ep::NormalHandle,
+            Option<&[f32]>,
+            Option<crate::dump::Dump>,
+        ),
+        tally: &mut Tally,
+        scratch: &mut NormalScratch,
+    ) -> anyhow::Result<()> {
+        let args = self.args;
+        self.progress.set_message("combine");
+        buffer.barrier()?;
+        let combined = &mut scratch.combined;
+        let sent = buffer.net_bytes_sent();
+        let start = Instant::now();
+        let out_w = (combined.combined_topk_weights.as_deref_mut()).filter(|_| w.is_some());
+        let combine_args = CombineArgs {
+            topk_weights: w,
+            ..Default::default()
+        };
+        buffer.combine_into(
+            &scratch.y,
+            combine_args,
+            &handle,
+            &mut combined.combined_x,
+            out_w,
+        )?;
+        let wire = step.timed.then(|| buffer.net_bytes_sent() - sent);
+        tally.record(2, start.elapsed(), wire);
+        if step.check {
+            let want = &case.expected_combine;
+            self.bad
+                .bits("combine.combined_x", &combined.combined_x, &want.0);
+            let weights = combined
+                .combined_topk_weights
+                .as_ref()
+                .filter(|_| w.is_some());
+            if let (Some(got), Some(want)) = (weights, &want.1) {
+                self.bad.bits("combine.combined_topk_weights", got, want);
+            }
+            if let (Some(mut dump), Some(dir)) = (dump, &args.dump) {
+                let t_n = case.sent[self.rank].num_tokens;
+                dump.bf16("combined_x", &[t_n, args.hidden], &combined.combined_x);
+                if let Some(cw) = weights {
+                    dump.f32("combined_topk_weights", &[t_n, args.topk], cw);
+                }
+                dump.write(dir, self.rank)?;
+            }
+        }
+        self.progress.inc(1);
+        Ok(())
     }
 
     /// Low-latency mode: dispatch, identity experts, combine, every step; checks the
@@ -443,118 +543,106 @@ impl Run<'_> {
         inputs: Vec<RankInput>,
         max_ll: usize,
     ) -> anyhow::Result<Vec<Measured>> {
-        let (args, shape, rank, steps) = (self.args, self.shape, self.rank, self.steps);
-        let (world, lws, h, token_bytes) = (
-            shape.num_ranks,
-            shape.ranks_per_node,
-            args.hidden,
-            self.token_bytes,
-        );
-        let (progress, bad) = (&self.progress, &mut self.bad);
-        let mut measured = Vec::new();
+        let (args, shape, rank) = (self.args, self.shape, self.rank);
+        let (world, lws) = (shape.num_ranks, shape.ranks_per_node);
         let mut case = LlCase::new(rank, inputs, &shape, max_ll, args.fp8, args.round_scale)?;
         let t_n = case.inputs[rank].num_tokens;
         let epr = (args.experts / world) as i64;
-        let (mut copies, mut net_copies) = (0u64, 0u64);
-        let mut wire = [0u64; 2];
-        let mut t_dispatch = Timer::new(args.warmup, args.iters);
-        let mut t_combine = Timer::new(args.warmup, args.iters);
-        let mut y = vec![bf16::ZERO; args.experts / world * world * max_ll * h];
-        for step in 0..steps {
+        let ops = [
+            ("ll_dispatch", "low_latency", self.token_bytes),
+            ("ll_combine", "low_latency", 2 * args.hidden as u64),
+        ];
+        let mut tally = Tally::new(args, &ops);
+        let mut y = vec![bf16::ZERO; args.experts / world * world * max_ll * args.hidden];
+        for step in 0..self.steps {
             if args.fresh && step > 0 {
                 let inputs = make_inputs(args, &shape, args.ll_tokens, step_salt(0x11, step))?;
                 case = LlCase::new(rank, inputs, &shape, max_ll, args.fp8, args.round_scale)?;
             }
-            let check = args.fresh || step == 0 || step + 1 == steps;
-            let mine = &case.inputs[rank];
-            let TokenData::Bf16(x) = &mine.x else {
-                unreachable!("workload inputs are bf16")
+            let step = Step {
+                timed: step >= args.warmup as u64,
+                check: args.fresh || step == 0 || step + 1 == self.steps,
+                last: step + 1 == self.steps,
             };
-            if step >= args.warmup as u64 {
-                copies += mine.topk_idx.iter().filter(|&&e| e >= 0).count() as u64;
-                net_copies += mine
-                    .topk_idx
-                    .iter()
-                    .filter(|&&e| e >= 0 && (e / epr) as usize / lws != rank / lws)
-                    .count() as u64;
+            if step.timed {
+                let sent = case.inputs[rank].topk_idx.iter().filter(|&&e| e >= 0);
+                tally.copies += sent.clone().count() as u64;
+                let away = |&&e: &&i64| (e / epr) as usize / lws != rank / lws;
+                tally.net_copies += sent.filter(away).count() as u64;
             }
-            progress.set_message("ll_dispatch");
-            buffer.barrier()?;
-            let sent = buffer.net_bytes_sent();
-            let start = Instant::now();
-            let out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
-            t_dispatch.record(start.elapsed());
-            if check {
-                uep_harness::check::ll_dispatch(bad, &out, &case.expected, h);
-            }
-            let mut dump = match &args.dump {
-                Some(_) if step + 1 == steps => Some(crate::dump::Dump::ll(&out, h)),
-                _ => None,
-            };
-            let rows_per_expert = world * max_ll;
-            // The experts write their outputs where the combine reads them: the combine
-            // buffer (zero copy, as DeepEP's fast path), or rows of the caller's own.
-            let mut out = out;
-            let zero_copy = !args.ll_combine_copy;
-            let dst = match (zero_copy, out.combine_buffer.take()) {
-                (true, Some(buffer)) => buffer,
-                (true, None) => anyhow::bail!("no low-latency combine buffer after the dispatch"),
-                (false, _) => &mut y[..],
-            };
-            for (le, &n) in out.recv_count.iter().enumerate() {
-                let begin = le * rows_per_expert;
-                let layout = ScaleLayout::ColumnMajor { rows_per_expert };
-                identity_expert(out.recv_x, begin..begin + n as usize, h, layout, dst)?;
-            }
-            let handle = out.handle;
-            let input = if zero_copy {
-                LlCombineInput::ZeroCopy
-            } else {
-                LlCombineInput::Rows(&y)
-            };
-            if step >= args.warmup as u64 {
-                wire[0] += buffer.net_bytes_sent() - sent;
-            }
-            progress.inc(1);
-
-            progress.set_message("ll_combine");
-            buffer.barrier()?;
-            let sent = buffer.net_bytes_sent();
-            let start = Instant::now();
-            let combined =
-                buffer.low_latency_combine(input, &mine.topk_idx, &mine.topk_weights, &handle)?;
-            t_combine.record(start.elapsed());
-            if step >= args.warmup as u64 {
-                wire[1] += buffer.net_bytes_sent() - sent;
-            }
-            if check {
-                bad.bits("ll_combine.combined_x", &combined, &case.expected_combine);
-                if let (Some(dump), Some(dir)) = (dump.as_mut(), &args.dump) {
-                    dump.bf16("ll_combined_x", &[t_n, h], &combined);
-                    dump.write(dir, rank)?;
-                }
-            }
-            progress.inc(1);
+            self.ll_step(buffer, &case, step, max_ll, &mut tally, &mut y)?;
         }
-        measured.push(Measured {
-            op: "ll_dispatch",
-            mode: "low_latency",
-            tokens: t_n,
-            bytes: copies * token_bytes / args.iters as u64,
-            net_bytes: net_copies * token_bytes / args.iters as u64,
-            wire_bytes: wire[0] / args.iters as u64,
-            timer: t_dispatch,
-        });
-        measured.push(Measured {
-            op: "ll_combine",
-            mode: "low_latency",
-            tokens: t_n,
-            bytes: copies * 2 * h as u64 / args.iters as u64,
-            net_bytes: net_copies * 2 * h as u64 / args.iters as u64,
-            wire_bytes: wire[1] / args.iters as u64,
-            timer: t_combine,
-        });
-        Ok(measured)
+        Ok(tally.measured(t_n, args.iters))
+    }
+
+    /// One timed LL dispatch, the identity experts into the combine buffer (zero copy)
+    /// or `y`, one timed LL combine; both checked (and dumped).
+    fn ll_step(
+        &mut self,
+        buffer: &mut Buffer,
+        case: &LlCase,
+        step: Step,
+        max_ll: usize,
+        tally: &mut Tally,
+        y: &mut [bf16],
+    ) -> anyhow::Result<()> {
+        let (args, h, mine) = (self.args, self.args.hidden, &case.inputs[self.rank]);
+        let TokenData::Bf16(x) = &mine.x else {
+            unreachable!("workload inputs are bf16")
+        };
+        self.progress.set_message("ll_dispatch");
+        buffer.barrier()?;
+        let sent = buffer.net_bytes_sent();
+        let start = Instant::now();
+        let mut out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
+        let took = start.elapsed();
+        if step.check {
+            uep_harness::check::ll_dispatch(&mut self.bad, &out, &case.expected, h);
+        }
+        let mut dump = (args.dump.is_some() && step.last).then(|| crate::dump::Dump::ll(&out, h));
+        let rows_per_expert = self.shape.num_ranks * max_ll;
+        // The experts write their outputs where the combine reads them: the combine
+        // buffer (zero copy, as DeepEP's fast path), or rows of the caller's own.
+        let zero_copy = !args.ll_combine_copy;
+        let dst = match (zero_copy, out.combine_buffer.take()) {
+            (true, Some(buffer)) => buffer,
+            (true, None) => anyhow::bail!("no low-latency combine buffer after the dispatch"),
+            (false, _) => &mut y[..],
+        };
+        for (le, &n) in out.recv_count.iter().enumerate() {
+            let begin = le * rows_per_expert;
+            let layout = ScaleLayout::ColumnMajor { rows_per_expert };
+            identity_expert(out.recv_x, begin..begin + n as usize, h, layout, dst)?;
+        }
+        let handle = out.handle;
+        tally.record(0, took, step.timed.then(|| buffer.net_bytes_sent() - sent));
+        self.progress.inc(1);
+
+        self.progress.set_message("ll_combine");
+        buffer.barrier()?;
+        let input = match zero_copy {
+            true => LlCombineInput::ZeroCopy,
+            false => LlCombineInput::Rows(y),
+        };
+        let sent = buffer.net_bytes_sent();
+        let start = Instant::now();
+        let combined =
+            buffer.low_latency_combine(input, &mine.topk_idx, &mine.topk_weights, &handle)?;
+        tally.record(
+            1,
+            start.elapsed(),
+            step.timed.then(|| buffer.net_bytes_sent() - sent),
+        );
+        if step.check {
+            self.bad
+                .bits("ll_combine.combined_x", &combined, &case.expected_combine);
+            if let (Some(dump), Some(dir)) = (dump.as_mut(), &args.dump) {
+                dump.bf16("ll_combined_x", &[mine.num_tokens, h], &combined);
+                dump.write(dir, self.rank)?;
+            }
+        }
+        self.progress.inc(1);
+        Ok(())
     }
 }
 
@@ -569,11 +657,53 @@ fn report(
     measured: &[Measured],
     bad: &Mismatches,
 ) -> anyhow::Result<bool> {
-    let (world, rank) = (buffer.num_ranks(), buffer.rank());
-    let (h, lws, threads) = (args.hidden, buffer.topology().ranks_per_node, setup.threads);
-    let provider = &setup.provider;
-    let dtype = if args.fp8 { "fp8" } else { "bf16" };
-    // Gather every rank's samples and verdict to rank 0.
+    let Some(merged) = gather(buffer, measured, bad)? else {
+        return Ok(bad.count() == 0);
+    };
+    // Every rank when uep's launcher emulates nodes on one machine (they then share its
+    // cores and memory, and so does the limit), a node's ranks on a cluster.
+    let sharing = match info.source {
+        EnvSource::Uep => buffer.num_ranks(),
+        _ => buffer.topology().ranks_per_node,
+    };
+    let limits = match args.no_limits {
+        true => Default::default(),
+        false => machine_limits(
+            args,
+            setup,
+            (buffer.num_ranks(), sharing),
+            measured,
+            &merged,
+        ),
+    };
+    let reports = op_reports(args, buffer, measured, &merged, &limits);
+    if let Some(path) = std::env::var_os(crate::peers::REPORT_VAR) {
+        // A job of `--peers`: the report is for the caller, not the terminal.
+        std::fs::write(path, render_json(&reports))?;
+    } else if args.json {
+        println!("{}", render_json(&reports));
+    } else {
+        print_report(args, buffer, setup, &reports, merged.total_bad);
+    }
+    Ok(merged.total_bad == 0)
+}
+
+/// Every rank's samples and verdict, merged on rank 0.
+struct Merged {
+    /// Mismatching outputs over all ranks.
+    total_bad: u64,
+    /// Per op: every rank's samples, and the sums of their bytes, network bytes and
+    /// bytes handed to the proxy.
+    ops: Vec<(Samples, u64, u64, u64)>,
+}
+
+/// Sends this rank's verdict and samples to rank 0 (every rank prints its own
+/// mismatches); rank 0 gets them all merged, the others `None`.
+fn gather(
+    buffer: &Buffer,
+    measured: &[Measured],
+    bad: &Mismatches,
+) -> anyhow::Result<Option<Merged>> {
     let mut blob = Vec::new();
     blob.extend_from_slice(&(bad.count() as u64).to_le_bytes());
     for m in measured {
@@ -587,19 +717,19 @@ fn report(
     }
     let all = buffer.control_plane().all_gather(&blob)?;
     bad.print();
-    if rank != 0 {
-        return Ok(bad.count() == 0);
+    if buffer.rank() != 0 {
+        return Ok(None);
     }
-    let mut total_bad = 0u64;
-    let mut reports = Vec::new();
-    let mut merged: Vec<(Samples, u64, u64, u64)> =
-        measured.iter().map(|_| (Samples::new(), 0, 0, 0)).collect();
+    let mut merged = Merged {
+        total_bad: 0,
+        ops: measured.iter().map(|_| (Samples::new(), 0, 0, 0)).collect(),
+    };
     for b in &all {
         let mut words = b
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
-        total_bad += words.next().unwrap_or(1);
-        for (samples, bytes, net, wire) in merged.iter_mut() {
+        merged.total_bad += words.next().unwrap_or(1);
+        for (samples, bytes, net, wire) in merged.ops.iter_mut() {
             *bytes += words.next().unwrap_or(0);
             *net += words.next().unwrap_or(0);
             *wire += words.next().unwrap_or(0);
@@ -609,42 +739,61 @@ fn report(
             }
         }
     }
-    // The machine's limits for the same bytes, measured here while the other ranks
-    // wait, with as many copies and raw transport streams at once as this machine runs
-    // ranks: a node's ranks on a cluster, every rank when uep's launcher emulates nodes
-    // on one machine (they then share its cores and memory, and so does the limit).
+    Ok(Some(merged))
+}
+
+/// The machine's limit (GB/s) for each op's bytes a rank (of `world`), measured here
+/// while the other ranks wait, with `sharing` copies and raw transport streams at once (as many
+/// as this machine runs ranks); `None` where the op moves nothing.
+fn machine_limits(
+    args: &BenchArgs,
+    setup: &Setup,
+    (world, sharing): (usize, usize),
+    measured: &[Measured],
+    merged: &Merged,
+) -> std::collections::HashMap<&'static str, Option<f64>> {
+    let world = world as u64;
     let mut limits = std::collections::HashMap::new();
-    let sharing = if info.source == EnvSource::Uep {
-        world
-    } else {
-        lws
-    };
-    if !args.no_limits {
-        for (m, (_, bytes, net, _)) in measured.iter().zip(&merged) {
-            let (bytes, net) = (bytes / world as u64, net / world as u64);
-            if bytes == 0 {
-                continue;
-            }
-            let intra = bytes - net;
-            let mut seconds = 0.0;
-            if intra > 0 {
-                let gbps = uep_harness::limits::memcpy_gbps(intra, 2 * h, threads, sharing);
-                seconds += intra as f64 / (gbps * 1e9);
-            }
-            if net > 0 {
-                let msg = (net as usize).min(1 << 20);
-                match uep_transport::stream::transport_streams_gbps(provider, net, msg, sharing) {
-                    Ok(gbps) => seconds += net as f64 / (gbps * 1e9),
-                    Err(e) => {
-                        eprintln!("uep bench: no transport limit for {}: {e}", m.op);
-                        continue;
-                    }
+    for (m, (_, bytes, net, _)) in measured.iter().zip(&merged.ops) {
+        let (bytes, net) = (bytes / world, net / world);
+        if bytes == 0 {
+            continue;
+        }
+        let intra = bytes - net;
+        let mut seconds = 0.0;
+        if intra > 0 {
+            let gbps =
+                uep_harness::limits::memcpy_gbps(intra, 2 * args.hidden, setup.threads, sharing);
+            seconds += intra as f64 / (gbps * 1e9);
+        }
+        if net > 0 {
+            let msg = (net as usize).min(1 << 20);
+            match uep_transport::stream::transport_streams_gbps(&setup.provider, net, msg, sharing)
+            {
+                Ok(gbps) => seconds += net as f64 / (gbps * 1e9),
+                Err(e) => {
+                    eprintln!("uep bench: no transport limit for {}: {e}", m.op);
+                    continue;
                 }
             }
-            limits.insert(m.op, (seconds > 0.0).then(|| bytes as f64 / seconds / 1e9));
         }
+        limits.insert(m.op, (seconds > 0.0).then(|| bytes as f64 / seconds / 1e9));
     }
-    for (m, (samples, bytes, net, wire)) in measured.iter().zip(&merged) {
+    limits
+}
+
+/// A row of the table for each op: per rank bytes, rates, the limit, the times.
+fn op_reports(
+    args: &BenchArgs,
+    buffer: &Buffer,
+    measured: &[Measured],
+    merged: &Merged,
+    limits: &std::collections::HashMap<&'static str, Option<f64>>,
+) -> Vec<OpReport> {
+    let world = buffer.num_ranks();
+    let dtype = if args.fp8 { "fp8" } else { "bf16" };
+    let mut reports = Vec::new();
+    for (m, (samples, bytes, net, wire)) in measured.iter().zip(&merged.ops) {
         let s = samples.summary().expect("iters >= 1");
         let (bytes, net) = (bytes / world as u64, net / world as u64);
         reports.push(OpReport {
@@ -653,14 +802,13 @@ fn report(
             ranks: world,
             nodes: buffer.topology().num_nodes,
             tokens: m.tokens,
-            hidden: h,
-            dtype: if m.op == "layout" {
-                "-".into()
-            } else if m.op.ends_with("combine") {
-                "bf16".into()
-            } else {
-                dtype.into()
-            },
+            hidden: args.hidden,
+            dtype: match m.op {
+                "layout" => "-",
+                op if op.ends_with("combine") => "bf16",
+                _ => dtype,
+            }
+            .into(),
             bytes_per_rank: bytes,
             net_bytes_per_rank: net,
             net_wire_bytes_per_rank: wire / world as u64,
@@ -673,45 +821,47 @@ fn report(
             p50_us: s.p50_us,
             p99_us: s.p99_us,
             iters: samples.len() / world,
-            verified: total_bad == 0,
+            verified: merged.total_bad == 0,
         });
     }
-    if let Some(path) = std::env::var_os(crate::peers::REPORT_VAR) {
-        // A job of `--peers`: the report is for the caller, not the terminal.
-        std::fs::write(path, render_json(&reports))?;
-        return Ok(total_bad == 0);
-    }
-    if args.json {
-        println!("{}", render_json(&reports));
-    } else {
+    reports
+}
+
+/// The table, with the job's shape above it and the kernels' pushed commands and the
+/// verdict below.
+fn print_report(
+    args: &BenchArgs,
+    buffer: &Buffer,
+    setup: &Setup,
+    reports: &[OpReport],
+    total_bad: u64,
+) {
+    println!(
+        "uep bench: {} ranks x {} node(s), hidden {}, top-k {}, {} experts, routing {}, device {}, {} kernel thread(s)/rank",
+        buffer.num_ranks(),
+        buffer.topology().num_nodes,
+        args.hidden,
+        args.topk,
+        args.experts,
+        args.routing,
+        setup.device,
+        setup.threads
+    );
+    print!("{}", render_table(reports));
+    let (cmds, kernel_time) = buffer.kernel_pushes();
+    if cmds > 0 {
+        // Commands pushed by the kernels of rank 0 while they packed (one per
+        // network write of up to --net-write-bytes), over the time those launches ran.
         println!(
-            "uep bench: {world} ranks x {} node(s), hidden {h}, top-k {}, {} experts, routing {}, device {}, {} kernel thread(s)/rank",
-            buffer.topology().num_nodes,
-            args.topk,
-            args.experts,
-            args.routing,
-            setup.device,
-            threads
+            "kernel-pushed commands (rank 0): {cmds} in {:.1} ms of packing kernels ({:.0} commands/s, one per write of up to {} bytes)",
+            kernel_time.as_secs_f64() * 1e3,
+            cmds as f64 / kernel_time.as_secs_f64().max(1e-9),
+            args.net_write_bytes.unwrap_or(uep_ep::DEFAULT_WRITE_BYTES)
         );
-        print!("{}", render_table(&reports));
-        let (cmds, kernel_time) = buffer.kernel_pushes();
-        if cmds > 0 {
-            // Commands pushed by the kernels of rank 0 while they packed (one per
-            // network write of up to --net-write-bytes), over the time those launches ran.
-            println!(
-                "kernel-pushed commands (rank 0): {cmds} in {:.1} ms of packing kernels ({:.0} commands/s, one per write of up to {} bytes)",
-                kernel_time.as_secs_f64() * 1e3,
-                cmds as f64 / kernel_time.as_secs_f64().max(1e-9),
-                args.net_write_bytes.unwrap_or(uep_ep::DEFAULT_WRITE_BYTES)
-            );
-        }
-        if total_bad == 0 {
-            println!("verified: every output matches the sequential reference bit for bit");
-        } else {
-            println!(
-                "VERIFICATION FAILED: {total_bad} mismatching outputs (see rank messages above)"
-            );
-        }
     }
-    Ok(total_bad == 0)
+    if total_bad == 0 {
+        println!("verified: every output matches the sequential reference bit for bit");
+    } else {
+        println!("VERIFICATION FAILED: {total_bad} mismatching outputs (see rank messages above)");
+    }
 }
