@@ -924,11 +924,13 @@ _TARGETS = [("layout", "topk_idx"), ("dispatch", "x"), ("dispatch", "topk_idx"),
             ("ll_combine", "x"), ("ll_combine", "topk_weights")]
 _KINDS = ["none", "dtype", "rank", "shape", "strided"]
 #: Cases that only some arguments have, each run once per fuzz: ids out of range, a
-#: handle of another Buffer (the previous case's), more tokens than the Buffer takes.
+#: handle of another Buffer (the previous case's), of an earlier call, or of this
+#: Buffer before it grew, more tokens than the Buffer takes.
 _SPECIAL = [("layout", "topk_idx", "range"), ("dispatch", "topk_idx", "range"),
             ("ll_dispatch", "topk_idx", "range"), ("combine", "handle", "foreign"),
             ("cached", "handle", "foreign"), ("ll_combine", "handle", "foreign"),
-            ("ll_dispatch", "x", "too_many")]
+            ("ll_dispatch", "x", "too_many"), ("combine", "handle", "earlier"),
+            ("cached", "handle", "earlier"), ("ll_combine", "handle", "stale")]
 
 
 def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad: bool,
@@ -945,7 +947,11 @@ def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad:
         hit = name == arg or (kind == "too_many" and name in ("x", "topk_idx"))
         if not bad or not hit:
             return t
-        return foreign[call.replace("cached", "combine")] if kind == "foreign" else _corrupt(kind, t)
+        if kind == "foreign":
+            return foreign[call.replace("cached", "combine")]
+        if kind in ("earlier", "stale"):
+            return foreign[kind]
+        return _corrupt(kind, t)
 
     if call == "layout":
         buffer.get_dispatch_layout(c("topk_idx", idx), E)
@@ -957,6 +963,11 @@ def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad:
             args = {k: c(k, v) for k, v in args.items()}
         recv_x, _, recv_w, _, handle, _ = buffer.dispatch(c("x", x) if call == "dispatch" else x, **args)
         foreign.setdefault("next", {})["combine"] = handle
+        if kind == "earlier":  # every rank dispatches again; the bad one keeps its first handle
+            foreign["earlier"] = handle
+            x, idx, w = torch.cat([x] * 2), torch.cat([idx] * 2), torch.cat([w] * 2)
+            args = dict(topk_idx=idx, topk_weights=w, **_layout(buffer, idx, E))
+            recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, **args)
         if call == "combine":
             buffer.combine(c("x", recv_x), c("handle", handle), topk_weights=c("topk_weights", recv_w))
         elif call == "cached":
@@ -966,6 +977,9 @@ def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad:
                                                              c("topk_idx", idx) if call == "ll_dispatch" else idx,
                                                              n, E, use_fp8=False)
         foreign.setdefault("next", {})["ll_combine"] = handle
+        if kind == "stale":  # every rank grows the Buffer; the bad one keeps its old handle
+            foreign["stale"] = handle
+            recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, 2 * n, E, use_fp8=False)
         if call == "ll_combine":
             buffer.low_latency_combine(c("x", recv_x), idx, c("topk_weights", w), c("handle", handle))
 

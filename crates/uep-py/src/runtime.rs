@@ -392,10 +392,18 @@ impl Runtime {
         }
     }
 
-    fn check_generation(st: &State, generation: u64, what: &str) -> PyResult<()> {
+    /// Refuses a handle made before the Buffer was rebuilt, telling the other ranks
+    /// (as any rejected input: their waits end at once).
+    fn check_generation(
+        &self,
+        py: Python<'_>,
+        st: &mut State,
+        generation: u64,
+        what: &str,
+    ) -> PyResult<()> {
         if generation != st.generation {
-            return Err(errors::invalid(format!("the {what} comes from before the Buffer was rebuilt for larger or other shapes; dispatch again"
-            )));
+            let msg = format!("the {what} comes from before the Buffer was rebuilt for larger or other shapes; dispatch again");
+            return Err(self.reject(py, st, &msg));
         }
         Ok(())
     }
@@ -732,7 +740,7 @@ impl Runtime {
         self.ensure(py, &mut st, true, want, bad)?;
         let p = parsed?;
         if let Some(h) = &handle {
-            Self::check_generation(&st, h.generation, "handle")?;
+            self.check_generation(py, &mut st, h.generation, "handle")?;
         }
         let num_experts = st
             .buffer
@@ -794,7 +802,7 @@ impl Runtime {
         if st.destroyed {
             return Err(errors::invalid("this Buffer was destroyed"));
         }
-        Self::check_generation(&st, handle.generation, "handle")?;
+        self.check_generation(py, &mut st, handle.generation, "handle")?;
         let (x, w, b0, b1) = parsed.map_err(|e| self.reject(py, &mut st, &e.to_string()))?;
         let hidden = x.shape().get(1).copied().unwrap_or(0);
         let (t, k) = (handle.inner.num_tokens, handle.inner.topk);
@@ -890,7 +898,7 @@ impl Runtime {
         handle: Option<PyRef<'py, LlHandlePy>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let mut st = self.lock(py);
-        Self::check_generation(&st, pending.generation, "low-latency dispatch")?;
+        self.check_generation(py, &mut st, pending.generation, "low-latency dispatch")?;
         let buffer = Self::buffer(&mut st)?;
         let s = buffer
             .config()
@@ -925,7 +933,7 @@ impl Runtime {
         pending: PyRef<'py, LlPendingPy>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let mut st = self.lock(py);
-        Self::check_generation(&st, pending.generation, "low-latency dispatch")?;
+        self.check_generation(py, &mut st, pending.generation, "low-latency dispatch")?;
         let p = pending
             .inner
             .lock()
@@ -980,7 +988,7 @@ impl Runtime {
         handle: PyRef<'py, LlHandlePy>,
     ) -> PyResult<Bound<'py, PyCapsule>> {
         let mut st = self.lock(py);
-        Self::check_generation(&st, handle.generation, "handle")?;
+        self.check_generation(py, &mut st, handle.generation, "handle")?;
         let buffer = Self::buffer(&mut st)?;
         crate::dlpack::export_combine_buffer(py, buffer)
     }
@@ -1004,7 +1012,7 @@ impl Runtime {
                 In::new(topk_weights, "topk_weights", DType::F32)?,
             ))
         })();
-        Self::check_generation(&st, handle.generation, "handle")?;
+        self.check_generation(py, &mut st, handle.generation, "handle")?;
         let (x, idx, w) = parsed.map_err(|e| self.reject(py, &mut st, &e.to_string()))?;
         let generation = st.generation;
         let buffer = Self::buffer(&mut st)?;
@@ -1034,7 +1042,7 @@ impl Runtime {
         out: &Bound<'py, PyAny>,
     ) -> PyResult<()> {
         let mut st = self.lock(py);
-        Self::check_generation(&st, pending.generation, "low-latency combine")?;
+        self.check_generation(py, &mut st, pending.generation, "low-latency combine")?;
         let p = pending
             .inner
             .lock()
