@@ -6,7 +6,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::quant::GROUP;
+use uep_ep::quant::FP8_GROUP as GROUP;
 
 /// `tokens × hidden` fresh bf16 inputs from `seed`: most groups Gaussian-like at one
 /// magnitude per group (from 2^-20 to 2^12), and groups with the edge cases (zeros,
