@@ -1312,71 +1312,72 @@ impl Member {
             });
             return Err(f.error());
         }
+        let want = match kind {
+            OpKind::AllGather => g.world_size,
+            OpKind::Barrier => 0,
+        };
         let failure = match read_msg(&rd.stream, Some(deadline), MAX_FRAME) {
             Ok(Msg::Result {
                 seq: s,
                 kind: k,
                 parts,
-            }) => {
-                let want = match kind {
-                    OpKind::AllGather => g.world_size,
-                    OpKind::Barrier => 0,
-                };
-                if s == seq && k == kind && parts.len() == want {
-                    return Ok(parts);
-                }
-                Failure {
-                    rank: 0,
-                    reason: format!(
-                        "protocol violation: expected the result of {op} with {want} parts, got \
-                         the result of {} #{s} with {} parts",
-                        k.name(),
-                        parts.len()
-                    ),
-                }
-            }
+            }) if s == seq && k == kind && parts.len() == want => return Ok(parts),
+            Err(ReadError::Timeout) => return Err(self.timed_out(g, &op)),
+            other => Self::failure_of(other, &op, want),
+        };
+        // A local abort() may have woken this read; its failure then comes first.
+        Err(self.record(failure).error())
+    }
+
+    /// What rank 0 answered instead of the result of `op` (of `want` parts).
+    fn failure_of(read: Result<Msg, ReadError>, op: &str, want: usize) -> Failure {
+        let from_root = |reason: String| Failure { rank: 0, reason };
+        match read {
+            Ok(Msg::Result {
+                seq: s,
+                kind: k,
+                parts,
+            }) => from_root(format!(
+                "protocol violation: expected the result of {op} with {want} parts, got \
+                 the result of {} #{s} with {} parts",
+                k.name(),
+                parts.len()
+            )),
             Ok(Msg::Abort { rank, reason }) => Failure {
                 rank: rank as usize,
                 reason,
             },
-            Ok(Msg::Goodbye) => Failure {
-                rank: 0,
-                reason: "left the group (dropped its Group) while others still needed it".into(),
-            },
-            Ok(other) => Failure {
-                rank: 0,
-                reason: format!(
-                    "protocol violation: sent an unexpected {} message",
-                    other.name()
-                ),
-            },
-            Err(ReadError::Timeout) => {
-                let what = format!("waiting for rank 0 to complete {op}");
-                let mine = Failure {
-                    rank: self.rank,
-                    reason: format!("timed out after {:?} {what}", g.timeout() + MEMBER_GRACE),
-                };
-                let first = self.record(mine.clone());
-                if first.reason != mine.reason {
-                    return Err(first.error());
-                }
-                // Tell the others rather than let each of them wait out its own timeout.
-                self.send_abort(&first);
-                return Err(BootstrapError::Timeout {
-                    what,
-                    timeout: g.timeout() + MEMBER_GRACE,
-                });
+            Ok(Msg::Goodbye) => {
+                from_root("left the group (dropped its Group) while others still needed it".into())
             }
-            Err(e) => Failure {
-                rank: 0,
-                reason: format!(
-                    "connection to rank 0 lost ({e}); rank 0 probably crashed or exited without \
-                     dropping its Group"
-                ),
-            },
+            Ok(other) => from_root(format!(
+                "protocol violation: sent an unexpected {} message",
+                other.name()
+            )),
+            Err(e) => from_root(format!(
+                "connection to rank 0 lost ({e}); rank 0 probably crashed or exited without \
+                 dropping its Group"
+            )),
+        }
+    }
+
+    /// Rank 0 did not complete `op` in time: this rank's timeout, told to the others
+    /// (rather than let each of them wait out its own), unless a failure came first.
+    fn timed_out(&self, g: &Group, op: &str) -> BootstrapError {
+        let what = format!("waiting for rank 0 to complete {op}");
+        let mine = Failure {
+            rank: self.rank,
+            reason: format!("timed out after {:?} {what}", g.timeout() + MEMBER_GRACE),
         };
-        // A local abort() may have woken this read; its failure then comes first.
-        Err(self.record(failure).error())
+        let first = self.record(mine.clone());
+        if first.reason != mine.reason {
+            return first.error();
+        }
+        self.send_abort(&first);
+        BootstrapError::Timeout {
+            what,
+            timeout: g.timeout() + MEMBER_GRACE,
+        }
     }
 
     fn send_abort(&self, f: &Failure) {

@@ -146,32 +146,17 @@ pub fn launch_local_with_grace(
         .port();
     let secret =
         proto::random_hex::<32>().map_err(|e| BootstrapError::io("generating UEP_SECRET", e))?;
-    let program = spec.program.display().to_string();
     tracing::info!(
         ranks = spec.ranks,
         nodes = spec.nodes,
         port,
-        program,
+        program = %spec.program.display(),
         "launching local ranks"
     );
-
     let mut listener = Some(listener);
     let mut children: Vec<Child> = Vec::with_capacity(spec.ranks);
     for rank in 0..spec.ranks {
-        let mut cmd = Command::new(&spec.program);
-        cmd.args(&spec.args)
-            .envs(spec.env.iter().map(|(k, v)| (k, v)))
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", spec.ranks.to_string())
-            .env("LOCAL_RANK", (rank % local_world_size).to_string())
-            .env("LOCAL_WORLD_SIZE", local_world_size.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env(PORT_VAR, port.to_string())
-            .env(SECRET_VAR, &secret)
-            .env(LAUNCHER_VAR, LAUNCHER_LOCAL)
-            .env_remove(LISTEN_FD_VAR)
-            .stdin(Stdio::null());
-        fdpass::die_with_launcher(&mut cmd);
+        let mut cmd = rank_command(spec, rank, local_world_size, port, &secret);
         if let Some(l) = &listener {
             // Only rank 0 (the first spawn) inherits the listening socket.
             let fd = l.as_raw_fd();
@@ -182,6 +167,7 @@ pub fn launch_local_with_grace(
             Ok(child) => children.push(child),
             Err(source) => {
                 kill_all(&mut children);
+                let program = spec.program.display().to_string();
                 return Err(BootstrapError::Spawn {
                     rank,
                     program,
@@ -193,8 +179,44 @@ pub fn launch_local_with_grace(
         // as rank 0 closes it after everyone joined.
         listener = None;
     }
+    watch_ranks(spec, children, start, grace)
+}
 
-    let n = spec.ranks;
+/// Rank `rank`'s process: the spec's program, arguments and environment, the launcher
+/// variables, no stdin, killed when the launching thread ends.
+fn rank_command(
+    spec: &LaunchSpec,
+    rank: usize,
+    local_world_size: usize,
+    port: u16,
+    secret: &str,
+) -> Command {
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", spec.ranks.to_string())
+        .env("LOCAL_RANK", (rank % local_world_size).to_string())
+        .env("LOCAL_WORLD_SIZE", local_world_size.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env(PORT_VAR, port.to_string())
+        .env(SECRET_VAR, secret)
+        .env(LAUNCHER_VAR, LAUNCHER_LOCAL)
+        .env_remove(LISTEN_FD_VAR)
+        .stdin(Stdio::null());
+    fdpass::die_with_launcher(&mut cmd);
+    cmd
+}
+
+/// Waits for every rank; once one fails, the others get `grace` and are then killed.
+/// Past `spec.timeout` every rank still running is killed and the launch fails.
+fn watch_ranks(
+    spec: &LaunchSpec,
+    mut children: Vec<Child>,
+    start: Instant,
+    grace: Duration,
+) -> Result<LaunchOutcome, BootstrapError> {
+    let n = children.len();
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; n];
     let mut killed = vec![false; n];
     let mut first_failed: Option<usize> = None;
@@ -224,15 +246,13 @@ pub fn launch_local_with_grace(
         if running.is_empty() {
             break;
         }
-        if let Some(t) = spec.timeout {
-            if start.elapsed() >= t {
-                tracing::warn!(?running, "launch timed out; killing the remaining ranks");
-                kill_all(&mut children);
-                return Err(BootstrapError::LaunchTimeout {
-                    timeout: t,
-                    running,
-                });
-            }
+        if let Some(t) = spec.timeout.filter(|&t| start.elapsed() >= t) {
+            tracing::warn!(?running, "launch timed out; killing the remaining ranks");
+            kill_all(&mut children);
+            return Err(BootstrapError::LaunchTimeout {
+                timeout: t,
+                running,
+            });
         }
         if kill_at.is_some_and(|t| Instant::now() >= t) {
             tracing::warn!(?running, "grace period over; killing the remaining ranks");
@@ -245,9 +265,8 @@ pub fn launch_local_with_grace(
         }
         thread::sleep(POLL);
     }
-    let statuses: Vec<ExitStatus> = statuses.into_iter().flatten().collect();
     Ok(LaunchOutcome {
-        statuses,
+        statuses: statuses.into_iter().flatten().collect(),
         killed,
         first_failed,
     })

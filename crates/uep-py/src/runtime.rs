@@ -206,40 +206,46 @@ impl Runtime {
     /// (Re)build the Buffer for `want` (or fail every rank with this rank's `bad`
     /// input). Collective: every rank calls it at the same point.
     fn rebuild(&self, _py: Python<'_>, st: &mut State, want: Result<Want, String>) -> PyResult<()> {
+        let merged = self.agree_on_want(&want)?;
+        let base = st.buffer.as_ref().map(|b| b.config().clone());
+        let cfg = self.sized_config(base.as_ref(), merged)?;
+        // The old Buffer goes first: outputs still held keep their own mappings.
+        st.buffer = None;
+        let buffer = Buffer::with_control_plane(self.cp.clone(), cfg).map_err(ep_err)?;
+        st.buffer = Some(buffer);
+        st.generation += 1;
+        Ok(())
+    }
+
+    /// Every rank's want (or rejection), exchanged: the one shape all of them need
+    /// (normal calls agree up to their token counts, whose largest it takes); an error
+    /// on every rank if one rejected its input or they make different calls.
+    fn agree_on_want(&self, want: &Result<Want, String>) -> PyResult<Want> {
         let me = self.topo.rank;
-        let record = match &want {
+        let record = match want {
             Ok(w) => Rebuild::Want(*w),
             Err(msg) => Rebuild::Rejected(msg.clone()),
         };
         let all = exchange::all_gather(self.cp.as_ref(), "rebuild", &record).map_err(|e| {
-            let kind = e.kind();
-            errors::raise(
-                kind,
-                format!(
-                    "rank {me}: {}: not every rank came to build the Buffer for it: {e}",
-                    describe(&want)
-                ),
-            )
+            let why = format!(
+                "rank {me}: {}: not every rank came to build the Buffer for it: {e}",
+                describe(want)
+            );
+            errors::raise(e.kind(), why)
         })?;
-        if let Some((r, msg)) = all.iter().enumerate().find_map(|(r, t)| match t {
-            Rebuild::Rejected(m) => Some((r, m)),
-            Rebuild::Want(_) => None,
-        }) {
-            return Err(if r == me {
-                errors::invalid(msg)
-            } else {
-                errors::raise(
-                    ErrorKind::PeerAborted,
-                    format!("peer failure: rank {me}: rank {r} rejected its input: {msg}"),
-                )
-            });
+        let mut wants = Vec::with_capacity(all.len());
+        for (r, t) in all.into_iter().enumerate() {
+            match t {
+                Rebuild::Want(w) => wants.push(w),
+                Rebuild::Rejected(msg) if r == me => return Err(errors::invalid(msg)),
+                Rebuild::Rejected(msg) => {
+                    return Err(errors::raise(
+                        ErrorKind::PeerAborted,
+                        format!("peer failure: rank {me}: rank {r} rejected its input: {msg}"),
+                    ))
+                }
+            }
         }
-        let wants: Vec<Want> = (all.into_iter())
-            .filter_map(|t| match t {
-                Rebuild::Want(w) => Some(w),
-                Rebuild::Rejected(_) => None,
-            })
-            .collect();
         let mut merged = wants[0];
         for (r, w) in wants.iter().enumerate() {
             let agree = match (merged, *w) {
@@ -259,11 +265,16 @@ impl Runtime {
                 a.max_tokens = a.max_tokens.max(b.max_tokens);
             }
         }
-        let base = st.buffer.as_ref().map(|b| b.config().clone());
-        let nodes = self.topo.num_nodes;
-        let r_n = self.topo.num_ranks;
-        let mut cfg = self.config_for(base.as_ref(), merged);
-        if let Want::Normal(s) = merged {
+        Ok(merged)
+    }
+
+    /// The configuration for `want` on top of `base`, normal mode with room to grow
+    /// where the capacity allows; a capacity error naming the argument to raise where
+    /// even the exact shape does not fit.
+    fn sized_config(&self, base: Option<&BufferConfig>, want: Want) -> PyResult<BufferConfig> {
+        let (r_n, nodes) = (self.topo.num_ranks, self.topo.num_nodes);
+        let mut cfg = self.config_for(base, want);
+        if let Want::Normal(s) = want {
             // Room to grow into, unless only the exact count fits the capacity.
             let exact = s.max_tokens.max(1);
             let mut grown = cfg.clone();
@@ -278,40 +289,36 @@ impl Runtime {
             }
         }
         let needed = cfg.bytes_needed(r_n, nodes);
-        if needed > self.capacity + SLACK_BYTES {
-            let what = match merged {
-                Want::Normal(s) => format!(
+        if needed <= self.capacity + SLACK_BYTES {
+            return Ok(cfg);
+        }
+        let (what, knob) = match want {
+            Want::Normal(s) => (
+                format!(
                     "normal dispatch of up to {} tokens a rank (hidden {}, top-k {}, {} experts)",
                     s.max_tokens, s.hidden, s.topk, s.num_experts
                 ),
-                Want::Ll(s) => format!(
+                "num_nvl_bytes",
+            ),
+            Want::Ll(s) => (
+                format!(
                     "low-latency dispatch (num_max_dispatch_tokens_per_rank {}, hidden {}, top-k {}, {} experts)",
                     s.max_tokens, s.hidden, s.topk, s.num_experts
                 ),
-            };
-            return Err(errors::raise(
-                ErrorKind::Capacity,
-                format!(
-                    "capacity: a {what} needs {needed} bytes of registered memory per rank \
+                "num_rdma_bytes",
+            ),
+        };
+        Err(errors::raise(
+            ErrorKind::Capacity,
+            format!(
+                "capacity: a {what} needs {needed} bytes of registered memory per rank \
                  (both modes' buffers), more than num_nvl_bytes + num_rdma_bytes = {} allows \
-                 ({} with uep's fixed areas); raise {} to at least {}",
-                    self.capacity,
-                    self.capacity + SLACK_BYTES,
-                    if matches!(merged, Want::Ll(_)) {
-                        "num_rdma_bytes"
-                    } else {
-                        "num_nvl_bytes"
-                    },
-                    needed.saturating_sub(SLACK_BYTES)
-                ),
-            ));
-        }
-        // The old Buffer goes first: outputs still held keep their own mappings.
-        st.buffer = None;
-        let buffer = Buffer::with_control_plane(self.cp.clone(), cfg).map_err(ep_err)?;
-        st.buffer = Some(buffer);
-        st.generation += 1;
-        Ok(())
+                 ({} with uep's fixed areas); raise {knob} to at least {}",
+                self.capacity,
+                self.capacity + SLACK_BYTES,
+                needed.saturating_sub(SLACK_BYTES)
+            ),
+        ))
     }
 
     /// Make sure the Buffer serves a call of `mode` with shape `want` (as far as known),

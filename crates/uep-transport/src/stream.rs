@@ -223,7 +223,7 @@ type Streamed = (Duration, LibfabricTransport, LibfabricTransport);
 fn stream(
     provider: &str,
     mut tx: LibfabricTransport,
-    mut rx: LibfabricTransport,
+    rx: LibfabricTransport,
     n: u64,
     msg: usize,
     polite: bool,
@@ -236,34 +236,82 @@ fn stream(
     let deadline = t0 + STREAM_DEADLINE;
     let receiver = {
         let (start, stop) = (start.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let mut arrivals: Vec<Arrival> = Vec::with_capacity(STREAM_WINDOW * 2);
-            let mut sent: Vec<Completion> = Vec::new();
-            let mut seen = 0u64;
-            start.wait();
-            while seen < n && Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
-                arrivals.clear();
-                let r = rx.poll_recv(&mut arrivals).map(|k| seen += k as u64);
-                // The receiver posts nothing, but manual-progress providers
-                // move data only while both queues are polled.
-                let s = rx.poll_send(&mut sent);
-                if let Err(e) = r.and(s.map(|_| ())) {
-                    return (Err((e, seen)), rx);
-                }
-                if polite && arrivals.is_empty() {
-                    // Nothing landed: let another stream's thread have the core.
-                    std::thread::yield_now();
-                }
-            }
-            (Ok((Instant::now(), seen)), rx)
-        })
+        std::thread::spawn(move || receive(rx, n, polite, deadline, &start, &stop))
     };
+    start.wait();
+    let t_start = Instant::now();
+    let sent = send(&mut tx, n, msg, polite, deadline);
+    let completed = sent.as_ref().map_or(0, |&c| c);
+    stop.store(sent.is_err() || completed < n, Ordering::Relaxed);
+    let (result, rx) = receiver
+        .join()
+        .map_err(|_| LimitError::Invalid("transport stream receiver thread panicked".into()))?;
+    if let Err((stage, e)) = sent {
+        return Err(fail(stage)(e));
+    }
+    let (t_end, seen) = match result {
+        Ok(v) => v,
+        Err(e) => return Err(fail("poll receive queue")(e)),
+    };
+    if seen < n || completed < n {
+        return Err(LimitError::Stuck {
+            provider: provider.to_string(),
+            arrived: seen,
+            completed,
+            expected: n,
+            waited: t0.elapsed(),
+        });
+    }
+    Ok((t_end.saturating_duration_since(t_start), tx, rx))
+}
+
+/// What the receiving side of a stream saw (when the last write arrived and how many
+/// did), and its endpoint back.
+type Received = (Result<(Instant, u64), TransportError>, LibfabricTransport);
+
+/// The receiving side of a stream: polls until `n` writes arrived, the deadline
+/// passed or the sender gave up.
+fn receive(
+    mut rx: LibfabricTransport,
+    n: u64,
+    polite: bool,
+    deadline: Instant,
+    start: &Barrier,
+    stop: &AtomicBool,
+) -> Received {
+    let mut arrivals: Vec<Arrival> = Vec::with_capacity(STREAM_WINDOW * 2);
+    let mut sent: Vec<Completion> = Vec::new();
+    let mut seen = 0u64;
+    start.wait();
+    while seen < n && Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+        arrivals.clear();
+        let r = rx.poll_recv(&mut arrivals).map(|k| seen += k as u64);
+        // The receiver posts nothing, but manual-progress providers
+        // move data only while both queues are polled.
+        let s = rx.poll_send(&mut sent);
+        if let Err(e) = r.and(s.map(|_| ())) {
+            return (Err(e), rx);
+        }
+        if polite && arrivals.is_empty() {
+            // Nothing landed: let another stream's thread have the core.
+            std::thread::yield_now();
+        }
+    }
+    (Ok((Instant::now(), seen)), rx)
+}
+
+/// The sending side: `n` writes of `msg` bytes, at most a window in flight, until all
+/// completed or the deadline passed; how many completed, or the stage that failed.
+fn send(
+    tx: &mut LibfabricTransport,
+    n: u64,
+    msg: usize,
+    polite: bool,
+    deadline: Instant,
+) -> Result<u64, (&'static str, TransportError)> {
     let mut done: Vec<Completion> = Vec::with_capacity(STREAM_WINDOW * 2);
     let (mut posted, mut completed) = (0u64, 0u64);
     let mut arrivals = Vec::new();
-    start.wait();
-    let t_start = Instant::now();
-    let mut send_err = None;
     while completed < n && Instant::now() < deadline {
         while posted < n && posted - completed < STREAM_WINDOW as u64 {
             let slot = (posted % STREAM_WINDOW as u64) * msg as u64;
@@ -278,52 +326,21 @@ fn stream(
             }) {
                 Ok(()) => posted += 1,
                 Err(TransportError::WouldBlock) => break,
-                Err(e) => {
-                    send_err = Some(fail("post write")(e));
-                    break;
-                }
+                Err(e) => return Err(("post write", e)),
             }
-        }
-        if send_err.is_some() {
-            break;
         }
         done.clear();
         match tx.poll_send(&mut done) {
             Ok(0) if polite => std::thread::yield_now(),
             Ok(k) => completed += k as u64,
-            Err(e) => {
-                send_err = Some(fail("poll send completions")(e));
-                break;
-            }
+            Err(e) => return Err(("poll send completions", e)),
         }
         // The sender's endpoint also needs its receive side polled for progress.
         arrivals.clear();
-        if let Err(e) = tx.poll_recv(&mut arrivals) {
-            send_err = Some(fail("poll sender receive queue")(e));
-            break;
-        }
+        tx.poll_recv(&mut arrivals)
+            .map_err(|e| ("poll sender receive queue", e))?;
     }
-    stop.store(send_err.is_some() || completed < n, Ordering::Relaxed);
-    let (result, rx) = receiver
-        .join()
-        .map_err(|_| LimitError::Invalid("transport stream receiver thread panicked".into()))?;
-    if let Some(e) = send_err {
-        return Err(e);
-    }
-    let (t_end, seen) = match result {
-        Ok(v) => v,
-        Err((e, _)) => return Err(fail("poll receive queue")(e)),
-    };
-    if seen < n || completed < n {
-        return Err(LimitError::Stuck {
-            provider: provider.to_string(),
-            arrived: seen,
-            completed,
-            expected: n,
-            waited: t0.elapsed(),
-        });
-    }
-    Ok((t_end.saturating_duration_since(t_start), tx, rx))
+    Ok(completed)
 }
 
 #[cfg(test)]
