@@ -33,6 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use clap::Parser;
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
@@ -438,83 +439,75 @@ pub fn render_svg(key: &str, rows: &[SweepRow], title: &str, path: &Path) -> any
     )?;
     let (left, right) = panels.split_horizontally(640);
     let xlabel = x_title(key);
-    let label_style = ("sans-serif", 16);
-
+    let x = || (x0..x1).log_scale().with_key_points(xs.clone());
     // Left: latency, log-log.
-    {
-        let (y0, y1) = span(
-            latency.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)),
-            true,
-        );
-        let mut chart = ChartBuilder::on(&left)
-            .caption("latency (average per iteration)", ("sans-serif", 17))
-            .margin(12)
-            .x_label_area_size(48)
-            .y_label_area_size(70)
-            .build_cartesian_2d(
-                (x0..x1).log_scale().with_key_points(xs.clone()),
-                (y0..y1).log_scale().with_key_points(log_ticks(y0, y1)),
-            )
-            .map_err(draw_err)?;
-        chart
-            .configure_mesh()
-            .x_desc(xlabel.as_str())
-            .y_desc("latency (µs)")
-            .axis_desc_style(label_style)
-            .x_label_formatter(&|v| tick(*v))
-            .y_label_formatter(&|v| tick(*v))
-            .label_style(("sans-serif", 13))
-            .bold_line_style(RGBColor(215, 215, 215))
-            .light_line_style(TRANSPARENT)
-            .draw()
-            .map_err(draw_err)?;
-        for (op, pts) in &latency {
-            let c = color_of(op);
-            chart
-                .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
-                .map_err(draw_err)?;
-            chart
-                .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
-                .map_err(draw_err)?;
-        }
-    }
-
+    let (y0, y1) = span(
+        latency.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)),
+        true,
+    );
+    let y = (y0..y1).log_scale().with_key_points(log_ticks(y0, y1));
+    let chart = panel(&left, "latency (average per iteration)", x(), y)?;
+    draw_lines(chart, (&xlabel, "latency (µs)"), &latency, color_of)?;
     // Right: bandwidth, log x, linear y from 0.
-    {
-        let (y0, y1) = span(
-            bandwidth.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)),
-            false,
-        );
-        let mut chart = ChartBuilder::on(&right)
-            .caption("bandwidth (bytes a rank sends / time)", ("sans-serif", 17))
-            .margin(12)
-            .x_label_area_size(48)
-            .y_label_area_size(70)
-            .build_cartesian_2d((x0..x1).log_scale().with_key_points(xs.clone()), y0..y1)
+    let (y0, y1) = span(
+        bandwidth.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)),
+        false,
+    );
+    let chart = panel(&right, "bandwidth (bytes a rank sends / time)", x(), y0..y1)?;
+    draw_lines(chart, (&xlabel, "GB/s per rank"), &bandwidth, color_of)?;
+    root.present().map_err(draw_err)?;
+    Ok(())
+}
+
+/// A chart of the figure, captioned, on `area`.
+fn panel<'a, 'b, X: AsRangedCoord, Y: AsRangedCoord>(
+    area: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    caption: &str,
+    x: X,
+    y: Y,
+) -> anyhow::Result<ChartContext<'a, SVGBackend<'b>, Cartesian2d<X::CoordDescType, Y::CoordDescType>>>
+{
+    ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 17))
+        .margin(12)
+        .x_label_area_size(48)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x, y)
+        .map_err(draw_err)
+}
+
+/// The mesh (axes titled `x_desc` and `y_desc`) and a line with dots per op.
+fn draw_lines<X, Y>(
+    mut chart: ChartContext<'_, SVGBackend<'_>, Cartesian2d<X, Y>>,
+    (x_desc, y_desc): (&str, &str),
+    lines: &[(String, Vec<(f64, f64)>)],
+    color_of: impl Fn(&str) -> RGBColor,
+) -> anyhow::Result<()>
+where
+    X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .axis_desc_style(("sans-serif", 16))
+        .x_label_formatter(&|v| tick(*v))
+        .y_label_formatter(&|v| tick(*v))
+        .label_style(("sans-serif", 13))
+        .bold_line_style(RGBColor(215, 215, 215))
+        .light_line_style(TRANSPARENT)
+        .draw()
+        .map_err(draw_err)?;
+    for (op, pts) in lines {
+        let c = color_of(op);
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
             .map_err(draw_err)?;
         chart
-            .configure_mesh()
-            .x_desc(xlabel.as_str())
-            .y_desc("GB/s per rank")
-            .axis_desc_style(label_style)
-            .x_label_formatter(&|v| tick(*v))
-            .y_label_formatter(&|v| tick(*v))
-            .label_style(("sans-serif", 13))
-            .bold_line_style(RGBColor(215, 215, 215))
-            .light_line_style(TRANSPARENT)
-            .draw()
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
             .map_err(draw_err)?;
-        for (op, pts) in &bandwidth {
-            let c = color_of(op);
-            chart
-                .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
-                .map_err(draw_err)?;
-            chart
-                .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
-                .map_err(draw_err)?;
-        }
     }
-    root.present().map_err(draw_err)?;
     Ok(())
 }
 
@@ -564,44 +557,19 @@ pub fn run_sweep_with(
     }
     std::fs::create_dir_all(out_dir)
         .map_err(|e| anyhow::anyhow!("creating {}: {e}", out_dir.display()))?;
-    let mut rows = Vec::new();
-    let mut failed = Vec::new();
-    let mut all_verified = true;
+    let (mut rows, mut failed) = (Vec::new(), Vec::new());
+    let n = plans.len();
     for (i, (value, x, args, note)) in plans.into_iter().enumerate() {
-        eprintln!(
-            "uep bench --sweep: {}={value} ({}/{})",
-            spec.key,
-            i + 1,
-            spec.values.len()
-        );
-        let out = Command::new(exe)
-            .arg("bench")
-            .arg("--json")
-            .args(&args)
-            .env_remove("RANK")
-            .output()
-            .map_err(|e| anyhow::anyhow!("starting {}: {e}", exe.display()))?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let parsed: Option<Vec<serde_json::Value>> = serde_json::from_str(&stdout).ok();
-        match parsed {
-            Some(reports) if out.status.success() => {
-                for report in reports {
-                    all_verified &= report["verified"] == serde_json::Value::Bool(true);
-                    rows.push(SweepRow {
-                        value: value.clone(),
-                        x,
-                        report,
-                        note: note.clone(),
-                    });
-                }
-            }
-            _ => {
-                eprintln!(
-                    "uep bench --sweep: {}={value} failed ({}):\n{}",
-                    spec.key,
-                    out.status,
-                    tail(&String::from_utf8_lossy(&out.stderr), 20)
-                );
+        eprintln!("uep bench --sweep: {}={value} ({}/{n})", spec.key, i + 1);
+        match run_point(exe, &args)? {
+            Ok(reports) => rows.extend(reports.into_iter().map(|report| SweepRow {
+                value: value.clone(),
+                x,
+                report,
+                note: note.clone(),
+            })),
+            Err(why) => {
+                eprintln!("uep bench --sweep: {}={value} failed ({why}", spec.key);
                 failed.push(value);
             }
         }
@@ -613,27 +581,8 @@ pub fn run_sweep_with(
             failed.join(", ")
         );
     }
-    let stem = format!("sweep-{}", spec.key);
-    let csv: PathBuf = out_dir.join(format!("{stem}.csv"));
-    let svg: PathBuf = out_dir.join(format!("{stem}.svg"));
-    std::fs::write(&csv, render_csv(&spec.key, &rows))
-        .map_err(|e| anyhow::anyhow!("writing {}: {e}", csv.display()))?;
-    let dtype = if base.fp8 { "FP8 dispatch" } else { "BF16" };
-    let title = format!(
-        "uep bench: {} ranks, hidden {}, top-k {}, {} experts, {dtype}; sweeping {}",
-        if spec.key == "ranks" {
-            "R".to_string()
-        } else {
-            base.ranks.to_string()
-        },
-        base.hidden,
-        base.topk,
-        base.experts,
-        x_title(&spec.key)
-    );
-    render_svg(&spec.key, &rows, &title, &svg)?;
-    println!("{}", csv.display());
-    println!("{}", svg.display());
+    let all_verified = (rows.iter()).all(|r| r.report["verified"] == serde_json::Value::Bool(true));
+    write_outputs(&spec.key, &base, &rows, out_dir)?;
     if !failed.is_empty() {
         eprintln!(
             "uep bench --sweep: {} value(s) failed and are missing: {}",
@@ -642,6 +591,60 @@ pub fn run_sweep_with(
         );
     }
     Ok(failed.is_empty() && all_verified)
+}
+
+/// One point of a sweep: `exe bench --json ARGS`, its reports; `Ok(Err(why))` where
+/// the run failed (its status and the end of its stderr).
+fn run_point(
+    exe: &Path,
+    args: &[OsString],
+) -> anyhow::Result<Result<Vec<serde_json::Value>, String>> {
+    let out = Command::new(exe)
+        .arg("bench")
+        .arg("--json")
+        .args(args)
+        .env_remove("RANK")
+        .output()
+        .map_err(|e| anyhow::anyhow!("starting {}: {e}", exe.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    Ok(match serde_json::from_str(&stdout) {
+        Ok(reports) if out.status.success() => Ok(reports),
+        _ => Err(format!(
+            "{}):\n{}",
+            out.status,
+            tail(&String::from_utf8_lossy(&out.stderr), 20)
+        )),
+    })
+}
+
+/// The sweep's CSV and SVG in `out_dir` (their paths printed).
+fn write_outputs(
+    key: &str,
+    base: &BenchArgs,
+    rows: &[SweepRow],
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let stem = format!("sweep-{key}");
+    let csv: PathBuf = out_dir.join(format!("{stem}.csv"));
+    let svg: PathBuf = out_dir.join(format!("{stem}.svg"));
+    std::fs::write(&csv, render_csv(key, rows))
+        .map_err(|e| anyhow::anyhow!("writing {}: {e}", csv.display()))?;
+    let dtype = if base.fp8 { "FP8 dispatch" } else { "BF16" };
+    let ranks = match key {
+        "ranks" => "R".to_string(),
+        _ => base.ranks.to_string(),
+    };
+    let title = format!(
+        "uep bench: {ranks} ranks, hidden {}, top-k {}, {} experts, {dtype}; sweeping {}",
+        base.hidden,
+        base.topk,
+        base.experts,
+        x_title(key)
+    );
+    render_svg(key, rows, &title, &svg)?;
+    println!("{}", csv.display());
+    println!("{}", svg.display());
+    Ok(())
 }
 
 #[cfg(test)]
