@@ -459,14 +459,16 @@ pub fn render_svg(key: &str, rows: &[SweepRow], title: &str, path: &Path) -> any
     Ok(())
 }
 
+/// A panel of the figure: SVG, x and y as `X` and `Y` map them.
+type Chart<'a, 'b, X, Y> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<X, Y>>;
+
 /// A chart of the figure, captioned, on `area`.
 fn panel<'a, 'b, X: AsRangedCoord, Y: AsRangedCoord>(
     area: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
     caption: &str,
     x: X,
     y: Y,
-) -> anyhow::Result<ChartContext<'a, SVGBackend<'b>, Cartesian2d<X::CoordDescType, Y::CoordDescType>>>
-{
+) -> anyhow::Result<Chart<'a, 'b, X::CoordDescType, Y::CoordDescType>> {
     ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 17))
         .margin(12)
@@ -478,7 +480,7 @@ fn panel<'a, 'b, X: AsRangedCoord, Y: AsRangedCoord>(
 
 /// The mesh (axes titled `x_desc` and `y_desc`) and a line with dots per op.
 fn draw_lines<X, Y>(
-    mut chart: ChartContext<'_, SVGBackend<'_>, Cartesian2d<X, Y>>,
+    mut chart: Chart<'_, '_, X, Y>,
     (x_desc, y_desc): (&str, &str),
     lines: &[(String, Vec<(f64, f64)>)],
     color_of: impl Fn(&str) -> RGBColor,
