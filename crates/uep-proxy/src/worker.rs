@@ -740,54 +740,9 @@ impl Worker {
         self.transport
             .validate_write(dst, src_off, dst_off, len as usize)
             .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
-        let mut stream = None;
-        let imm = match signal {
-            Signal::Normal { channel, tail_inc } => {
-                let nc = self.counters.num_channels;
-                if usize::from(channel) >= nc {
-                    return Err(self.reject(
-                        f,
-                        slot,
-                        cmd,
-                        format!("channel {channel} is out of range (allowed 0..{nc})"),
-                    ));
-                }
-                let key = dst * nc + usize::from(channel);
-                let seq = WriteImm::wrap_seq(self.streams[key].next);
-                stream = Some((key, seq));
-                WriteImm {
-                    // Validated at start: num_ranks * num_channels <=
-                    // MAX_STREAMS (1024), so this fits the u16 and encodes.
-                    stream: (self.rank * nc + usize::from(channel)) as u16,
-                    seq,
-                    count: tail_inc,
-                }
-                .encode()
-            }
-            Signal::LlArrival { buffer, expert } | Signal::LlCount { buffer, expert, .. } => {
-                let ne = self.counters.num_local_experts;
-                if usize::from(expert) >= ne {
-                    return Err(self.reject(
-                        f,
-                        slot,
-                        cmd,
-                        format!("local expert {expert} is out of range (allowed 0..{ne})"),
-                    ));
-                }
-                let signal = match signal {
-                    Signal::LlCount { count, .. } => LlSignal::Count(count),
-                    _ => LlSignal::Arrival,
-                };
-                LlImm {
-                    buffer,
-                    expert,
-                    src_rank: self.rank as u8,
-                    signal,
-                }
-                .encode()
-            }
-        }
-        .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
+        let (imm, stream) = self
+            .write_imm(dst, signal)
+            .map_err(|why| self.reject(f, slot, cmd, why))?;
         // Flow control: per-FIFO writes and per-thread bytes in flight (one
         // write larger than the byte budget may go alone), and the stream's
         // send window (module docs).
@@ -805,6 +760,58 @@ impl Worker {
             ThreadStats::bump(&self.stats.bytes_posted, len.into());
         }
         Ok(step)
+    }
+
+    /// The immediate of a Write to `dst` that signals `signal`, and for a normal
+    /// channel its ordered stream (key, sequence); why not where the channel or
+    /// expert is out of range.
+    fn write_imm(
+        &self,
+        dst: usize,
+        signal: Signal,
+    ) -> std::result::Result<(u32, Option<(usize, u16)>), String> {
+        match signal {
+            Signal::Normal { channel, tail_inc } => {
+                let nc = self.counters.num_channels;
+                if usize::from(channel) >= nc {
+                    return Err(format!(
+                        "channel {channel} is out of range (allowed 0..{nc})"
+                    ));
+                }
+                let key = dst * nc + usize::from(channel);
+                let seq = WriteImm::wrap_seq(self.streams[key].next);
+                let imm = WriteImm {
+                    // Validated at start: num_ranks * num_channels <=
+                    // MAX_STREAMS (1024), so this fits the u16 and encodes.
+                    stream: (self.rank * nc + usize::from(channel)) as u16,
+                    seq,
+                    count: tail_inc,
+                }
+                .encode();
+                imm.map(|imm| (imm, Some((key, seq))))
+                    .map_err(|e| e.to_string())
+            }
+            Signal::LlArrival { buffer, expert } | Signal::LlCount { buffer, expert, .. } => {
+                let ne = self.counters.num_local_experts;
+                if usize::from(expert) >= ne {
+                    return Err(format!(
+                        "local expert {expert} is out of range (allowed 0..{ne})"
+                    ));
+                }
+                let signal = match signal {
+                    Signal::LlCount { count, .. } => LlSignal::Count(count),
+                    _ => LlSignal::Arrival,
+                };
+                let imm = LlImm {
+                    buffer,
+                    expert,
+                    src_rank: self.rank as u8,
+                    signal,
+                }
+                .encode();
+                imm.map(|imm| (imm, None)).map_err(|e| e.to_string())
+            }
+        }
     }
 
     fn exec_atomic(&mut self, f: usize, slot: Slot, cmd: &Command) -> Result<Step> {
