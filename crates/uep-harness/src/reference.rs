@@ -252,47 +252,19 @@ pub fn normal_combine(
             weights.map_or(r_count, <[Vec<f32>]>::len)
         ));
     }
-    let l = shape.ranks_per_node;
-    let home = rank / l;
-    let mut acc = vec![0f32; num_tokens * h];
-    let mut acc_w = vec![0f32; num_tokens * k];
-    // Another node's partial sums, and which tokens it returned rows for.
-    let mut part = vec![0f32; num_tokens * h];
-    let mut part_w = vec![0f32; num_tokens * k];
-    let mut touched = vec![false; num_tokens];
+    let (l, home) = (shape.ranks_per_node, rank / shape.ranks_per_node);
+    let mut total = TokenSums::new(num_tokens, h, k);
+    // Another node's partial sums.
+    let mut part = TokenSums::new(num_tokens, h, k);
     for r in 0..r_count {
         let remote = r / l != home;
         if remote && r % l == 0 {
-            part.fill(0.0);
-            part_w.fill(0.0);
-            touched.fill(false);
+            part = TokenSums::new(num_tokens, h, k);
         }
-        let (sum, sum_w) = if remote {
-            (&mut part, &mut part_w)
-        } else {
-            (&mut acc, &mut acc_w)
-        };
+        let sums = if remote { &mut part } else { &mut total };
         let recv = &recvs[r];
-        let n = recv.num_rows();
-        if recv.src_token.len() != n || ys[r].len() != n * h {
-            return Err(invalid!(
-                "normal_combine: rank {r} has {n} src ranks, {} src tokens and {} y values; need {n}, {n} and {n} * hidden = {}",
-                recv.src_token.len(),
-                ys[r].len(),
-                n * h
-            ));
-        }
-        let w_r = match weights {
-            Some(w) if w[r].len() != n * k => {
-                return Err(invalid!(
-                    "normal_combine: rank {r} has {} weights; need rows * topk = {n} * {k}",
-                    w[r].len()
-                ))
-            }
-            Some(w) => Some(&w[r]),
-            None => None,
-        };
-        for i in 0..n {
+        let w_r = combine_inputs_of(r, recv, &ys[r], weights, h, k)?;
+        for i in 0..recv.num_rows() {
             if usize::try_from(recv.src_rank[i]).ok() != Some(rank) {
                 continue;
             }
@@ -305,38 +277,15 @@ pub fn normal_combine(
                         recv.src_token[i]
                     )
                 })?;
-            touched[t] = true;
-            for (a, y) in sum[t * h..(t + 1) * h]
-                .iter_mut()
-                .zip(&ys[r][i * h..(i + 1) * h])
-            {
-                *a += y.to_f32();
-            }
-            if let Some(w_r) = w_r {
-                for (a, &w) in sum_w[t * k..(t + 1) * k]
-                    .iter_mut()
-                    .zip(&w_r[i * k..(i + 1) * k])
-                {
-                    *a += w;
-                }
-            }
+            sums.add(
+                t,
+                &ys[r][i * h..(i + 1) * h],
+                w_r.map(|w| &w[i * k..(i + 1) * k]),
+            );
         }
         if remote && r % l == l - 1 {
             // The node's last rank: its partial sums join the total, rounded to bf16.
-            for t in (0..num_tokens).filter(|&t| touched[t]) {
-                for (a, p) in acc[t * h..(t + 1) * h]
-                    .iter_mut()
-                    .zip(&part[t * h..(t + 1) * h])
-                {
-                    *a += bf16::from_f32(*p).to_f32();
-                }
-                for (a, p) in acc_w[t * k..(t + 1) * k]
-                    .iter_mut()
-                    .zip(&part_w[t * k..(t + 1) * k])
-                {
-                    *a += p;
-                }
-            }
+            part.add_rounded_into(&mut total);
         }
     }
     for (i, b) in bias.iter().enumerate() {
@@ -346,12 +295,94 @@ pub fn normal_combine(
                 b.len()
             ));
         }
-        for (a, y) in acc.iter_mut().zip(b.iter()) {
+        for (a, y) in total.x.iter_mut().zip(b.iter()) {
             *a += y.to_f32();
         }
     }
-    let combined = acc.iter().map(|&a| bf16::from_f32(a)).collect();
-    Ok((combined, weights.map(|_| acc_w)))
+    let combined = total.x.iter().map(|&a| bf16::from_f32(a)).collect();
+    Ok((combined, weights.map(|_| total.w)))
+}
+
+/// Checks rank `r`'s part of a normal combine's inputs (`src_token`, `y` and weights
+/// sized by its rows); its weights.
+fn combine_inputs_of<'a>(
+    r: usize,
+    recv: &NormalRecv,
+    y: &[bf16],
+    weights: Option<&'a [Vec<f32>]>,
+    h: usize,
+    k: usize,
+) -> Result<Option<&'a [f32]>> {
+    let n = recv.num_rows();
+    if recv.src_token.len() != n || y.len() != n * h {
+        return Err(invalid!(
+            "normal_combine: rank {r} has {n} src ranks, {} src tokens and {} y values; need {n}, {n} and {n} * hidden = {}",
+            recv.src_token.len(),
+            y.len(),
+            n * h
+        ));
+    }
+    match weights {
+        Some(w) if w[r].len() != n * k => Err(invalid!(
+            "normal_combine: rank {r} has {} weights; need rows * topk = {n} * {k}",
+            w[r].len()
+        )),
+        Some(w) => Ok(Some(&w[r])),
+        None => Ok(None),
+    }
+}
+
+/// Per token, the f32 sums of the rows and weights added to it, and whether any was.
+struct TokenSums {
+    x: Vec<f32>,
+    w: Vec<f32>,
+    touched: Vec<bool>,
+    h: usize,
+    k: usize,
+}
+
+impl TokenSums {
+    fn new(tokens: usize, h: usize, k: usize) -> Self {
+        TokenSums {
+            x: vec![0.0; tokens * h],
+            w: vec![0.0; tokens * k],
+            touched: vec![false; tokens],
+            h,
+            k,
+        }
+    }
+
+    /// Adds row `y` (and weights `w`) to token `t`.
+    fn add(&mut self, t: usize, y: &[bf16], w: Option<&[f32]>) {
+        let (h, k) = (self.h, self.k);
+        self.touched[t] = true;
+        for (a, y) in self.x[t * h..(t + 1) * h].iter_mut().zip(y) {
+            *a += y.to_f32();
+        }
+        for (a, &w) in self.w[t * k..(t + 1) * k].iter_mut().zip(w.unwrap_or(&[])) {
+            *a += w;
+        }
+    }
+
+    /// Adds each touched token's sums to `total`'s, the rows rounded to bf16 first
+    /// (a node's partial sum, as it crosses the network), the weights as they are.
+    fn add_rounded_into(&self, total: &mut TokenSums) {
+        let (h, k) = (self.h, self.k);
+        for t in (0..self.touched.len()).filter(|&t| self.touched[t]) {
+            for (a, p) in total.x[t * h..(t + 1) * h]
+                .iter_mut()
+                .zip(&self.x[t * h..(t + 1) * h])
+            {
+                *a += bf16::from_f32(*p).to_f32();
+            }
+            for (a, p) in total.w[t * k..(t + 1) * k]
+                .iter_mut()
+                .zip(&self.w[t * k..(t + 1) * k])
+            {
+                *a += p;
+            }
+        }
+    }
 }
 
 /// What one rank receives from low-latency dispatch (docs/architecture.md, low-latency mode).
@@ -503,12 +534,7 @@ pub fn ll_combine(
     shape.validate()?;
     check_rank(rank, shape)?;
     let m = max_tokens_per_rank;
-    let (r_count, h, k, epr) = (
-        shape.num_ranks,
-        shape.hidden,
-        shape.topk,
-        shape.experts_per_rank(),
-    );
+    let (r_count, h, k) = (shape.num_ranks, shape.hidden, shape.topk);
     if recvs.len() != r_count || ys.len() != r_count || inputs.len() != r_count {
         return Err(invalid!(
             "ll_combine: {} recvs, {} ys and {} inputs given; need one per rank ({r_count})",
@@ -528,63 +554,16 @@ pub fn ll_combine(
             input.topk_weights.len()
         ));
     }
-    let rows_per_expert = r_count * m;
     // source[t * K + slot] = (rank r, row index in r's [E/R * R*M] rows) of that slot's output.
     let mut source: Vec<Option<(usize, usize)>> = vec![None; t_count * k];
-    for r in 0..r_count {
-        let recv = &recvs[r];
-        if recv.layout_range.len() != epr * r_count
-            || recv.src_token.len() != epr * rows_per_expert
-            || recv.src_slot.len() != epr * rows_per_expert
-            || ys[r].len() != epr * rows_per_expert * h
-        {
-            return Err(invalid!(
-                "ll_combine: rank {r}'s record has {} layout ranges, {} src tokens, {} src slots and \
-                 {} y values; need E/R*R = {}, E/R*R*M = {} (twice) and E/R*R*M*H = {}",
-                recv.layout_range.len(),
-                recv.src_token.len(),
-                recv.src_slot.len(),
-                ys[r].len(),
-                epr * r_count,
-                epr * rows_per_expert,
-                epr * rows_per_expert * h
-            ));
-        }
-        for le in 0..epr {
-            let e = (r * epr + le) as i64;
-            let (begin, cnt) = recv.layout_range[le * r_count + rank];
-            let range = usize::try_from(begin)
-                .ok()
-                .zip(usize::try_from(cnt).ok())
-                .filter(|&(b, c)| b + c <= rows_per_expert)
-                .ok_or_else(|| {
-                    invalid!(
-                        "ll_combine: rank {r} expert {e} gives source {rank} the range (begin {begin}, count {cnt}); \
-                         need 0 <= begin, 0 <= count, begin + count <= R*M = {rows_per_expert}"
-                    )
-                })?;
-            for i in range.0..range.0 + range.1 {
-                let row = le * rows_per_expert + i;
-                let (t, slot) = (recv.src_token[row], recv.src_slot[row]);
-                let idx = usize::try_from(t)
-                    .ok()
-                    .zip(usize::try_from(slot).ok())
-                    .filter(|&(t, s)| t < t_count && s < k)
-                    .map(|(t, s)| t * k + s)
-                    .filter(|&ts| input.topk_idx[ts] == e)
-                    .ok_or_else(|| {
-                        invalid!(
-                            "ll_combine: rank {r} expert {e} row {i} claims source ({rank}, token {t}, slot {slot}), \
-                             which does not name expert {e}"
-                        )
-                    })?;
-                if source[idx].replace((r, row)).is_some() {
-                    return Err(invalid!(
-                        "ll_combine: source ({rank}, token {t}, slot {slot}) came back twice"
-                    ));
-                }
-            }
-        }
+    let me = LlSource {
+        rank,
+        input,
+        shape,
+        rows_per_expert: r_count * m,
+    };
+    for (r, recv) in recvs.iter().enumerate() {
+        me.locate(r, recv, ys[r].len(), &mut source)?;
     }
 
     let mut combined = vec![bf16::ZERO; t_count * h];
@@ -613,6 +592,89 @@ pub fn ll_combine(
         }
     }
     Ok(combined)
+}
+
+/// The source rank of a low-latency combine, finding where each of its (token, slot)
+/// outputs came back.
+struct LlSource<'a> {
+    rank: usize,
+    input: &'a RankInput,
+    shape: &'a JobShape,
+    rows_per_expert: usize,
+}
+
+impl LlSource<'_> {
+    /// Records in `source` the rows rank `r` (its record `recv`, `y_len` output values)
+    /// returns to this source; an error for a record of the wrong size, a range past
+    /// the rows, a row that names no slot of this source's routing to that expert, or a
+    /// slot that came back twice.
+    fn locate(
+        &self,
+        r: usize,
+        recv: &LlRecv,
+        y_len: usize,
+        source: &mut [Option<(usize, usize)>],
+    ) -> Result<()> {
+        let (rank, rows_per_expert) = (self.rank, self.rows_per_expert);
+        let (r_count, h, k, epr) = (
+            self.shape.num_ranks,
+            self.shape.hidden,
+            self.shape.topk,
+            self.shape.experts_per_rank(),
+        );
+        if recv.layout_range.len() != epr * r_count
+            || recv.src_token.len() != epr * rows_per_expert
+            || recv.src_slot.len() != epr * rows_per_expert
+            || y_len != epr * rows_per_expert * h
+        {
+            return Err(invalid!(
+                "ll_combine: rank {r}'s record has {} layout ranges, {} src tokens, {} src slots and \
+                 {y_len} y values; need E/R*R = {}, E/R*R*M = {} (twice) and E/R*R*M*H = {}",
+                recv.layout_range.len(),
+                recv.src_token.len(),
+                recv.src_slot.len(),
+                epr * r_count,
+                epr * rows_per_expert,
+                epr * rows_per_expert * h
+            ));
+        }
+        for le in 0..epr {
+            let e = (r * epr + le) as i64;
+            let (begin, cnt) = recv.layout_range[le * r_count + rank];
+            let range = usize::try_from(begin)
+                .ok()
+                .zip(usize::try_from(cnt).ok())
+                .filter(|&(b, c)| b + c <= rows_per_expert)
+                .ok_or_else(|| {
+                    invalid!(
+                        "ll_combine: rank {r} expert {e} gives source {rank} the range (begin {begin}, count {cnt}); \
+                         need 0 <= begin, 0 <= count, begin + count <= R*M = {rows_per_expert}"
+                    )
+                })?;
+            for i in range.0..range.0 + range.1 {
+                let row = le * rows_per_expert + i;
+                let (t, slot) = (recv.src_token[row], recv.src_slot[row]);
+                let idx = usize::try_from(t)
+                    .ok()
+                    .zip(usize::try_from(slot).ok())
+                    .filter(|&(t, s)| t < self.input.num_tokens && s < k)
+                    .map(|(t, s)| t * k + s)
+                    .filter(|&ts| self.input.topk_idx[ts] == e)
+                    .ok_or_else(|| {
+                        invalid!(
+                            "ll_combine: rank {r} expert {e} row {i} claims source ({rank}, token {t}, slot {slot}), \
+                             which does not name expert {e}"
+                        )
+                    })?;
+                if source[idx].replace((r, row)).is_some() {
+                    return Err(invalid!(
+                        "ll_combine: source ({rank}, token {t}, slot {slot}) came back twice"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// DeepEP's similarity distance `1 - 2 * sum(a*b) / sum(a*a + b*b)` in f64: 0 for identical
