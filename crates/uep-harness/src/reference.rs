@@ -139,45 +139,33 @@ pub fn normal_dispatch(
         shape.experts_per_rank(),
     );
     let first_local = (rank * epr) as i64;
-    let fp8 = inputs[0].x.is_fp8();
-    let mut x_bf16 = Vec::new();
-    let mut x_fp8 = Vec::new();
-    let mut scales = Vec::new();
+    let mut x = match inputs[0].x.is_fp8() {
+        true => TokenData::Fp8 {
+            data: Vec::new(),
+            scales: Vec::new(),
+        },
+        false => TokenData::Bf16(Vec::new()),
+    };
     let mut topk_idx = Vec::new();
     let mut topk_weights = Vec::new();
     let mut src_rank = Vec::new();
     let mut src_token = Vec::new();
-
     for (s, (input, layout)) in inputs.iter().zip(&layouts).enumerate() {
-        for t in 0..input.num_tokens {
-            if !layout.token_in_rank(t, rank) {
-                continue;
-            }
-            match &input.x {
-                TokenData::Bf16(x) => x_bf16.extend_from_slice(&x[t * h..(t + 1) * h]),
-                TokenData::Fp8 { data, scales: sc } => {
-                    let g = h / FP8_GROUP;
-                    x_fp8.extend_from_slice(&data[t * h..(t + 1) * h]);
-                    scales.extend_from_slice(&sc[t * g..(t + 1) * g]);
-                }
-            }
+        for t in (0..input.num_tokens).filter(|&t| layout.token_in_rank(t, rank)) {
+            push_row(&mut x, &input.x, t, h);
             let ids = &input.topk_idx[t * k..(t + 1) * k];
             let ws = &input.topk_weights[t * k..(t + 1) * k];
             for (&e, &w) in ids.iter().zip(ws) {
+                // This rank's experts by their local index; the others as -1.
                 let local = e - first_local;
-                if e != -1 && (0..epr as i64).contains(&local) {
-                    topk_idx.push(local);
-                    topk_weights.push(w);
-                } else {
-                    topk_idx.push(-1);
-                    topk_weights.push(0.0);
-                }
+                let mine = e != -1 && (0..epr as i64).contains(&local);
+                topk_idx.push(if mine { local } else { -1 });
+                topk_weights.push(if mine { w } else { 0.0 });
             }
             src_rank.push(to_i32(s, "source rank")?);
             src_token.push(to_i32(t, "source token")?);
         }
     }
-
     let num_recv_tokens_per_expert = (0..epr)
         .map(|le| {
             let pairs: usize = layouts
@@ -187,28 +175,9 @@ pub fn normal_dispatch(
             pairs.div_ceil(expert_alignment) * expert_alignment
         })
         .collect();
-
-    let mut rank_prefix_matrix = vec![0i32; r_count * r_count];
-    for (s, layout) in layouts.iter().enumerate() {
-        for r in 0..r_count {
-            let above = if s == 0 {
-                0
-            } else {
-                rank_prefix_matrix[(s - 1) * r_count + r]
-            };
-            rank_prefix_matrix[s * r_count + r] = above + layout.num_tokens_per_rank[r];
-        }
-    }
-
+    let rank_prefix_matrix = rank_prefix_matrix(&layouts, r_count);
     Ok(NormalRecv {
-        x: if fp8 {
-            TokenData::Fp8 {
-                data: x_fp8,
-                scales,
-            }
-        } else {
-            TokenData::Bf16(x_bf16)
-        },
+        x,
         topk_idx: with_topk.then_some(topk_idx),
         topk_weights: with_topk.then_some(topk_weights),
         src_rank,
@@ -216,6 +185,38 @@ pub fn normal_dispatch(
         num_recv_tokens_per_expert,
         rank_prefix_matrix,
     })
+}
+
+/// Appends token `t` of `from` (its row, and its scales if FP8) to `to`, of the same
+/// format (every rank's inputs share one: `check_inputs`).
+fn push_row(to: &mut TokenData, from: &TokenData, t: usize, h: usize) {
+    let g = h / FP8_GROUP;
+    match (to, from) {
+        (TokenData::Bf16(to), TokenData::Bf16(x)) => to.extend_from_slice(&x[t * h..(t + 1) * h]),
+        (
+            TokenData::Fp8 { data, scales },
+            TokenData::Fp8 {
+                data: d,
+                scales: sc,
+            },
+        ) => {
+            data.extend_from_slice(&d[t * h..(t + 1) * h]);
+            scales.extend_from_slice(&sc[t * g..(t + 1) * g]);
+        }
+        _ => unreachable!("every rank's inputs have one format (check_inputs)"),
+    }
+}
+
+/// `[R, R]`: entry `(s, r)` counts the tokens that ranks `0..=s` send to rank `r`.
+fn rank_prefix_matrix(layouts: &[DispatchLayout], r_count: usize) -> Vec<i32> {
+    let mut m = vec![0i32; r_count * r_count];
+    for (s, layout) in layouts.iter().enumerate() {
+        for r in 0..r_count {
+            let above = if s == 0 { 0 } else { m[(s - 1) * r_count + r] };
+            m[s * r_count + r] = above + layout.num_tokens_per_rank[r];
+        }
+    }
+    m
 }
 
 /// Normal combine at source rank `rank` with `num_tokens` tokens.
@@ -430,58 +431,24 @@ pub fn ll_dispatch(
             "ll_dispatch: use_fp8 needs hidden = {h} to be a multiple of {FP8_GROUP}"
         ));
     }
-    let mut xs: Vec<&[bf16]> = Vec::with_capacity(r_count);
-    for (s, input) in inputs.iter().enumerate() {
-        let x = input.x.as_bf16().ok_or_else(|| {
-            invalid!("ll_dispatch: rank {s}'s x is fp8; low-latency dispatch takes bf16 input (it quantises itself)")
-        })?;
-        if input.num_tokens > m {
-            return Err(invalid!(
-                "ll_dispatch: rank {s} has {} tokens, more than max_tokens_per_rank = {m}",
-                input.num_tokens
-            ));
-        }
-        xs.push(x);
-    }
+    let xs = ll_inputs(inputs, m)?;
     let rows_per_expert = r_count * m;
     to_i32(rows_per_expert, "num_ranks * max_tokens_per_rank")?;
-    let groups = h / FP8_GROUP;
-    let mut x_bf16 = Vec::new();
-    let mut x_fp8 = Vec::new();
-    let mut scales = Vec::new();
-    if use_fp8 {
-        x_fp8 = vec![0u8; epr * rows_per_expert * h];
-        scales = vec![0f32; epr * rows_per_expert * groups];
-    } else {
-        x_bf16 = vec![bf16::ZERO; epr * rows_per_expert * h];
-    }
+    let rows = epr * rows_per_expert;
+    let mut x = LlRows::new(rows, h, use_fp8.then_some(round_scale));
     let mut count = vec![0i32; epr];
-    let mut src_token = vec![-1i32; epr * rows_per_expert];
-    let mut src_slot = vec![-1i32; epr * rows_per_expert];
+    let mut src_token = vec![-1i32; rows];
+    let mut src_slot = vec![-1i32; rows];
     let mut layout_range = vec![(0i32, 0i32); epr * r_count];
-
     for (le, count_le) in count.iter_mut().enumerate() {
         let e = (rank * epr + le) as i64;
         let mut packed = 0usize;
         for (s, input) in inputs.iter().enumerate() {
             let begin = packed;
             for t in 0..input.num_tokens {
-                for slot in 0..k {
-                    if input.topk_idx[t * k + slot] != e {
-                        continue;
-                    }
+                for slot in (0..k).filter(|&slot| input.topk_idx[t * k + slot] == e) {
                     let row = le * rows_per_expert + packed;
-                    let src = &xs[s][t * h..(t + 1) * h];
-                    if use_fp8 {
-                        quantize_token(
-                            src,
-                            round_scale,
-                            &mut x_fp8[row * h..(row + 1) * h],
-                            &mut scales[row * groups..(row + 1) * groups],
-                        );
-                    } else {
-                        x_bf16[row * h..(row + 1) * h].copy_from_slice(src);
-                    }
+                    x.put(row, &xs[s][t * h..(t + 1) * h]);
                     src_token[row] = t as i32; // t < M, which fits i32 (checked above)
                     src_slot[row] = slot as i32;
                     packed += 1;
@@ -498,21 +465,75 @@ pub fn ll_dispatch(
         }
         *count_le = packed as i32;
     }
-
     Ok(LlRecv {
-        x: if use_fp8 {
-            TokenData::Fp8 {
-                data: x_fp8,
-                scales,
-            }
-        } else {
-            TokenData::Bf16(x_bf16)
-        },
+        x: x.into_data(),
         count,
         src_token,
         src_slot,
         layout_range,
     })
+}
+
+/// Every rank's bf16 rows, checked: at most `m` tokens a rank, none FP8 (the
+/// low-latency dispatch casts them itself).
+fn ll_inputs(inputs: &[RankInput], m: usize) -> Result<Vec<&[bf16]>> {
+    let mut xs = Vec::with_capacity(inputs.len());
+    for (s, input) in inputs.iter().enumerate() {
+        let x = input.x.as_bf16().ok_or_else(|| {
+            invalid!("ll_dispatch: rank {s}'s x is fp8; low-latency dispatch takes bf16 input (it quantises itself)")
+        })?;
+        if input.num_tokens > m {
+            return Err(invalid!(
+                "ll_dispatch: rank {s} has {} tokens, more than max_tokens_per_rank = {m}",
+                input.num_tokens
+            ));
+        }
+        xs.push(x);
+    }
+    Ok(xs)
+}
+
+/// The rows of an LL receive as they are written: bf16, or FP8 with a scale per 128
+/// channels (`Some(round_scale)`).
+struct LlRows {
+    h: usize,
+    bf16: Vec<bf16>,
+    fp8: Option<(Vec<u8>, Vec<f32>, bool)>,
+}
+
+impl LlRows {
+    fn new(rows: usize, h: usize, fp8: Option<bool>) -> Self {
+        let groups = h / FP8_GROUP;
+        LlRows {
+            h,
+            bf16: match fp8 {
+                Some(_) => Vec::new(),
+                None => vec![bf16::ZERO; rows * h],
+            },
+            fp8: fp8.map(|round| (vec![0u8; rows * h], vec![0f32; rows * groups], round)),
+        }
+    }
+
+    /// Writes `src` as row `row`.
+    fn put(&mut self, row: usize, src: &[bf16]) {
+        let (h, g) = (self.h, self.h / FP8_GROUP);
+        match &mut self.fp8 {
+            Some((q, scales, round)) => quantize_token(
+                src,
+                *round,
+                &mut q[row * h..(row + 1) * h],
+                &mut scales[row * g..(row + 1) * g],
+            ),
+            None => self.bf16[row * h..(row + 1) * h].copy_from_slice(src),
+        }
+    }
+
+    fn into_data(self) -> TokenData {
+        match self.fp8 {
+            Some((data, scales, _)) => TokenData::Fp8 { data, scales },
+            None => TokenData::Bf16(self.bf16),
+        }
+    }
 }
 
 /// Low-latency combine at source rank `rank`.
