@@ -246,6 +246,38 @@ impl std::fmt::Debug for Proxy {
     }
 }
 
+/// The arguments of [`Proxy::start_in`], checked before anything starts.
+fn check_start(
+    rank: usize,
+    num_ranks: usize,
+    cfg: &ProxyConfig,
+    region: &Region,
+    counters: &CounterLayout,
+    transports: usize,
+) -> Result<()> {
+    if num_ranks == 0 || num_ranks > MAX_RANKS || rank >= num_ranks {
+        return Err(ProxyError::Invalid(format!(
+            "rank {rank} of {num_ranks} ranks (allowed: 1..={MAX_RANKS} ranks, rank below \
+             the count)"
+        )));
+    }
+    cfg.validate(num_ranks)?;
+    if transports != cfg.threads {
+        return Err(ProxyError::Invalid(format!(
+            "{transports} transports for {} proxy threads: pass exactly one connected \
+             transport per thread",
+            cfg.threads
+        )));
+    }
+    if counters.num_ranks != num_ranks {
+        return Err(ProxyError::Invalid(format!(
+            "CounterLayout.num_ranks = {} but the job has {num_ranks} ranks",
+            counters.num_ranks
+        )));
+    }
+    counters.validate(region.len())
+}
+
 impl Proxy {
     /// Starts `cfg.threads` proxy threads for `rank` of `num_ranks`.
     ///
@@ -283,29 +315,7 @@ impl Proxy {
         transports: Vec<Box<dyn Transport>>,
         fifos: &dyn FifoAlloc,
     ) -> Result<Proxy> {
-        if num_ranks == 0 || num_ranks > MAX_RANKS || rank >= num_ranks {
-            return Err(ProxyError::Invalid(format!(
-                "rank {rank} of {num_ranks} ranks (allowed: 1..={MAX_RANKS} ranks, rank below \
-                 the count)"
-            )));
-        }
-        cfg.validate(num_ranks)?;
-        if transports.len() != cfg.threads {
-            return Err(ProxyError::Invalid(format!(
-                "{} transports for {} proxy threads: pass exactly one connected transport per \
-                 thread",
-                transports.len(),
-                cfg.threads
-            )));
-        }
-        if counters.num_ranks != num_ranks {
-            return Err(ProxyError::Invalid(format!(
-                "CounterLayout.num_ranks = {} but the job has {num_ranks} ranks",
-                counters.num_ranks
-            )));
-        }
-        counters.validate(region.len())?;
-
+        check_start(rank, num_ranks, &cfg, &region, &counters, transports.len())?;
         let alloc = fifos;
         let mut fifos = Vec::with_capacity(cfg.threads * cfg.fifos_per_thread);
         for t in 0..cfg.threads {

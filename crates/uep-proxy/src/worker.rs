@@ -906,6 +906,35 @@ impl Worker {
         Ok(ctr.load(Ordering::Acquire) >= u64::from(seq))
     }
 
+    /// Starts the barrier of `cmd` on FIFO `f` (its peers checked and recorded), once
+    /// the FIFO's earlier commands completed: they complete before the barrier message
+    /// leaves, so peers that pass it may rely on them. Whether it started.
+    fn start_barrier(
+        &mut self,
+        f: usize,
+        slot: Slot,
+        cmd: &Command,
+        scope: BarrierScope,
+    ) -> Result<bool> {
+        if self.fifos[f].in_flight > 0 {
+            return Ok(false);
+        }
+        let peers = self
+            .barrier_peers(scope)
+            .map_err(|why| self.reject(f, slot, cmd, why))?;
+        for &p in &peers {
+            self.transport
+                .validate_write(p, 0, 0, 0)
+                .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
+        }
+        self.fifos[f].barrier = Some(BarrierProgress {
+            slot,
+            peers,
+            sent: 0,
+        });
+        Ok(true)
+    }
+
     fn exec_barrier(
         &mut self,
         f: usize,
@@ -917,29 +946,9 @@ impl Worker {
         if seq == 0 {
             return Err(self.reject(f, slot, cmd, "barrier seq 0 is reserved; start at 1"));
         }
-        if self.fifos[f]
-            .barrier
-            .as_ref()
-            .is_none_or(|b| b.slot != slot)
-        {
-            // Earlier commands of this FIFO complete before the barrier
-            // message leaves, so peers that pass it may rely on them.
-            if self.fifos[f].in_flight > 0 {
-                return Ok(Step::Wait);
-            }
-            let peers = self
-                .barrier_peers(scope)
-                .map_err(|why| self.reject(f, slot, cmd, why))?;
-            for &p in &peers {
-                self.transport
-                    .validate_write(p, 0, 0, 0)
-                    .map_err(|e| self.reject(f, slot, cmd, e.to_string()))?;
-            }
-            self.fifos[f].barrier = Some(BarrierProgress {
-                slot,
-                peers,
-                sent: 0,
-            });
+        let started = (self.fifos[f].barrier.as_ref()).is_some_and(|b| b.slot == slot);
+        if !started && !self.start_barrier(f, slot, cmd, scope)? {
+            return Ok(Step::Wait);
         }
         let imm = BarrierImm {
             scope,
