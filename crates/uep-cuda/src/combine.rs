@@ -3,7 +3,6 @@
 //! matches any NaN: its payload is the hardware's).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
-use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -61,7 +60,7 @@ pub fn check(
     let w: Vec<f32> = (0..tokens * topk)
         .map(|_| rng.gen_range(-2.0..2.0))
         .collect();
-    let want = reference(&y, &src, &w, topk, hidden, weighted);
+    let want = crate::pack::host_reduce(&y, &src, &w, topk, hidden, weighted);
     let stream = gpu.stream();
     let f = gpu.function(kernels::COMBINE, "uep_combine_reduce")?;
     let yd = stream.clone_htod(&y).map_err(driver("copying rows"))?;
@@ -171,29 +170,4 @@ pub(crate) fn reduce(
     stream
         .synchronize()
         .map_err(driver("running the reduction"))
-}
-
-/// The host device's reduction of the same rows: `reduce_rows` per token, in slot
-/// order, `-1` slots skipped.
-fn reference(
-    y: &[u16],
-    src: &[i32],
-    w: &[f32],
-    topk: usize,
-    hidden: usize,
-    weighted: bool,
-) -> Vec<bf16> {
-    let tokens = src.len() / topk;
-    let rows: Vec<&[u16]> = y.chunks_exact(hidden).collect();
-    let mut want = vec![bf16::ZERO; tokens * hidden];
-    for (t, out) in want.chunks_mut(hidden).enumerate() {
-        let picked: Vec<(&[u16], f32)> = (0..topk)
-            .filter_map(|k| {
-                let r = usize::try_from(src[t * topk + k]).ok()?;
-                Some((rows[r], w[t * topk + k]))
-            })
-            .collect();
-        uep_ep::quant::reduce_rows(&picked, weighted, out);
-    }
-    want
 }

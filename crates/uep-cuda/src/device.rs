@@ -23,6 +23,7 @@ use uep_fifo::FifoAlloc;
 use crate::combine::{self, Shape};
 use crate::gpu::kernels;
 use crate::layout::{self, RouteShape};
+use crate::pack::{pack_reduce, PackedReduce};
 use crate::quant::Loads;
 use crate::{CudaError, CudaFifos, Gpu};
 
@@ -130,33 +131,15 @@ impl Device for CudaDevice {
 
     fn reduce(&self, p: &ReducePhase<'_>, out: &mut [bf16]) -> uep_ep::Result<()> {
         p.check(out.len())?;
-        let (h, tokens) = (p.hidden, p.tokens());
-        // One upload: each part's row in order, and per token its parts' places in it
-        // (padded with -1 to the most parts a token has).
-        let topk = (0..tokens)
-            .map(|t| p.parts_of(t).len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let sources: Vec<&[u16]> = (p.sources.iter())
-            .map(|&s| p.memory.rows(s))
-            .collect::<uep_ep::Result<_>>()?;
-        let mut y = Vec::with_capacity(p.parts.len() * h);
-        let (mut src, mut w) = (vec![-1i32; tokens * topk], vec![0f32; tokens * topk]);
-        for t in 0..tokens {
-            for (k, part) in p.parts_of(t).iter().enumerate() {
-                let row = part.row as usize;
-                src[t * topk + k] = (y.len() / h) as i32;
-                w[t * topk + k] = part.weight;
-                y.extend_from_slice(&sources[part.source as usize][row * h..(row + 1) * h]);
-            }
-        }
+        // One upload: each part's row in order, and per token its parts' places in it.
+        let packed = pack_reduce(p)?;
         let shape = Shape {
-            topk,
-            hidden: h,
+            topk: packed.topk,
+            hidden: p.hidden,
             weighted: p.weighted,
         };
         let out_bits: &mut [u16] = bytemuck::cast_slice_mut(out);
-        combine::reduce(&self.gpu, &self.reduce, (&y, &src, &w), shape, out_bits).map_err(ep)
+        let PackedReduce { y, src, w, .. } = &packed;
+        combine::reduce(&self.gpu, &self.reduce, (y, src, w), shape, out_bits).map_err(ep)
     }
 }

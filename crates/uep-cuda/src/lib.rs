@@ -40,6 +40,7 @@ pub mod inputs;
 pub mod layout;
 #[cfg(feature = "cuda")]
 pub mod ll_send;
+pub mod pack;
 pub mod quant;
 
 #[cfg(feature = "cuda")]

@@ -160,11 +160,11 @@ impl ReducePhase<'_> {
     }
 }
 
-/// Symmetric memory as a phase reads it: published to this rank for the call.
+/// Symmetric memory as a phase reads it: published to this rank for the call, or none
+/// (a phase over the caller's tensors only).
 #[derive(Clone, Copy)]
 pub struct Symmetric<'a> {
-    symm: &'a symm::Symmetric,
-    published: Published<'a>,
+    memory: Option<(&'a symm::Symmetric, Published<'a>)>,
 }
 
 impl std::fmt::Debug for Symmetric<'_> {
@@ -176,19 +176,47 @@ impl std::fmt::Debug for Symmetric<'_> {
 impl<'a> Symmetric<'a> {
     /// The view of `symm` that `published` proves readable.
     pub(crate) fn new(symm: &'a symm::Symmetric, published: Published<'a>) -> Self {
-        Symmetric { symm, published }
+        Symmetric {
+            memory: Some((symm, published)),
+        }
+    }
+
+    /// No symmetric memory: a phase whose sources are all tensors.
+    ///
+    /// ```
+    /// use half::bf16;
+    /// use uep_ep::device::{Device, HostDevice, Part, ReducePhase, Rows, Symmetric};
+    /// let (a, b) = (vec![bf16::from_f32(1.5); 128], vec![bf16::from_f32(2.0); 128]);
+    /// let parts = [Part { source: 0, row: 0, weight: 2.0 }, Part { source: 1, row: 0, weight: 0.5 }];
+    /// let phase = ReducePhase {
+    ///     hidden: 128,
+    ///     sources: &[Rows::Tensor(&a), Rows::Tensor(&b)],
+    ///     starts: &[0, 2],
+    ///     parts: &parts,
+    ///     weighted: true,
+    ///     memory: Symmetric::none(),
+    /// };
+    /// let mut out = vec![bf16::ZERO; 128];
+    /// HostDevice::new(2).reduce(&phase, &mut out).unwrap();
+    /// assert!(out.iter().all(|&v| v == bf16::from_f32(4.0)));
+    /// ```
+    pub fn none() -> Self {
+        Symmetric { memory: None }
     }
 
     /// `rows` as a host slice (host devices: the mapping is host memory).
     pub fn rows(&self, rows: Rows<'a>) -> Result<&'a [u16]> {
-        match rows {
-            Rows::Tensor(t) => Ok(bytemuck::cast_slice(t)),
-            Rows::Symmetric { rank, area } => {
-                let region = self.symm.peer(rank).ok_or_else(|| {
+        match (rows, self.memory) {
+            (Rows::Tensor(t), _) => Ok(bytemuck::cast_slice(t)),
+            (Rows::Symmetric { rank, area }, Some((symm, published))) => {
+                let region = symm.peer(rank).ok_or_else(|| {
                     EpError::internal(format!("rank {rank} shares no memory with this one"))
                 })?;
-                self.published.view_of(region, area)
+                published.view_of(region, area)
             }
+            (Rows::Symmetric { rank, .. }, None) => Err(EpError::internal(format!(
+                "a phase without symmetric memory names rank {rank}'s"
+            ))),
         }
     }
 
