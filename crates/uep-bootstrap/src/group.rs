@@ -665,49 +665,18 @@ fn serve_joiner(
     verdicts: &Sender<Verdict>,
 ) {
     let reject = |reason: &str| {
-        let _ = write_frame(
-            &stream,
-            &Msg::Reject {
-                reason: reason.into(),
+        let notice = Msg::Reject {
+            reason: reason.into(),
+        };
+        let _ = write_frame(&stream, &notice.encode(), deadline);
+    };
+    let (server_nonce, msg) = match challenge(&stream, deadline) {
+        Ok(v) => v,
+        Err((reason, tell)) => {
+            if let Some(tell) = tell {
+                reject(&tell);
             }
-            .encode(),
-            deadline,
-        );
-    };
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_nodelay(true);
-    let server_nonce: Nonce = match proto::random() {
-        Ok(n) => n,
-        Err(e) => {
-            let _ = verdicts.send(Err(format!("{addr}: no randomness for the challenge: {e}")));
-            return;
-        }
-    };
-    let challenge = Msg::Challenge {
-        version: PROTOCOL_VERSION,
-        nonce: server_nonce,
-    };
-    if let Err(e) = write_frame(&stream, &challenge.encode(), deadline) {
-        let _ = verdicts.send(Err(format!("{addr}: could not send the challenge: {e}")));
-        return;
-    }
-    let msg = match read_msg(&stream, Some(deadline), HANDSHAKE_MAX) {
-        Ok(m) => m,
-        Err(ReadError::Malformed(m)) => {
-            let reason = format!("malformed hello ({m}); is this a uep rank?");
-            reject(&reason);
             let _ = verdicts.send(Err(format!("{addr}: {reason}")));
-            return;
-        }
-        Err(ReadError::Timeout) => {
-            reject("no hello received in time");
-            let _ = verdicts.send(Err(format!("{addr}: sent no hello in time")));
-            return;
-        }
-        Err(e) => {
-            let _ = verdicts.send(Err(format!(
-                "{addr}: connection lost before its hello: {e}"
-            )));
             return;
         }
     };
@@ -722,20 +691,44 @@ fn serve_joiner(
             };
             // If rank 0 has finished (complete, or gave up), tell the latecomer why.
             if let Err(mpsc::SendError(Ok(j))) = verdicts.send(Ok(joined)) {
-                let _ = write_frame(
-                    &j.stream,
-                    &Msg::Reject {
-                        reason: "the group is already complete, or rank 0 gave up waiting".into(),
-                    }
-                    .encode(),
-                    deadline,
-                );
+                let reason = "the group is already complete, or rank 0 gave up waiting".into();
+                let _ = write_frame(&j.stream, &Msg::Reject { reason }.encode(), deadline);
             }
         }
         Err(reason) => {
             reject(&reason);
             let _ = verdicts.send(Err(format!("{addr}: {reason}")));
         }
+    }
+}
+
+/// Sends a joiner the challenge and reads its answer: the challenge's nonce and the
+/// message; or why not, and what to tell the joiner (if anything).
+fn challenge(
+    stream: &TcpStream,
+    deadline: Instant,
+) -> Result<(Nonce, Msg), (String, Option<String>)> {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_nodelay(true);
+    let server_nonce: Nonce =
+        proto::random().map_err(|e| (format!("no randomness for the challenge: {e}"), None))?;
+    let challenge = Msg::Challenge {
+        version: PROTOCOL_VERSION,
+        nonce: server_nonce,
+    };
+    write_frame(stream, &challenge.encode(), deadline)
+        .map_err(|e| (format!("could not send the challenge: {e}"), None))?;
+    match read_msg(stream, Some(deadline), HANDSHAKE_MAX) {
+        Ok(m) => Ok((server_nonce, m)),
+        Err(ReadError::Malformed(m)) => {
+            let reason = format!("malformed hello ({m}); is this a uep rank?");
+            Err((reason.clone(), Some(reason)))
+        }
+        Err(ReadError::Timeout) => Err((
+            "sent no hello in time".into(),
+            Some("no hello received in time".into()),
+        )),
+        Err(e) => Err((format!("connection lost before its hello: {e}"), None)),
     }
 }
 

@@ -189,17 +189,19 @@ pub fn check(gpu: &Gpu, s: SendShape, seed: u64, iters: usize) -> Result<SendRes
             check_rows(&s, &x, &staged)?;
         }
     }
-    let median = |v: &mut Vec<Duration>| {
-        v.remove(0);
-        v.sort();
-        v.get(v.len() / 2).copied().unwrap_or_default()
-    };
     Ok(SendResult {
         seed,
         commands: want.len(),
-        wall: median(&mut walls),
-        kernel: median(&mut kernels),
+        wall: warm_median(walls),
+        kernel: warm_median(kernels),
     })
+}
+
+/// The median of `times` without the first (cold) run.
+fn warm_median(mut times: Vec<Duration>) -> Duration {
+    times.remove(0);
+    times.sort();
+    times.get(times.len() / 2).copied().unwrap_or_default()
 }
 
 /// The staged rows against the host's cast of the same tokens.

@@ -898,26 +898,12 @@ impl Ctx {
         Ok(())
     }
 
-    /// Phase 6, finish: wait for every source (a same-node source publishes itself, one
-    /// on another node is published by the rank of this node that relays it), pad the
-    /// outputs, and build the handle.
-    #[allow(clippy::too_many_arguments)]
-    fn finish(
-        &self,
-        seq: u32,
-        areas: &NormalAreas,
-        counts: Counts,
-        routing: Routing<'_>,
-        relay: Vec<Relayed>,
-        plan: &Plan<'_>,
-        args: &DispatchArgs<'_>,
-        t_n: usize,
-        wait: &Wait<'_>,
-    ) -> Result<(NormalHandle, Seen)> {
+    /// Waits until every source published its rows of dispatch `seq` (a same-node
+    /// source publishes itself, one on another node is published by the rank of this
+    /// node that relays it): what the waits acquired.
+    fn wait_sources(&self, seq: u32, counts: &Counts, wait: &Wait<'_>) -> Result<Seen> {
         let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
-        let k = areas.shape.topk;
         let local = self.symm.local();
-        let bank = areas.bank(seq);
         let mut seen = None;
         for src in 0..r_n {
             let n = counts.matrix[src * r_n + me] as usize;
@@ -937,9 +923,32 @@ impl Ctx {
             )?);
         }
         // Every source (this rank among them) published its rows.
-        let seen = seen.ok_or_else(|| {
+        seen.ok_or_else(|| {
             EpError::internal(format!("rank {me}: dispatch {seq} waited for no source"))
-        })?;
+        })
+    }
+
+    /// Phase 6, finish: wait for every source (a same-node source publishes itself, one
+    /// on another node is published by the rank of this node that relays it), pad the
+    /// outputs, and build the handle.
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        counts: Counts,
+        routing: Routing<'_>,
+        relay: Vec<Relayed>,
+        plan: &Plan<'_>,
+        args: &DispatchArgs<'_>,
+        t_n: usize,
+        wait: &Wait<'_>,
+    ) -> Result<(NormalHandle, Seen)> {
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let k = areas.shape.topk;
+        let local = self.symm.local();
+        let bank = areas.bank(seq);
+        let seen = self.wait_sources(seq, &counts, wait)?;
         let num_recv = counts.column_sum(r_n, me);
         let rows = if args.num_worst_tokens > 0 {
             args.num_worst_tokens
