@@ -702,12 +702,8 @@ impl Ctx {
                     }
                 }
                 if use_fp8 && n > 0 {
-                    for g in 0..groups {
-                        column.clear();
-                        column.extend((0..n).map(|i| block_scales[i * groups + g]));
-                        let at = (le * groups + g) * rows_per_expert + base;
-                        local.put(areas.out_scales.slice(at..at + n)?, &column)?;
-                    }
+                    let at = (le, base, n, rows_per_expert);
+                    put_scale_columns(local, areas, at, &block_scales, &mut column)?;
                 }
                 for (i, &code) in codes.iter().enumerate() {
                     out.src_info[to + i] = code / k as i32;
@@ -779,6 +775,25 @@ struct Arrivals {
     wait_ns: Vec<u64>,
     /// What the waits acquired: every source published its rows.
     seen: Seen,
+}
+
+/// Writes `n` rows of scales (`block`, row-major) as rows `base..base + n` of local
+/// expert `le`'s column-major scales (`rows` rows an expert); `column` is scratch.
+fn put_scale_columns(
+    local: &Region,
+    areas: &LlAreas,
+    (le, base, n, rows): (usize, usize, usize, usize),
+    block: &[f32],
+    column: &mut Vec<f32>,
+) -> Result<()> {
+    let groups = areas.shape.hidden / 128;
+    for g in 0..groups {
+        column.clear();
+        column.extend((0..n).map(|i| block[i * groups + g]));
+        let at = (le * groups + g) * rows + base;
+        local.put(areas.out_scales.slice(at..at + n)?, column)?;
+    }
+    Ok(())
 }
 
 /// Whether expert `e` (`-1` for none) is on rank `r`.

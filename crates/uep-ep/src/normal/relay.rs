@@ -10,12 +10,13 @@
 use std::sync::atomic::Ordering;
 
 use half::bf16;
+use uep_shm::Region;
 
 use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
 use crate::error::Result;
-use crate::map::NormalAreas;
+use crate::map::{NormalAreas, NormalBank};
 use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
 use crate::protocol;
 use crate::quant::reduce_rows;
@@ -35,6 +36,37 @@ struct RelayPacket {
     tokens: Vec<i32>,
     /// `[n]` local ranks that need each token.
     masks: Vec<u64>,
+}
+
+impl RelayPacket {
+    /// Token `j`'s ids (made local to rank `r`, of `epr` experts a rank), weights and
+    /// source index into row `at` of `r`'s outputs in `region`; `scratch` holds a row of ids and weights.
+    fn put_meta(
+        &self,
+        region: &Region,
+        areas: &NormalAreas,
+        bank: &NormalBank,
+        (j, at, r, epr): (usize, usize, usize, usize),
+        scratch: &mut (Vec<i64>, Vec<f32>),
+    ) -> Result<()> {
+        let k = areas.shape.topk;
+        if self.fmt.topk > 0 {
+            let w = (self.fmt.weights > 0).then(|| self.weights.row(j, k));
+            localize(
+                self.idx.row(j, k),
+                w,
+                r,
+                epr,
+                &mut scratch.0,
+                &mut scratch.1,
+            );
+            region.put(bank.recv_topk_idx.row(at, k)?, &scratch.0)?;
+            if self.fmt.weights > 0 {
+                region.put(bank.recv_topk_weights.row(at, k)?, &scratch.1)?;
+            }
+        }
+        region.put(areas.recv_src_idx.row(at, 1)?, &self.tokens[j..j + 1])
+    }
 }
 
 impl Ctx {
@@ -145,14 +177,14 @@ impl Ctx {
         let RelayPacket {
             src, head, fmt, p, ..
         } = *packet;
-        let (idx, w, tokens, masks) = (&packet.idx, &packet.weights, &packet.tokens, &packet.masks);
+        let (tokens, masks) = (&packet.tokens, &packet.masks);
         let (n, n_direct) = (head.tokens as usize, head.direct_tokens());
         let row_bytes = fmt.row_bytes;
-        let (fp8, topk, weights) = (fmt.groups > 0, fmt.topk > 0, fmt.weights > 0);
+        let fp8 = fmt.groups > 0;
         // Rows from `src` start, on each rank of this node, after those of ranks 0..src.
         let start = |r: usize| column_sum(matrix, r_n, src, r);
         let mut pos: Vec<usize> = topo.node_ranks(topo.node).map(start).collect();
-        let (mut idx_row, mut w_row) = (vec![0i64; k], vec![0f32; k]);
+        let mut scratch = (vec![0i64; k], vec![0f32; k]);
         // Rows of the packet that went to none but this rank are not in it.
         let mut rest = 0;
         for j in 0..n {
@@ -193,15 +225,7 @@ impl Ctx {
                         region.copy(bank.recv_scales.row(at, fmt.groups)?, local, scales_at)?;
                     }
                 }
-                if topk {
-                    let w = weights.then(|| w.row(j, k));
-                    localize(idx.row(j, k), w, r, epr, &mut idx_row, &mut w_row);
-                    region.put(bank.recv_topk_idx.row(at, k)?, &idx_row)?;
-                    if weights {
-                        region.put(bank.recv_topk_weights.row(at, k)?, &w_row)?;
-                    }
-                }
-                region.put(areas.recv_src_idx.row(at, 1)?, &tokens[j..j + 1])?;
+                packet.put_meta(region, areas, bank, (j, at, r, epr), &mut scratch)?;
             }
         }
         if rest != n - n_direct {
