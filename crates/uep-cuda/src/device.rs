@@ -104,9 +104,10 @@ impl Device for CudaDevice {
             ranks: p.num_ranks,
             ranks_per_node: p.ranks_per_node,
         };
-        // A shape the kernel does not take, or an id it rejects: the host's definition
-        // runs, and says what is wrong exactly as it would on the host device.
-        if !layout::fits(s) || p.topk_idx.len() % p.topk != 0 {
+        // No tokens (nothing to launch over), a shape the kernel does not take, or an id
+        // it rejects: the host's definition runs, and says what is wrong exactly as it
+        // would on the host device.
+        if s.tokens == 0 || !layout::fits(s) || p.topk_idx.len() % p.topk != 0 {
             return self.host.layout(p);
         }
         match layout::compute(&self.gpu, &self.layout, p.topk_idx, s).map_err(ep)? {
@@ -140,6 +141,12 @@ impl Device for CudaDevice {
         };
         let out_bits: &mut [u16] = bytemuck::cast_slice_mut(out);
         let PackedReduce { y, src, w, .. } = &packed;
+        if y.is_empty() {
+            // No token sums a row (or there are none): nothing to upload.
+            let zeros = crate::pack::host_reduce(y, src, w, packed.topk, p.hidden, p.weighted);
+            out.copy_from_slice(&zeros);
+            return Ok(());
+        }
         combine::reduce(&self.gpu, &self.reduce, (y, src, w), shape, out_bits).map_err(ep)
     }
 }
