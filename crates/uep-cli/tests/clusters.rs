@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use uep_harness::netns::Hosts;
 
 mod common;
-use common::{find, free_port_pair, skip, MPI_AS_ROOT};
+use common::{find, free_port_pair, mpirun_4, skip, torchrun_4, MPI_AS_ROOT};
 
 /// The launcher whose variables the ranks get.
 #[derive(Clone, Copy, Debug)]
@@ -299,15 +299,7 @@ fn torchrun_one_host() {
     let Some(torchrun) = find("torchrun", "UEP_TORCHRUN") else {
         return;
     };
-    let port = free_port_pair().to_string();
-    let out = run_one(
-        Command::new(torchrun)
-            .args(["--nnodes", "1", "--nproc-per-node", "4"])
-            .args(["--master-addr", "127.0.0.1", "--master-port", &port])
-            .args(["--no-python", env!("CARGO_BIN_EXE_uep")])
-            .args(bench_args())
-            .env("OMP_NUM_THREADS", "1"),
-    );
+    let out = run_one(torchrun_4(&torchrun).args(bench_args()));
     let reports = verified_reports(std::slice::from_ref(&out), &out.stdout, "torchrun");
     assert_eq!(reports[0]["ranks"], 4);
 }
@@ -343,24 +335,7 @@ fn mpirun_one_host() {
     let Some(mpirun) = find("mpirun", "UEP_MPIRUN") else {
         return;
     };
-    let port = free_port_pair().to_string();
-    let out = run_one(
-        Command::new(mpirun)
-            .args([
-                "-np",
-                "4",
-                "--oversubscribe",
-                "-x",
-                "MASTER_ADDR",
-                "-x",
-                "MASTER_PORT",
-            ])
-            .arg(env!("CARGO_BIN_EXE_uep"))
-            .args(bench_args())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .envs(MPI_AS_ROOT),
-    );
+    let out = run_one(mpirun_4(&mpirun).args(bench_args()));
     let reports = verified_reports(std::slice::from_ref(&out), &out.stdout, "mpirun");
     assert_eq!(reports[0]["ranks"], 4);
 }

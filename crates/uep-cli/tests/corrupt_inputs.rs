@@ -15,7 +15,7 @@ use uep_harness::npy::{NpyArray, NpyData};
 use uep_harness::workload::{generate_all, JobShape, Routing, TokenData, WorkloadSpec};
 
 mod common;
-use common::{find, free_port_pair, MPI_AS_ROOT};
+use common::{find, mpirun_4, torchrun_4};
 
 const RANKS: usize = 4;
 const SHAPE: JobShape = JobShape {
@@ -212,13 +212,8 @@ fn under_torchrun_too() {
         return;
     };
     every_corruption(20261207, |bench| {
-        let port = free_port_pair().to_string();
-        let mut cmd = Command::new(&torchrun);
-        cmd.args(["--nnodes", "1", "--nproc-per-node", "4"])
-            .args(["--master-addr", "127.0.0.1", "--master-port", &port])
-            .args(["--no-python", env!("CARGO_BIN_EXE_uep")])
-            .args(bench)
-            .env("OMP_NUM_THREADS", "1");
+        let mut cmd = torchrun_4(&torchrun);
+        cmd.args(bench);
         cmd
     });
 }
@@ -229,22 +224,8 @@ fn under_mpirun_too() {
         return;
     };
     every_corruption(20261208, |bench| {
-        let port = free_port_pair().to_string();
-        let mut cmd = Command::new(&mpirun);
-        cmd.args([
-            "-np",
-            "4",
-            "--oversubscribe",
-            "-x",
-            "MASTER_ADDR",
-            "-x",
-            "MASTER_PORT",
-        ])
-        .arg(env!("CARGO_BIN_EXE_uep"))
-        .args(bench)
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", &port)
-        .envs(MPI_AS_ROOT);
+        let mut cmd = mpirun_4(&mpirun);
+        cmd.args(bench);
         cmd
     });
 }

@@ -3,7 +3,8 @@
 #![allow(dead_code)] // each test binary uses its own part of it
 
 use std::net::{Ipv4Addr, TcpListener};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 /// Skips a test (returns `None`) with `why`, except in CI, where it fails.
 pub fn skip<T>(why: String) -> Option<T> {
@@ -58,3 +59,34 @@ pub const MPI_AS_ROOT: [(&str, &str); 2] = [
     ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
     ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
 ];
+
+/// `torchrun` starting 4 ranks of `uep` on this host (append uep's arguments).
+pub fn torchrun_4(torchrun: &Path) -> Command {
+    let port = free_port_pair().to_string();
+    let mut cmd = Command::new(torchrun);
+    cmd.args(["--nnodes", "1", "--nproc-per-node", "4"])
+        .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+        .args(["--no-python", env!("CARGO_BIN_EXE_uep")])
+        .env("OMP_NUM_THREADS", "1");
+    cmd
+}
+
+/// `mpirun` starting 4 ranks of `uep` on this host (append uep's arguments).
+pub fn mpirun_4(mpirun: &Path) -> Command {
+    let port = free_port_pair().to_string();
+    let mut cmd = Command::new(mpirun);
+    cmd.args([
+        "-np",
+        "4",
+        "--oversubscribe",
+        "-x",
+        "MASTER_ADDR",
+        "-x",
+        "MASTER_PORT",
+    ])
+    .arg(env!("CARGO_BIN_EXE_uep"))
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("MASTER_PORT", &port)
+    .envs(MPI_AS_ROOT);
+    cmd
+}
