@@ -361,6 +361,16 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
+    /// What step `i` does besides running: timed past the warm-up, checked first and
+    /// last (every step with `--fresh`).
+    fn step(&self, i: u64) -> Step {
+        Step {
+            timed: i >= self.args.warmup as u64,
+            check: self.args.fresh || i == 0 || i + 1 == self.steps,
+            last: i + 1 == self.steps,
+        }
+    }
+
     /// Normal mode: layout, dispatch, identity experts, combine, every step; checks
     /// the first and last step (every step with `--fresh`).
     fn normal(
@@ -392,16 +402,11 @@ impl Run<'_> {
                 let inputs = make_inputs(args, &shape, args.tokens, step_salt(0, step))?;
                 case = NormalCase::new(inputs, &shape, rank, args.fp8, args.expert_alignment)?;
             }
-            let timed = step >= args.warmup as u64;
-            if timed {
+            let step = self.step(step);
+            if step.timed {
                 tally.count(&case.layout, rank, shape.ranks_per_node);
             }
             self.normal_layout(buffer, &case, &mut tally)?;
-            let step = Step {
-                timed,
-                check: args.fresh || step == 0 || step + 1 == self.steps,
-                last: step + 1 == self.steps,
-            };
             let (handle, w, dump) =
                 self.normal_dispatch(buffer, &case, step, &mut tally, &mut scratch)?;
             let combined = (handle, w.as_deref(), dump);
@@ -559,11 +564,7 @@ impl Run<'_> {
                 let inputs = make_inputs(args, &shape, args.ll_tokens, step_salt(0x11, step))?;
                 case = LlCase::new(rank, inputs, &shape, max_ll, args.fp8, args.round_scale)?;
             }
-            let step = Step {
-                timed: step >= args.warmup as u64,
-                check: args.fresh || step == 0 || step + 1 == self.steps,
-                last: step + 1 == self.steps,
-            };
+            let step = self.step(step);
             if step.timed {
                 let sent = case.inputs[rank].topk_idx.iter().filter(|&&e| e >= 0);
                 tally.copies += sent.clone().count() as u64;

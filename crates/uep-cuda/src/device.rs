@@ -131,9 +131,8 @@ impl Device for CudaDevice {
     }
 
     fn reduce(&self, p: &ReducePhase<'_>, out: &mut [bf16]) -> uep_ep::Result<()> {
-        p.check(out.len())?;
         // One upload: each part's row in order, and per token its parts' places in it.
-        let packed = pack_reduce(p)?;
+        let packed = pack_reduce(p, out.len())?;
         let shape = Shape {
             topk: packed.topk,
             hidden: p.hidden,

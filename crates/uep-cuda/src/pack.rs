@@ -20,10 +20,10 @@ pub struct PackedReduce {
     pub topk: usize,
 }
 
-/// Packs `p` (checked first, as every device does).
-pub fn pack_reduce(p: &ReducePhase<'_>) -> uep_ep::Result<PackedReduce> {
+/// Packs `p` for an output of `out_len` values (checked first, as every device does).
+pub fn pack_reduce(p: &ReducePhase<'_>, out_len: usize) -> uep_ep::Result<PackedReduce> {
     let (h, tokens) = (p.hidden, p.tokens());
-    p.check(tokens * h)?;
+    p.check(out_len)?;
     let topk = (0..tokens)
         .map(|t| p.parts_of(t).len())
         .max()
@@ -115,7 +115,7 @@ mod tests {
             };
             let mut want = vec![bf16::NAN; tokens * h];
             HostDevice::new(2).reduce(&phase, &mut want).unwrap();
-            let p = pack_reduce(&phase).unwrap();
+            let p = pack_reduce(&phase, tokens * h).unwrap();
             let got = host_reduce(&p.y, &p.src, &p.w, p.topk, h, weighted);
             let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             prop_assert_eq!(bits(&got), bits(&want));
