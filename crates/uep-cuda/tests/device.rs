@@ -7,14 +7,12 @@
 
 use std::sync::Arc;
 
-use half::bf16;
 use uep_cuda::CudaDevice;
 use uep_ep::device::{CastPhase, Device, HostDevice, LayoutPhase};
 use uep_ep::{Buffer, BufferConfig, Connect};
-use uep_harness::check::Mismatches;
 use uep_harness::ranks::run_ranks;
-use uep_harness::step::{ll_step, normal_step, StepOpts};
-use uep_harness::workload::{generate_all, JobShape, Routing, WorkloadSpec};
+use uep_harness::step::{verified_steps, StepOpts};
+use uep_harness::workload::JobShape;
 use uep_transport::mem::MemNet;
 
 const HIDDEN: usize = 512;
@@ -93,49 +91,18 @@ fn ep_steps_on_the_cuda_device_match_the_reference() {
         .map(|_| MemNet::new(ranks))
         .collect();
     cfg.net.connector = Some(Connect(Arc::new(nets)));
-    let routings = [
-        Routing::Uniform,
-        Routing::SameRank,
-        Routing::EmptyRanks,
-        Routing::Mixed,
-    ];
     let results = run_ranks(ranks, |group| {
         let device = Arc::new(CudaDevice::open(0, 2).expect("the GPU"));
         let mut buffer =
             Buffer::with_device(Arc::new(group), cfg.clone(), device).expect("a Buffer");
-        let mut bad = Mismatches::new(buffer.rank());
-        let mut y = Vec::new();
-        let mut ll_y = vec![bf16::ZERO; EXPERTS * ll_tokens * HIDDEN];
-        for step in 0..8u64 {
-            let spec = |tokens: usize, salt: u64| WorkloadSpec {
-                shape,
-                tokens_per_rank: tokens,
-                routing: routings[step as usize % routings.len()],
-                drop_prob: 0.1,
-                fp8_input: false,
-                seed: 0xc0da ^ salt ^ step,
-            };
-            let opts = StepOpts {
-                zero_copy: step % 2 == 1,
-                fp8: step % 4 < 2,
-                round_scale: step % 4 == 1,
-                expert_alignment: 0,
-            };
-            let inputs = generate_all(&spec(tokens, 0)).expect("inputs");
-            normal_step(&mut buffer, inputs, &shape, opts, &mut bad, &mut y).expect("normal step");
-            let inputs = generate_all(&spec(ll_tokens, 0x11)).expect("inputs");
-            ll_step(
-                &mut buffer,
-                &inputs,
-                &shape,
-                ll_tokens,
-                opts,
-                &mut bad,
-                &mut ll_y,
-            )
-            .expect("LL step");
-        }
-        bad.messages().to_vec()
+        let opts = |step: u64| StepOpts {
+            zero_copy: step % 2 == 1,
+            fp8: step % 4 < 2,
+            round_scale: step % 4 == 1,
+            expert_alignment: 0,
+        };
+        verified_steps(&mut buffer, &shape, (tokens, ll_tokens), 8, 0xc0da, opts)
+            .expect("verified steps")
     })
     .expect("rendezvous");
     for (rank, bad) in results.iter().enumerate() {

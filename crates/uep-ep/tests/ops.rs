@@ -7,12 +7,10 @@
 
 use std::sync::Arc;
 
-use half::bf16;
 use uep_ep::{Buffer, BufferConfig, Connect};
-use uep_harness::check::Mismatches;
 use uep_harness::ranks::run_ranks;
-use uep_harness::step::{ll_step, normal_step, StepOpts};
-use uep_harness::workload::{generate_all, JobShape, Routing, WorkloadSpec};
+use uep_harness::step::{verified_steps, StepOpts};
+use uep_harness::workload::JobShape;
 use uep_transport::mem::MemNet;
 use uep_transport::FaultConfig;
 
@@ -56,47 +54,21 @@ fn run(ranks: usize, per_node: usize, wire: Wire, steps: u64, opts: StepOpts) ->
     if let Wire::MemoryFaulty(seed) = wire {
         cfg.net.faults = Some(FaultConfig::with_seed(seed));
     }
-    let routings = [
-        Routing::Uniform,
-        Routing::SameRank,
-        Routing::EmptyRanks,
-        Routing::Mixed,
-    ];
     run_ranks(ranks, |group| {
         let mut buffer = Buffer::new(group, cfg.clone()).expect("a Buffer");
-        let mut bad = Mismatches::new(buffer.rank());
-        let (mut y, mut ll_y) = (
-            Vec::new(),
-            vec![bf16::ZERO; EXPERTS * ranks * LL_TOKENS * HIDDEN / ranks],
-        );
-        for step in 0..steps {
-            let spec = |tokens: usize, salt: u64| WorkloadSpec {
-                shape,
-                tokens_per_rank: tokens,
-                routing: routings[step as usize % routings.len()],
-                drop_prob: 0.1,
-                fp8_input: false,
-                seed: 0x5eed ^ salt ^ step,
-            };
-            let opts = StepOpts {
+        let bad = verified_steps(
+            &mut buffer,
+            &shape,
+            (TOKENS, LL_TOKENS),
+            steps,
+            0x5eed,
+            |step| StepOpts {
                 zero_copy: step % 2 == 1,
                 ..opts
-            };
-            let inputs = generate_all(&spec(TOKENS, 0)).expect("inputs");
-            normal_step(&mut buffer, inputs, &shape, opts, &mut bad, &mut y).expect("normal step");
-            let inputs = generate_all(&spec(LL_TOKENS, 0x11)).expect("inputs");
-            ll_step(
-                &mut buffer,
-                &inputs,
-                &shape,
-                LL_TOKENS,
-                opts,
-                &mut bad,
-                &mut ll_y,
-            )
-            .expect("LL step");
-        }
-        (bad.messages().to_vec(), buffer.faults_injected())
+            },
+        )
+        .expect("verified steps");
+        (bad, buffer.faults_injected())
     })
     .expect("rendezvous")
 }

@@ -117,3 +117,51 @@ pub fn ll_step(
     bad.bits("ll_combine.combined_x", &combined, &expected);
     Ok(())
 }
+
+/// `steps` verified steps of both modes on `buffer`: step `i` draws fresh inputs
+/// (`seed ^ i`, tokens of `tokens.0` a rank for normal mode and `tokens.1` for
+/// low-latency mode, one slot in ten empty), routes them by the next of uniform,
+/// same-rank, empty-ranks and mixed routing, and runs with `opts(i)`. Returns every
+/// mismatch, as messages.
+pub fn verified_steps(
+    buffer: &mut Buffer,
+    shape: &JobShape,
+    tokens: (usize, usize),
+    steps: u64,
+    seed: u64,
+    opts: impl Fn(u64) -> StepOpts,
+) -> Result<Vec<String>> {
+    use crate::workload::{generate_all, Routing, WorkloadSpec};
+    let routings = [
+        Routing::Uniform,
+        Routing::SameRank,
+        Routing::EmptyRanks,
+        Routing::Mixed,
+    ];
+    let mut bad = Mismatches::new(buffer.rank());
+    let mut y = Vec::new();
+    let mut ll_y = vec![bf16::ZERO; shape.num_experts * tokens.1 * shape.hidden];
+    for step in 0..steps {
+        let spec = |tokens_per_rank: usize, salt: u64| WorkloadSpec {
+            shape: *shape,
+            tokens_per_rank,
+            routing: routings[step as usize % routings.len()],
+            drop_prob: 0.1,
+            fp8_input: false,
+            seed: seed ^ salt ^ step,
+        };
+        let inputs = generate_all(&spec(tokens.0, 0))?;
+        normal_step(buffer, inputs, shape, opts(step), &mut bad, &mut y)?;
+        let inputs = generate_all(&spec(tokens.1, 0x11))?;
+        ll_step(
+            buffer,
+            &inputs,
+            shape,
+            tokens.1,
+            opts(step),
+            &mut bad,
+            &mut ll_y,
+        )?;
+    }
+    Ok(bad.messages().to_vec())
+}
