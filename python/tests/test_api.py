@@ -61,7 +61,11 @@ def test_buffer_takes_every_v1_keyword_with_deepeps_defaults():
     llc, llc_extra = v1_and_extras(deep_ep.Buffer.low_latency_combine)
     assert llc == ["x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy",
                    "async_finish", "return_recv_hook", "out", "combine_wait_recv_cost_stats"]
-    assert ll_extra == llc_extra == ["active_ranks"]
+    # Mooncake's mask, then the keywords of DeepEP's other branches that SGLang passes:
+    # hybrid-ep's NVFP4 dispatch and the single-batch-overlap combine (Hopper, Blackwell).
+    assert ll_extra == ["active_ranks", "topk_weights", "x_global_scale", "use_nvfp4", "use_ue8m0_for_sf"]
+    assert llc_extra == ["active_ranks", "overlap", "packed_recv_count", "comp_signal", "block_m",
+                         "threshold", "num_sms", "src_signals", "src_signal_expect_value"]
     with pytest.raises(ValueError):
         deep_ep.Buffer(None)
 

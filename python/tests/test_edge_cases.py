@@ -23,7 +23,8 @@ def test_a_call_past_the_capacity_names_bytes_and_argument():
         assert r["type"] == "CapacityError", r
 
 
-@pytest.mark.parametrize("what", ["dtype", "ids", "noncontiguous", "ll_hidden", "ll_out_in_buffer"])
+@pytest.mark.parametrize("what", ["dtype", "ids", "noncontiguous", "ll_hidden", "ll_out_in_buffer",
+                                  "ll_nvfp4_no_scale", "ll_comp_signal"])
 @pytest.mark.parametrize("first_call", [True, False])
 def test_bad_input_on_one_rank_raises_everywhere(what, first_call):
     results = launch("bad_input", 4, what=what, first_call=first_call)

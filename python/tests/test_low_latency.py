@@ -23,3 +23,12 @@ def test_low_latency_two_emulated_nodes():
 def test_one_buffer_serves_both_modes():
     results = launch("mixed_modes", 4, env={"UEP_RANKS_PER_NODE": "2"})
     assert all(r["checked"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("world,per_node", [(2, "2"), (4, "2")])
+def test_nvfp4_dispatch_and_overlap_arguments(world, per_node):
+    """NVFP4 rows and swizzled block scales bit for bit against a plain torch
+    reference, on one node and on two emulated nodes (the packets path); SGLang's
+    single-batch-overlap keywords give the plain combine's output."""
+    results = launch("low_latency_nvfp4", world, env={"UEP_RANKS_PER_NODE": per_node})
+    assert all(r["checked"] == 6 * 16 // world for r in results), results

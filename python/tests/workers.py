@@ -396,6 +396,146 @@ def low_latency(ctx: Ctx, num_tokens: int = 16, hidden: int = 512, num_topk: int
     return {"checked": checked}
 
 
+def nvfp4_reference(x: torch.Tensor, g: float, ue8m0: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``[N, H]`` bf16 -> (``[N, H/2]`` e2m1 pairs, ``[N, H/16]`` block scale bytes): the
+    NVFP4 cast of DeepEP's hybrid-ep low-latency dispatch, written plainly in torch
+    (f32 ops, as the kernels: ``sf = g * (amax * f32(1/6))``, e4m3 or rounded-up UE8M0
+    scale, ``e2m1(v * (g / scale))`` to nearest even, saturating; a zero block is zeros)."""
+    n, h = x.shape
+    v = x.float().view(n, h // 16, 16)
+    amax = v.abs().amax(dim=-1)
+    gs = torch.tensor(g, dtype=torch.float32)
+    sf = gs * (amax * torch.tensor(1 / 6, dtype=torch.float32))
+    if ue8m0:
+        bits = sf.view(torch.int32)
+        byte = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        byte = torch.where(sf > 0, byte, torch.zeros_like(byte)).clamp(0, 254)
+        decoded = (byte << 23).view(torch.float32)
+        byte = byte.to(torch.uint8)
+    else:
+        byte = sf.to(torch.float8_e4m3fn).view(torch.uint8)
+        decoded = byte.view(torch.float8_e4m3fn).float()
+    out = torch.where((amax == 0) | (decoded == 0), torch.zeros_like(amax), gs / decoded)
+    y = v * out.unsqueeze(-1)
+    m = y.abs()
+    code = ((m > 0.25).int() + (m >= 0.75).int() + (m > 1.25).int() + (m >= 1.75).int()
+            + (m > 2.5).int() + (m >= 3.5).int() + (m > 5).int())
+    code = (code | (torch.signbit(y).int() << 3)).view(n, h)
+    pairs = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
+    return pairs, byte.view(n, h // 16)
+
+
+def nvfp4_dequant(pairs: torch.Tensor, scales: torch.Tensor, g: float, ue8m0: bool) -> torch.Tensor:
+    """The values NVFP4 codes stand for: ``e2m1 * scale / g`` (f32)."""
+    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    codes = torch.stack((pairs & 0xF, pairs >> 4), dim=-1).reshape(pairs.shape[0], -1).long()
+    if ue8m0:
+        scale = (scales.to(torch.int32) << 23).view(torch.float32)
+    else:
+        scale = scales.view(torch.float8_e4m3fn).float()
+    return table[codes] * (scale / g).repeat_interleave(16, dim=-1)
+
+
+def low_latency_nvfp4(ctx: Ctx, num_tokens: int = 40, hidden: int = 256, num_topk: int = 4,
+                      num_experts: int = 16, seed: int = 3) -> Dict[str, Any]:
+    """NVFP4 low-latency dispatch as SGLang calls it (hybrid-ep's keywords), both block
+    scale formats, hooks or not, one rank with no tokens: every received row's codes
+    and swizzled scales equal the plain reference of its source token, bit for bit; the
+    combine after it and SGLang's single-batch-overlap arguments give the exact sum."""
+    rank, R = ctx.rank, ctx.world
+    N, H, K, E = num_tokens, hidden, num_topk, num_experts
+    L, M = E // R, N
+    n_mine = 0 if rank == 1 else N - rank
+    buffer = ctx.buffer(0, deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E),
+                        low_latency_mode=True, num_qps_per_rank=L)
+    torch.manual_seed(seed + rank)
+    x = (torch.randn((n_mine, H)) * torch.rand((n_mine, 1)) * 4).to(torch.bfloat16)
+    x[:, :16] = 0  # a block of zeros on every token
+    if n_mine:
+        # With a global scale of 1, token 0's second block scales by exactly 1: every
+        # e2m1 rounding tie, both signs.
+        ties = [6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, 0.1]
+        x[0, 16:32] = torch.tensor(ties, dtype=torch.bfloat16)
+    topk_idx = torch.argsort(torch.rand((n_mine, E)), dim=1)[:, :K].contiguous()
+    topk_idx[torch.rand((n_mine, K)) < 0.1] = -1
+    topk_weights = torch.rand((n_mine, K), dtype=torch.float32)
+    padded = torch.zeros((N, H), dtype=torch.bfloat16)
+    padded[:n_mine] = x
+    all_x = all_gather(padded, ctx)
+    padded_idx = torch.full((N, K), -1, dtype=torch.int64)
+    padded_idx[:n_mine] = topk_idx
+    all_idx = all_gather(padded_idx, ctx)
+    padded_w = torch.zeros((N, K), dtype=torch.float32)
+    padded_w[:n_mine] = topk_weights
+    all_w = all_gather(padded_w, ctx)
+    amax = all_reduce(x.float().abs().amax().reshape(1) if n_mine else torch.zeros(1), ctx.group)
+    fitted = 448.0 * 6.0 / amax.item()
+    checked = 0
+    cases = [(fitted, ue8m0, hook) for ue8m0 in (False, True) for hook in (False, True)]
+    for g_value, ue8m0, return_recv_hook in cases + [(1.0, False, False), (1.0, True, True)]:
+        g = torch.tensor(g_value, dtype=torch.float32)
+        refs = [nvfp4_reference(all_x[j], g.item(), ue8m0) for j in range(R)]
+        # SGLang's call: hybrid-ep's keywords, with the weights (seven values back).
+        recv_x, recv_count, recv_w, recv_rank, handle, event, hook = buffer.low_latency_dispatch(
+            x, topk_idx, M, E, use_fp8=False, use_nvfp4=True, x_global_scale=g,
+            use_ue8m0_for_sf=ue8m0, return_recv_hook=return_recv_hook, topk_weights=topk_weights)
+        hook()
+        assert recv_w.dtype == torch.float32 and recv_rank.dtype == torch.int32
+        assert tuple(recv_w.shape) == tuple(recv_rank.shape) == (L, R * M)
+        data, scales = recv_x
+        rm, rk = -(-R * M // 128), H // 64
+        assert data.dtype == torch.uint8 and tuple(data.shape) == (R * M, H // 2, L)
+        assert scales.dtype == (torch.int8 if ue8m0 else torch.float8_e4m3fn)
+        assert tuple(scales.shape) == (32, 4, rm, 4, rk, L), scales.shape
+        sf = scales.view(torch.uint8)
+        y = torch.zeros((L, R * M, H), dtype=torch.bfloat16)
+        for i in range(L):
+            n = recv_count[i].item()
+            rows = torch.arange(n)
+            src = torch.repeat_interleave(torch.arange(R), (handle[1][i] & 0xFFFFFFFF))
+            tok = handle[0][i][:n].long()
+            if n:
+                want_q = torch.stack([refs[j][0][t] for j, t in zip(src.tolist(), tok.tolist())])
+                want_s = torch.stack([refs[j][1][t] for j, t in zip(src.tolist(), tok.tolist())])
+                assert torch.equal(data[:n, :, i], want_q), f"codes of expert {i}"
+                blocks = torch.arange(H // 16)
+                got_s = sf[(rows % 32).view(-1, 1), ((rows % 128) // 32).view(-1, 1), (rows // 128).view(-1, 1),
+                           (blocks % 4).view(1, -1), (blocks // 4).view(1, -1), i]
+                assert torch.equal(got_s, want_s), f"block scales of expert {i}"
+                y[i, :n] = nvfp4_dequant(want_q, want_s, g.item(), ue8m0).to(torch.bfloat16)
+                # Each row's source rank and the weight of the slot naming this expert.
+                expert = rank * L + i
+                slot = (all_idx[src, tok] == expert).int().argmax(dim=1)
+                assert torch.equal(recv_rank[i, :n], src.int()), f"source ranks of expert {i}"
+                assert torch.equal(recv_w[i, :n], all_w[src, tok, slot]), f"weights of expert {i}"
+            assert (recv_rank[i, n:] == -1).all() and (recv_w[i, n:] == 0).all()
+            checked += 1
+        # The combine of the dequantised rows, plainly and with SGLang's SBO keywords.
+        plain, _, _ = buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+        # Every copy of a token came back as its own dequantised row: sum w * y over
+        # the slots in order, in f32, rounded once.
+        mine = nvfp4_dequant(*refs[rank], g.item(), ue8m0)[:n_mine].to(torch.bfloat16).float()
+        acc = torch.zeros((n_mine, H), dtype=torch.float32)
+        for k in range(K):
+            valid = (topk_idx[:, k] >= 0).view(-1, 1)
+            acc = torch.where(valid, acc + topk_weights[:, k:k + 1] * mine, acc)
+        assert torch.equal(plain, acc.to(torch.bfloat16)), "combine after an NVFP4 dispatch"
+        blocks_m = L * -(-R * M // 64)
+        hopper, _, hook = buffer.low_latency_combine(
+            y, topk_idx, topk_weights, handle, return_recv_hook=True, overlap=True,
+            packed_recv_count=recv_count, comp_signal=torch.zeros(blocks_m, dtype=torch.int32),
+            block_m=64, threshold=7, num_sms=3)
+        hook()
+        blackwell, _, hook = buffer.low_latency_combine(
+            y, topk_idx, topk_weights, handle, return_recv_hook=True, overlap=True,
+            src_signals=torch.zeros(L, dtype=torch.uint32), src_signal_expect_value=1)
+        hook()
+        assert torch.equal(plain, hopper) and torch.equal(plain, blackwell)
+    buffer.destroy()
+    dist.barrier(group=ctx.group)
+    return {"checked": checked}
+
+
 def mixed_modes(ctx: Ctx) -> Dict[str, Any]:
     """One Buffer for normal and low-latency calls, interleaved, different hidden sizes
     (DeepEP's --test-ll-compatibility; UCCL cannot)."""
@@ -548,6 +688,17 @@ def bad_input(ctx: Ctx, what: str, first_call: bool) -> Dict[str, Any]:
         elif what == "ll_hidden":
             hh = 200 if bad else 256
             buffer.low_latency_dispatch(torch.randn((n, hh), dtype=torch.bfloat16), idx, n, 8, use_fp8=False)
+        elif what == "ll_nvfp4_no_scale":
+            g = None if bad else torch.tensor(100.0)
+            buffer.low_latency_dispatch(x, idx, n, 8, use_fp8=False, use_nvfp4=True, x_global_scale=g)
+        elif what == "ll_comp_signal":
+            # SGLang's single-batch-overlap keywords, with a float counter array on rank 1.
+            recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, 8, use_fp8=False)
+            signal = torch.zeros(8 // ctx.world * -(-ctx.world * n // 64), dtype=torch.float32 if bad else torch.int32)
+            _, _, hook = buffer.low_latency_combine(recv_x, idx, w, handle, overlap=True, return_recv_hook=True,
+                                                    packed_recv_count=count, comp_signal=signal, block_m=64,
+                                                    threshold=1)
+            hook()
         elif what == "ll_out_in_buffer":
             # A zero-copy combine whose output is the combine buffer it sends from.
             recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, n, 8, use_fp8=False)

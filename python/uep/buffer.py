@@ -4,8 +4,8 @@ Every method has DeepEP's name, arguments, defaults and return tuples; what diff
 below the surface:
 
 * the Buffer bootstraps over the caller's ``torch.distributed`` group (only
-  ``group.rank()``, ``group.size()`` and ``dist.all_gather_object``), with no port or
-  secret of its own;
+  ``group.rank()``, ``group.size()`` and, once, two ``dist.all_gather`` of rank 0's
+  invitation to a group of uep's own, which every later exchange uses);
 * ``num_nvl_bytes`` and ``num_rdma_bytes`` are a capacity, not an allocation: memory
   grows with the shapes the calls use, and a call that does not fit raises an error
   naming the bytes it needs;
@@ -19,6 +19,7 @@ below the surface:
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable, List, Optional, Tuple, Union
 
@@ -93,12 +94,132 @@ def _f32_to_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     return exps.view(torch.int32).reshape(*lead, -1)
 
 
+def _all_gather_bytes(group: dist.ProcessGroup, data: bytes) -> List[bytes]:
+    """Every rank's ``data``, by two tensor all-gathers over ``group`` (the lengths, then
+    the bytes padded to the longest). Not ``all_gather_object``: recent torch needs
+    numpy for it, and torch does not install numpy."""
+    size = group.size()
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
+    longest = max(int(n) for n in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
+    dist.all_gather(gathered, mine.to(device), group=group)
+    return [bytes(t[:int(n)].cpu().tolist()) for t, n in zip(gathered, lengths)]
+
+
+def _ll_returns(recv_x: Any, recv_count: torch.Tensor, weighted: Optional[Tuple[torch.Tensor, torch.Tensor]],
+                handle: Any, event: EventOverlap, hook: Callable[[], None]) -> Tuple[Any, ...]:
+    """A low-latency dispatch's return: DeepEP's five values, or hybrid-ep's seven when
+    the call passed ``topk_weights``."""
+    if weighted is None:
+        return recv_x, recv_count, handle, event, hook
+    return recv_x, recv_count, weighted[0], weighted[1], handle, event, hook
+
+
+def _nvfp4_args(fail: Callable[[str], None], use_fp8: bool, use_nvfp4: bool,
+                x_global_scale: Any, use_ue8m0_for_sf: bool) -> Optional[Tuple[float, bool]]:
+    """The NVFP4 cast's ``(global scale, UE8M0 block scales)``, checked as DeepEP's
+    hybrid-ep branch does; None without ``use_nvfp4``."""
+    if not use_nvfp4:
+        if use_ue8m0_for_sf:
+            fail("use_ue8m0_for_sf chooses NVFP4's block scales: it needs use_nvfp4")
+        return None
+    if use_fp8:
+        fail("use_fp8 and use_nvfp4 exclude each other (pass use_fp8=False)")
+    if (not isinstance(x_global_scale, torch.Tensor) or x_global_scale.dtype != torch.float32
+            or x_global_scale.numel() != 1):
+        fail(f"use_nvfp4 needs x_global_scale as a one-element float32 tensor, got {_describe(x_global_scale)}")
+    g = float(x_global_scale.reshape(-1)[0])
+    if not (math.isfinite(g) and g > 0):
+        fail(f"x_global_scale must be finite and positive, got {g}")
+    return g, bool(use_ue8m0_for_sf)
+
+
+def _check_overlap(fail: Callable[[str], None], ranks: int, num_experts: int, num_max: int,
+                   return_recv_hook: bool, overlap: bool, packed_recv_count: Any, comp_signal: Any,
+                   block_m: int, num_sms: int, src_signals: Any) -> None:
+    """DeepEP's checks of the single-batch-overlap arguments of a low-latency combine
+    (the Hopper branch's ``comp_signal`` of one int32 counter per (local expert, 64
+    rows), the Blackwell branch's ``src_signals`` of one per local expert)."""
+    local = num_experts // ranks
+    if overlap and not return_recv_hook:
+        fail("overlap needs return_recv_hook=True (the receive runs in the hook)")
+    if overlap and comp_signal is None and src_signals is None:
+        fail("overlap needs comp_signal (with packed_recv_count) or src_signals")
+    if comp_signal is not None:
+        # DeepEP sizes it with 64 rows a block whatever block_m is.
+        want = local * -(-ranks * num_max // 64)
+        if (not isinstance(comp_signal, torch.Tensor) or comp_signal.dtype != torch.int32
+                or comp_signal.dim() != 1 or comp_signal.numel() < want):
+            fail(f"comp_signal must be a 1-D int32 tensor of at least {want} counters, got {_describe(comp_signal)}")
+        if (not isinstance(packed_recv_count, torch.Tensor) or packed_recv_count.dtype != torch.int32
+                or tuple(packed_recv_count.shape) != (local,)):
+            fail(f"comp_signal needs packed_recv_count as a [{local}] int32 tensor, got {_describe(packed_recv_count)}")
+        if block_m <= 0 or num_sms <= 0:
+            fail(f"block_m and num_sms must be positive, got {block_m} and {num_sms}")
+    if src_signals is not None and (not isinstance(src_signals, torch.Tensor)
+                                    or src_signals.dtype not in (torch.int32, torch.uint32)
+                                    or src_signals.numel() < local):
+        fail(f"src_signals must be a 32-bit tensor of at least {local} signals, got {_describe(src_signals)}")
+
+
+class _LlCast:
+    """How a low-latency dispatch's received rows and scales become DeepEP's outputs:
+    bf16 as they are; FP8 codes with their column-major scales (UE8M0 words packed
+    from them once received); NVFP4 codes permuted to ``[R*M, H/2, E/R]`` and block
+    scales swizzled 128x4 once received."""
+
+    def __init__(self, local: int, rows: int, hidden: int, ue8m0: bool,
+                 nvfp4: Optional[Tuple[float, bool]]) -> None:
+        self.nvfp4 = nvfp4
+        self.packed = None
+        self.swizzled = None
+        if ue8m0:
+            self.packed = torch.empty((local, hidden // 512, rows), dtype=torch.int32).transpose(1, 2)
+        if nvfp4 is not None:
+            # [E/R, rm, rk, 32, 4, 4]: token t, block j at [t/128][j/4][t%32][(t%128)/32][j%4].
+            rm = -(-rows // 128)
+            self.swizzled = torch.zeros((local, rm, hidden // 64, 32, 4, 4), dtype=torch.uint8)
+
+    def outputs(self, x_cap: Any, s_cap: Any) -> Tuple[Any, Any]:
+        """``(recv_x as returned, the raw scales to finish from)``."""
+        recv = torch.from_dlpack(x_cap)
+        if s_cap is None:
+            return recv, None
+        scales = torch.from_dlpack(s_cap)
+        if self.swizzled is not None:
+            sf_dtype = torch.int8 if self.nvfp4[1] else torch.float8_e4m3fn
+            return (recv.permute(1, 2, 0), self.swizzled.view(sf_dtype).permute(3, 4, 1, 5, 2, 0)), scales
+        recv = recv.view(torch.float8_e4m3fn)
+        return (recv, self.packed if self.packed is not None else scales), scales
+
+    def received(self, scales: Any) -> None:
+        """Fill the outputs made from the scales, now that they are there."""
+        if self.packed is not None:
+            self.packed.copy_(_f32_to_ue8m0(scales))
+        if self.swizzled is not None:
+            local, rm, words = self.swizzled.shape[:3]
+            rows = scales.shape[1]
+            # Column-major words [E/R, W, rows] -> their bytes [E/R, W, rows, 4].
+            raw = scales.transpose(1, 2).contiguous().view(torch.uint8).view(local, words, rows, 4)
+            padded = torch.zeros((local, words, rm * 128, 4), dtype=torch.uint8)
+            padded[:, :, :rows] = raw
+            tiles = padded.view(local, words, rm, 4, 32, 4).permute(0, 2, 1, 4, 3, 5)
+            self.swizzled.copy_(tiles)
+
+
 class Buffer:
     """A communication buffer for expert parallelism: DeepEP v1's ``Buffer`` on uep.
 
     Args:
         group: the ``torch.distributed`` process group of the expert-parallel ranks
-            (gloo on CPU). Its ``all_gather_object`` is the only collective uep uses to
+            (gloo on CPU). Its ``all_gather`` (of the bytes of an invitation) is the only collective uep uses to
             set up; everything else moves through uep itself.
         num_nvl_bytes, num_rdma_bytes: a capacity: uep uses at most their sum (plus
             32 MiB of fixed areas) and raises an error naming the bytes it needs if a
@@ -138,9 +259,7 @@ class Buffer:
             self.rank, self.group_size = group.rank(), group.size()
 
             def all_gather(data: bytes) -> List[bytes]:
-                out: List[Any] = [None] * self.group_size
-                dist.all_gather_object(out, data, group=group)
-                return out
+                return _all_gather_bytes(group, data)
         else:
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
 
@@ -488,15 +607,26 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False,
-                             *, active_ranks: Optional[torch.Tensor] = None):
+                             *, active_ranks: Optional[torch.Tensor] = None,
+                             topk_weights: Optional[torch.Tensor] = None,
+                             x_global_scale: Optional[torch.Tensor] = None, use_nvfp4: bool = False,
+                             use_ue8m0_for_sf: bool = False):
         """Low-latency dispatch: each token to each of its top-k experts, into the fixed
         layout ``[E/R, R * num_max, H]``. Returns ``(recv_x, recv_count, handle, event,
         hook)``; ``recv_x`` is bf16, or ``(float8_e4m3fn, scales)`` with scales
         ``[E/R, R*num_max, H/128]`` f32 (``[.., H/512]`` int32 with ``use_ue8m0``),
-        column-major in their last two dimensions. With ``return_recv_hook`` only the
-        send half runs; ``hook()`` receives. ``active_ranks`` (elastic mode, Mooncake's
-        ``[num_ranks]`` int32, in/out): a 0 masks that rank first; afterwards every
-        masked rank reads 0."""
+        column-major in their last two dimensions. ``use_nvfp4`` (with ``use_fp8=False``
+        and ``x_global_scale``, DeepEP's hybrid-ep branch) casts to NVFP4 instead:
+        ``(data, scales)`` with data uint8 ``[R*num_max, H/2, E/R]`` (e2m1 pairs) and
+        block scales ``[32, 4, rm, 4, rk, E/R]`` in the 128x4 swizzle FP4 GEMMs read,
+        float8_e4m3fn (int8 UE8M0 exponents with ``use_ue8m0_for_sf``). With
+        ``topk_weights`` (``[T, K]`` f32, as hybrid-ep takes it) it returns seven values,
+        ``(recv_x, recv_count, recv_topk_weights, recv_rank_info, handle, event, hook)``:
+        each received row's gate weight and source rank, ``[E/R, R*num_max]`` f32 and
+        int32 (0 and -1 past the count). With
+        ``return_recv_hook`` only the send half runs; ``hook()`` receives.
+        ``active_ranks`` (elastic mode, Mooncake's ``[num_ranks]`` int32, in/out): a 0
+        masks that rank first; afterwards every masked rank reads 0."""
         rt = self._rt()
         self._apply_active_ranks(active_ranks)
 
@@ -517,35 +647,41 @@ class Buffer:
             fail(f"use_ue8m0 packs four scales a word: hidden must be a multiple of 512, got {hidden}")
         if async_finish and return_recv_hook:
             fail("async_finish and return_recv_hook exclude each other")
+        nvfp4 = _nvfp4_args(fail, use_fp8, use_nvfp4, x_global_scale, use_ue8m0_for_sf)
         if (not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2
                 or topk_idx.shape[0] != x.shape[0]):
             fail(f"topk_idx must be a [{x.shape[0]}, K] {topk_idx_t} tensor, got {_describe(topk_idx)}")
+        if topk_weights is not None and (not isinstance(topk_weights, torch.Tensor)
+                                         or topk_weights.dtype != torch.float32
+                                         or topk_weights.shape != topk_idx.shape):
+            fail(f"topk_weights must be a float32 tensor shaped like topk_idx, got {_describe(topk_weights)}")
         if num_experts % self.group_size != 0:
             fail(f"num_experts = {num_experts} must be a multiple of the number of ranks ({self.group_size})")
+        w_cap = None if topk_weights is None else _capsule(topk_weights.contiguous())
         pending = rt.ll_dispatch_send(_capsule(x), _capsule(topk_idx), num_max_dispatch_tokens_per_rank,
-                                      num_experts, use_fp8, round_scale)
+                                      num_experts, use_fp8, round_scale, nvfp4, w_cap)
         local = num_experts // self.group_size
         rows = self.group_size * num_max_dispatch_tokens_per_rank
+        cast = _LlCast(local, rows, hidden, use_fp8 and use_ue8m0, nvfp4)
 
-        # UE8M0 scales are packed from the received f32 ones: once they are there.
-        packed = (torch.empty((local, hidden // 512, rows), dtype=torch.int32).transpose(1, 2)
-                  if use_fp8 and use_ue8m0 else None)
+        # hybrid-ep's extra outputs, filled once received.
+        weighted = None
+        if topk_weights is not None:
+            weighted = (torch.zeros((local, rows), dtype=torch.float32),
+                        torch.full((local, rows), -1, dtype=torch.int32))
 
-        def outputs(uh: Any = None):
-            x_cap, s_cap = rt.ll_outputs(pending, uh)
-            recv = torch.from_dlpack(x_cap)
-            if not use_fp8:
-                return recv, None
-            scales = torch.from_dlpack(s_cap)
-            return (recv.view(torch.float8_e4m3fn), packed if use_ue8m0 else scales), scales
-
-        def finish(counts, uh, src_info, layout_range, wait_ns, recv_count, handle, f32_scales):
+        def finish(counts, uh, src_info, layout_range, wait_ns, recv_count, handle, raw_scales):
             recv_count.copy_(torch.tensor(counts, dtype=torch.int32))
             handle[0].copy_(torch.from_dlpack(src_info))
             handle[1].copy_(torch.from_dlpack(layout_range))
             handle._uep = uh
-            if packed is not None:
-                packed.copy_(_f32_to_ue8m0(f32_scales))
+            cast.received(raw_scales)
+            if weighted is not None:
+                weighted[0].copy_(torch.from_dlpack(rt.ll_src_weights(uh)))
+                for i in range(local):
+                    ranks = torch.repeat_interleave(torch.arange(self.group_size, dtype=torch.int32),
+                                                    handle[1][i] & 0xFFFFFFFF)
+                    weighted[1][i, :ranks.numel()] = ranks
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count)
             if dispatch_wait_recv_cost_stats is not None:
@@ -557,17 +693,17 @@ class Buffer:
                             num_max_dispatch_tokens_per_rank, hidden, num_experts))
         handle._uep = None
         if return_recv_hook:
-            recv_x, f32_scales = outputs()
+            recv_x, raw_scales = cast.outputs(*rt.ll_outputs(pending, None))
 
             def hook() -> None:
-                finish(*rt.ll_dispatch_recv(pending), recv_count, handle, f32_scales)
+                finish(*rt.ll_dispatch_recv(pending), recv_count, handle, raw_scales)
                 self._report_active_ranks(active_ranks)
-            return recv_x, recv_count, handle, EventOverlap(None), hook
+            return _ll_returns(recv_x, recv_count, weighted, handle, EventOverlap(None), hook)
         received = rt.ll_dispatch_recv(pending)
-        recv_x, f32_scales = outputs(received[1])
-        finish(*received, recv_count, handle, f32_scales)
+        recv_x, raw_scales = cast.outputs(*rt.ll_outputs(pending, received[1]))
+        finish(*received, recv_count, handle, raw_scales)
         self._report_active_ranks(active_ranks)
-        return recv_x, recv_count, handle, _event(async_finish, recv_x, recv_count), _noop
+        return _ll_returns(recv_x, recv_count, weighted, handle, _event(async_finish, recv_x, recv_count), _noop)
 
     @staged
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> torch.Tensor:
@@ -587,14 +723,25 @@ class Buffer:
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
-                            *, active_ranks: Optional[torch.Tensor] = None):
+                            *, active_ranks: Optional[torch.Tensor] = None, overlap: bool = False,
+                            packed_recv_count: Optional[torch.Tensor] = None,
+                            comp_signal: Optional[torch.Tensor] = None, block_m: int = 64,
+                            threshold: int = 0, num_sms: int = 3,
+                            src_signals: Optional[torch.Tensor] = None, src_signal_expect_value: int = 0):
         """Low-latency combine: each expert output back to its token, weighted:
         ``combined_x[t] = sum_k w[t,k] * y_{idx[t,k]}`` in f32, rounded once. Returns
         ``(combined_x, event, hook)``. ``zero_copy`` sends the expert outputs from
         ``get_next_low_latency_combine_buffer`` (``x`` is ignored) with no staging copy;
         ``use_logfmt`` is accepted, and the
         outputs travel as bf16, which is at least as exact. ``active_ranks`` as in
-        ``low_latency_dispatch``."""
+        ``low_latency_dispatch``.
+
+        Single-batch overlap (SGLang's arguments: ``overlap``, ``packed_recv_count``,
+        ``comp_signal``, ``block_m``, ``threshold``, ``num_sms`` on Hopper; ``overlap``,
+        ``src_signals``, ``src_signal_expect_value`` on Blackwell) are checked as DeepEP
+        checks them and give the same output: their signals say when a GEMM still
+        running on the GPU has written rows, and here every row is written before the
+        call, so nothing waits on them."""
         rt = self._rt()
         self._apply_active_ranks(active_ranks)
         uh = getattr(handle, "_uep", None)
@@ -606,6 +753,8 @@ class Buffer:
             # Named as a low-latency call of this shape, so the peers' waits end at once.
             topk = topk_idx.shape[-1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() > 0 else 0
             self._fail(msg, "ll", num_experts, hidden, topk, num_max)
+        _check_overlap(fail, self.group_size, num_experts, num_max, return_recv_hook, overlap,
+                       packed_recv_count, comp_signal, block_m, num_sms, src_signals)
         for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
             if not isinstance(t, torch.Tensor):
                 fail(f"low-latency combine needs {name} as a tensor, got {_describe(t)}")

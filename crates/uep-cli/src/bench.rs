@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use uep_bootstrap::{EnvSource, Group, LaunchSpec, WorldInfo};
 use uep_ep::device::{Device, HostDevice};
-use uep_ep::{Buffer, BufferConfig, CombineArgs, DispatchArgs, LlCombineInput};
+use uep_ep::{
+    Buffer, BufferConfig, Cast, CombineArgs, DispatchArgs, LlCombineInput, LlDispatchArgs,
+};
 use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
 use uep_harness::check::Mismatches;
 use uep_harness::workload::{JobShape, RankInput, TokenData};
@@ -595,7 +597,9 @@ impl Run<'_> {
         buffer.barrier()?;
         let sent = buffer.net_bytes_sent();
         let start = Instant::now();
-        let mut out = buffer.low_latency_dispatch(x, &mine.topk_idx, args.fp8, args.round_scale)?;
+        let mut out = buffer.low_latency_dispatch(
+            LlDispatchArgs::new(x, &mine.topk_idx).cast(Cast::fp8_if(args.fp8, args.round_scale)),
+        )?;
         let took = start.elapsed();
         if step.check {
             uep_harness::check::ll_dispatch(&mut self.bad, &out, &case.expected, h);

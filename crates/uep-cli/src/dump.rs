@@ -60,6 +60,21 @@ impl Dump {
                 );
                 self.f32(&format!("{prefix}recv_x_scales"), scale_shape, scales);
             }
+            // Low-latency only: e2m1 pairs, and the scale words as their four bytes.
+            RecvTokens::Nvfp4 { data, scales } => {
+                let pairs: Vec<usize> = lead.iter().copied().chain([hidden / 2]).collect();
+                self.push(
+                    &format!("{prefix}recv_x"),
+                    &pairs,
+                    NpyData::U8(data.to_vec()),
+                );
+                let bytes: &[u8] = bytemuck::cast_slice(scales);
+                self.push(
+                    &format!("{prefix}recv_x_scales"),
+                    &[scales.len(), 4],
+                    NpyData::U8(bytes.to_vec()),
+                );
+            }
         }
     }
 

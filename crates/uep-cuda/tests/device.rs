@@ -49,7 +49,7 @@ fn layout_and_cast_phases_match_the_host_device() {
             let p = CastPhase {
                 x: &x,
                 hidden: HIDDEN,
-                round_scale,
+                cast: uep_ep::Cast::Fp8 { round_scale },
             };
             let mut a = (vec![0u8; x.len()], vec![0f32; x.len() / 128]);
             let mut b = a.clone();

@@ -3,6 +3,7 @@
 //!
 //! * FP8 quantise / dequantise (the crate's own `quant` functions), reported
 //!   as bytes/s of the bf16 rows they stand for (target: >= 2 GB/s a core);
+//! * the NVFP4 cast (`nvfp4_quantize_token`, e4m3 or UE8M0 block scales), the same way;
 //! * `get_dispatch_layout` of 4096 tokens x 8 slots over 8 ranks;
 //! * token packing: 4096 rows of 14336 bytes copied to scattered rows, the
 //!   memory traffic of a normal dispatch's sends;
@@ -19,7 +20,10 @@ use half::bf16;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use uep_ep::quant::{dequantize_token, quantize, quantize_token, reduce_rows, FP8_GROUP};
+use uep_ep::quant::{
+    dequantize_token, nvfp4_quantize_token, quantize, quantize_token, reduce_rows, Nvfp4,
+    FP8_GROUP, NVFP4_BLOCK,
+};
 
 const H: usize = 7168;
 const K: usize = 8;
@@ -60,6 +64,29 @@ fn fp8_quantize(b: Bencher, round_scale: bool) {
             .zip(s.chunks_exact_mut(H / FP8_GROUP))
         {
             quantize_token(black_box(xt), round_scale, qt, st);
+        }
+        black_box(&q);
+    });
+}
+
+/// Cast T_LL tokens to NVFP4, one `nvfp4_quantize_token` call each.
+#[divan::bench(args = [false, true], max_time = 1)]
+fn nvfp4_quantize(b: Bencher, ue8m0: bool) {
+    let x = activations(T_LL, 1);
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.to_f32().abs()));
+    let cast = Nvfp4 {
+        global_scale: 448.0 * 6.0 / amax,
+        ue8m0,
+    };
+    let mut q = vec![0u8; T_LL * H / 2];
+    let mut s = vec![0u8; T_LL * H / NVFP4_BLOCK];
+    b.counter(BytesCount::new(T_LL * H * 2)).bench_local(|| {
+        for ((xt, qt), st) in x
+            .chunks_exact(H)
+            .zip(q.chunks_exact_mut(H / 2))
+            .zip(s.chunks_exact_mut(H / NVFP4_BLOCK))
+        {
+            nvfp4_quantize_token(black_box(xt), cast, qt, st);
         }
         black_box(&q);
     });

@@ -26,7 +26,10 @@ use crate::error::{EpError, Result};
 use crate::exchange;
 use crate::invalid;
 use crate::layout::DispatchLayout;
-use crate::ll::{LlCombineInput, LlCombinePending, LlDispatchOutput, LlHandle, LlPending, LlState};
+use crate::ll::{
+    LlCombineInput, LlCombinePending, LlDispatchArgs, LlDispatchOutput, LlHandle, LlPending,
+    LlState,
+};
 use crate::map::RegionMap;
 use crate::mask::Elastic;
 use crate::net::{NetPath, LL_BUFFERS};
@@ -223,13 +226,13 @@ impl Buffer {
     }
 
     /// The rows and column-major scales (empty for bf16) of low-latency buffer `buffer`
-    /// with `fp8` rows, mapped to outlive the Buffer's next calls (see
+    /// with rows of `format`, mapped to outlive the Buffer's next calls (see
     /// [`Buffer::lease_dispatch`]). With `handle`, only its valid rows are kept when the
     /// bank is reused while held; without (leased before the receive), all of them.
     pub fn lease_ll(
         &mut self,
         buffer: usize,
-        fp8: bool,
+        format: crate::TokenFormat,
         handle: Option<&crate::LlHandle>,
     ) -> Result<Lease> {
         let areas = self.cx.ll_areas(buffer)?;
@@ -237,11 +240,7 @@ impl Buffer {
         let (r_n, m) = (self.cx.topo.num_ranks, s.max_tokens);
         let rows_per_expert = r_n * m;
         let epr = s.experts_per_rank(r_n);
-        let (rb, groups) = if fp8 {
-            (s.hidden, s.hidden / 128)
-        } else {
-            (2 * s.hidden, 0)
-        };
+        let (rb, groups) = (format.row_bytes(s.hidden), format.scale_words(s.hidden));
         let x = areas.recv_x.prefix(epr * rows_per_expert * rb)?;
         let scales = areas
             .out_scales
@@ -362,33 +361,23 @@ impl Buffer {
         })
     }
 
-    /// Low-latency dispatch of `x` (`[T, H]` bf16) by `topk_idx` (`[T, K]`), optionally
-    /// cast to FP8 (`round_scale`: power-of-two scales). Collective: the send half and
-    /// the receive half together.
+    /// Low-latency dispatch of `args.x` (`[T, H]` bf16) by `args.topk_idx` (`[T, K]`),
+    /// cast on the way as `args.cast` says, with the gate weights if given. Collective:
+    /// the send half and the receive half together.
     pub fn low_latency_dispatch(
         &mut self,
-        x: &[bf16],
-        topk_idx: &[i64],
-        use_fp8: bool,
-        round_scale: bool,
+        args: LlDispatchArgs<'_>,
     ) -> Result<LlDispatchOutput<'_>> {
-        let pending = self.low_latency_dispatch_send(x, topk_idx, use_fp8, round_scale)?;
+        let pending = self.low_latency_dispatch_send(args)?;
         self.low_latency_dispatch_recv(pending)
     }
 
     /// The send half of [`Buffer::low_latency_dispatch`]: returns once this rank's
     /// copies are on their way. Receive them with
     /// [`Buffer::low_latency_dispatch_recv`]; at most two dispatches may wait for it.
-    pub fn low_latency_dispatch_send(
-        &mut self,
-        x: &[bf16],
-        topk_idx: &[i64],
-        use_fp8: bool,
-        round_scale: bool,
-    ) -> Result<LlPending> {
+    pub fn low_latency_dispatch_send(&mut self, args: LlDispatchArgs<'_>) -> Result<LlPending> {
         let st = &mut self.ll;
-        self.cx
-            .collective(|cx| cx.ll_send(st, x, topk_idx, use_fp8, round_scale))
+        self.cx.collective(|cx| cx.ll_send(st, args))
     }
 
     /// The receive half of a low-latency dispatch: waits for every source's copies and

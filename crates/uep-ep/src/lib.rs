@@ -64,10 +64,13 @@ pub use config::{
 pub use error::{EpError, ErrorKind, Gone, Lost, Result};
 pub use layout::{get_dispatch_layout, DispatchLayout};
 pub use liveness::LivenessConfig;
-pub use ll::{LlCombineInput, LlCombinePending, LlDispatchOutput, LlHandle, LlPending};
+pub use ll::{
+    LlCombineInput, LlCombinePending, LlDispatchArgs, LlDispatchOutput, LlHandle, LlPending,
+};
 pub use net::{NetConfig, DEFAULT_WRITE_BYTES};
 pub use normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, NormalHandle};
+pub use quant::Cast;
 pub use symm::Lease;
-pub use tokens::{RecvTokens, Tokens};
+pub use tokens::{RecvTokens, TokenFormat, Tokens};
 pub use topology::{Topology, MAX_RANKS_PER_NODE};
 pub use wait::set_spin_only;

@@ -20,6 +20,7 @@ use crate::packet::{
     Channel, CombinePacket, DispatchPacket, LlCombinePacket, LlDispatchPacket, NotifyHead,
     NotifyPacket, RowFormat, CHANNELS, LL_BUFFERS,
 };
+use crate::tokens::TokenFormat;
 
 /// Room for the reason a failing rank leaves in its peers' regions.
 pub const ABORT_MSG_BYTES: usize = 496;
@@ -245,12 +246,16 @@ pub struct LlAreas {
     pub bank: BankArea,
     /// `[E/R, R*M]` rows of x (sized for bf16; FP8 rows are packed at H bytes a row).
     pub recv_x: Area<u8>,
-    /// `[E/R, H/128, R*M]` scales of the packed rows, column-major as DeepEP returns them.
+    /// `[E/R, words, R*M]` scale words of the packed rows, column-major as DeepEP
+    /// returns them.
     pub out_scales: Area<f32>,
-    /// `[E/R, R*M, H/128]` scales as senders write them (row-major, by source block).
+    /// `[E/R, R*M, words]` scale words as senders write them (row-major, by source
+    /// block).
     pub recv_scales: Area<f32>,
     /// `[E/R, R*M]` token * K + slot of each row, as senders write them.
     pub recv_src: Area<i32>,
+    /// `[E/R, R*M]` the gate weight of each row's (token, slot), as senders write them.
+    pub recv_weight: Area<f32>,
     /// `[E/R][src R]` epoch|count signals.
     pub count: Area<u64>,
     /// `[M, K]` bf16 rows: expert outputs for my (token, slot) pairs.
@@ -272,7 +277,9 @@ impl LlAreas {
         l.align_to(BANK_ALIGN);
         let start = l.len();
         let recv_x = l.take(rows * h * 2);
-        let out_scales = l.take(rows * s.groups());
+        // Scale words for the format that has the most (NVFP4's four block scales a word).
+        let words = TokenFormat::max_scale_words(h);
+        let out_scales = l.take(rows * words);
         l.align_to(BANK_ALIGN);
         LlAreas {
             shape: s,
@@ -281,8 +288,9 @@ impl LlAreas {
             },
             recv_x,
             out_scales,
-            recv_scales: l.take(rows * s.groups()),
+            recv_scales: l.take(rows * words),
             recv_src: l.take(rows),
+            recv_weight: l.take(rows),
             count: l.take(epr * r),
             combine_x: l.take(m * s.topk * h),
             combine_send: l.take(rows * h),
@@ -358,6 +366,8 @@ impl NetAreas {
             let (epr, h, m) = (s.experts_per_rank(r), s.hidden, s.max_tokens);
             // A peer gets each of at most M tokens once, and back at most M copies per
             // expert and K per token.
+            // bf16 rows are the largest (NVFP4's scale words do not make up for a 4x
+            // smaller row).
             let d = round(LlDispatchPacket::layout(epr, m, s.topk, 2 * h, s.groups()).len);
             let rows = (m * s.topk).min(epr * m);
             let c = round(LlCombinePacket::layout(rows, h).len);
@@ -519,6 +529,7 @@ mod tests {
             add(&format!("ll{b}.out_scales"), a.out_scales.byte_range());
             add(&format!("ll{b}.recv_scales"), a.recv_scales.byte_range());
             add(&format!("ll{b}.recv_src"), a.recv_src.byte_range());
+            add(&format!("ll{b}.recv_weight"), a.recv_weight.byte_range());
             add(&format!("ll{b}.count"), a.count.byte_range());
             add(&format!("ll{b}.combine_x"), a.combine_x.byte_range());
             add(&format!("ll{b}.combine_send"), a.combine_send.byte_range());

@@ -340,7 +340,7 @@ pub fn ll_combine_groups(rows: &[usize], row_bytes: usize) -> Vec<std::ops::Rang
 /// receiver expands them into its experts' blocks, where it moves rows anyway). The
 /// header first, at fixed offsets: per-expert copy counts and the number of tokens; then
 /// each token's source index, the local expert of each of its top-k slots (`-1` for a
-/// slot not on the peer), its scales and its row.
+/// slot not on the peer), its top-k weights, its scales and its row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LlDispatchPacket {
     /// `[experts]` copies per local expert.
@@ -351,7 +351,9 @@ pub struct LlDispatchPacket {
     pub ids: Area<i32>,
     /// `[n, K]` the peer's local expert of each slot of each token, or `-1`.
     pub slots: Area<i32>,
-    /// `[n, groups]` scales.
+    /// `[n, K]` each token's gate weights (0 where the source gave none).
+    pub weights: Area<f32>,
+    /// `[n, groups]` scale words.
     pub scales: Area<f32>,
     /// `[n]` rows.
     pub rows: Area<u8>,
@@ -374,6 +376,7 @@ impl LlDispatchPacket {
         let tokens = l.take(1);
         let ids = l.take(n);
         let slots = l.take(n * k);
+        let weights = l.take(n * k);
         let scales = l.take(n * groups);
         let rows = l.take(n * row_bytes);
         LlDispatchPacket {
@@ -381,6 +384,7 @@ impl LlDispatchPacket {
             tokens,
             ids,
             slots,
+            weights,
             scales,
             rows,
             len: l.len(),
@@ -394,6 +398,7 @@ impl LlDispatchPacket {
             tokens: self.tokens.at_base(base),
             ids: self.ids.at_base(base),
             slots: self.slots.at_base(base),
+            weights: self.weights.at_base(base),
             scales: self.scales.at_base(base),
             rows: self.rows.at_base(base),
             ..self

@@ -19,6 +19,36 @@ use multiversion::multiversion;
 
 use crate::error::Result;
 use crate::invalid;
+use crate::tokens::TokenFormat;
+
+/// How a low-latency dispatch casts its rows on the way (`None` where the caller passes
+/// an `Option<Cast>`: bf16 as given).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Cast {
+    /// FP8 e4m3 with one f32 scale per 128 channels ([`quantize_token`]);
+    /// `round_scale`: scales rounded up to powers of two.
+    Fp8 {
+        /// Power-of-two scales.
+        round_scale: bool,
+    },
+    /// NVFP4: e2m1 in blocks of 16 with 8-bit block scales ([`nvfp4_quantize_token`]).
+    Nvfp4(Nvfp4),
+}
+
+impl Cast {
+    /// FP8 when `use_fp8` (DeepEP's two flags), else none.
+    pub fn fp8_if(use_fp8: bool, round_scale: bool) -> Option<Cast> {
+        use_fp8.then_some(Cast::Fp8 { round_scale })
+    }
+
+    /// The rows this cast makes.
+    pub fn format(&self) -> TokenFormat {
+        match self {
+            Cast::Fp8 { .. } => TokenFormat::Fp8,
+            Cast::Nvfp4(_) => TokenFormat::Nvfp4,
+        }
+    }
+}
 
 /// Channels that share one FP8 scale.
 pub const FP8_GROUP: usize = 128;
@@ -36,6 +66,13 @@ macro_rules! simd_dispatch {
         $f
     };
 }
+
+mod nvfp4;
+
+pub use nvfp4::{
+    e2m1_from_f32, e2m1_to_f32, nvfp4_dequantize_token, nvfp4_quantize_token, ue8m0_round_up,
+    ue8m0_to_f32, Nvfp4, E2M1_MAX, NVFP4_BLOCK,
+};
 
 /// Lower clamp of a group's `amax`, so an all-zero group gets a finite, non-zero scale.
 const AMAX_MIN: f32 = 1e-4;

@@ -1,11 +1,50 @@
-//! Token rows going in and coming out: bf16, or FP8 e4m3 with one f32 scale per 128
-//! channels.
+//! Token rows going in and coming out: bf16, FP8 e4m3 with one f32 scale per 128
+//! channels, or (low-latency dispatch only) NVFP4 with one byte scale per 16 channels.
 
 use half::bf16;
 
 use crate::area::SliceRows;
 use crate::error::Result;
 use crate::invalid;
+
+/// What a row of `hidden` channels is made of on the wire and in the outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenFormat {
+    /// `hidden` bf16 values, no scales.
+    Bf16,
+    /// `hidden` e4m3 bytes and `hidden / 128` f32 scales.
+    Fp8,
+    /// `hidden / 2` bytes of e2m1 pairs and `hidden / 16` scale bytes, four to a
+    /// 32-bit scale word (block `4w + i` in byte `i`, little-endian).
+    Nvfp4,
+}
+
+impl TokenFormat {
+    /// Bytes of a row's values.
+    pub fn row_bytes(self, hidden: usize) -> usize {
+        match self {
+            TokenFormat::Bf16 => 2 * hidden,
+            TokenFormat::Fp8 => hidden,
+            TokenFormat::Nvfp4 => hidden / 2,
+        }
+    }
+
+    /// 32-bit scale words of a row (an f32 scale each for FP8, four scale bytes each for
+    /// NVFP4).
+    pub fn scale_words(self, hidden: usize) -> usize {
+        match self {
+            TokenFormat::Bf16 => 0,
+            TokenFormat::Fp8 => hidden / 128,
+            TokenFormat::Nvfp4 => hidden / 64,
+        }
+    }
+
+    /// The most scale words any format gives a row of `hidden` channels (what an area
+    /// sized for every format holds).
+    pub fn max_scale_words(hidden: usize) -> usize {
+        hidden.div_ceil(64)
+    }
+}
 
 /// Activations a rank sends: bf16, or FP8 e4m3 bytes with one f32 scale per 128 channels.
 #[derive(Clone, Copy, Debug)]
@@ -106,15 +145,30 @@ pub enum RecvTokens<'a> {
         /// The per-128-channel scales.
         scales: &'a [f32],
     },
+    /// Low-latency only: `[E/R, R*M, H/2]` bytes of e2m1 pairs and `[E/R, H/64, R*M]`
+    /// scale words (column-major in the last two dimensions), four block scales each.
+    Nvfp4 {
+        /// The e2m1 pairs, the even channel in the low nibble.
+        data: &'a [u8],
+        /// The scale words.
+        scales: &'a [u32],
+    },
 }
 
 impl<'a> RecvTokens<'a> {
-    /// Received rows given as bytes: FP8 codes with their `scales`, or bf16.
-    pub(crate) fn from_bytes(fp8: bool, x: &'a [u8], scales: &'a [f32]) -> RecvTokens<'a> {
-        if fp8 {
-            RecvTokens::Fp8 { data: x, scales }
-        } else {
-            RecvTokens::Bf16(bytemuck::cast_slice(x))
+    /// Received rows of `format` given as bytes, with their scale words.
+    pub(crate) fn from_bytes(
+        format: TokenFormat,
+        x: &'a [u8],
+        scales: &'a [f32],
+    ) -> RecvTokens<'a> {
+        match format {
+            TokenFormat::Bf16 => RecvTokens::Bf16(bytemuck::cast_slice(x)),
+            TokenFormat::Fp8 => RecvTokens::Fp8 { data: x, scales },
+            TokenFormat::Nvfp4 => RecvTokens::Nvfp4 {
+                data: x,
+                scales: bytemuck::cast_slice(scales),
+            },
         }
     }
 }

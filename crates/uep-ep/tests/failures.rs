@@ -24,7 +24,7 @@ use half::bf16;
 use uep_bootstrap::{
     launch_local_with_grace, BootstrapError, EnvSource, Group, LaunchOutcome, LaunchSpec, WorldInfo,
 };
-use uep_ep::{Buffer, BufferConfig, DispatchArgs, EpError, Tokens};
+use uep_ep::{Buffer, BufferConfig, Cast, DispatchArgs, EpError, LlDispatchArgs, Tokens};
 
 /// Which scenario a rank process plays.
 const SCENARIO_VAR: &str = "UEP_TEST_SCENARIO";
@@ -267,7 +267,7 @@ fn play(scenario: &str, group: Group, me: &Rank) -> Result<Option<Timed>, String
                 llidx[5 * TOPK + 1] = -2;
             }
             Ok(Some(Timed::run(|| {
-                buf.low_latency_dispatch(&llx, &llidx, false, false)
+                buf.low_latency_dispatch(LlDispatchArgs::new(&llx, &llidx))
                     .map(drop)
             })))
         }
@@ -276,7 +276,7 @@ fn play(scenario: &str, group: Group, me: &Rank) -> Result<Option<Timed>, String
             let world = group.world_size();
             let mut buf = me.buffer(group, HIDDEN)?;
             let mut handle = buf
-                .low_latency_dispatch(&llx, &llidx, false, false)
+                .low_latency_dispatch(LlDispatchArgs::new(&llx, &llidx))
                 .map_err(|e| format!("setup LL dispatch: {e}"))?
                 .handle;
             // A low-latency dispatch is no barrier: without one, a rank could still be
@@ -289,7 +289,7 @@ fn play(scenario: &str, group: Group, me: &Rank) -> Result<Option<Timed>, String
                 let mut other = Buffer::new(solo, me.config(HIDDEN))
                     .map_err(|e| format!("solo Buffer::new: {e}"))?;
                 handle = other
-                    .low_latency_dispatch(&llx, &llidx, false, false)
+                    .low_latency_dispatch(LlDispatchArgs::new(&llx, &llidx))
                     .map_err(|e| format!("solo LL dispatch: {e}"))?
                     .handle;
             } else if me.is_bad() {
@@ -355,8 +355,10 @@ fn play(scenario: &str, group: Group, me: &Rank) -> Result<Option<Timed>, String
             }
             me.ready();
             Ok(Some(Timed::run(|| {
-                buf.low_latency_dispatch(&llx, &llidx, true, false)
-                    .map(drop)
+                buf.low_latency_dispatch(
+                    LlDispatchArgs::new(&llx, &llidx).cast(Cast::fp8_if(true, false)),
+                )
+                .map(drop)
             })))
         }
         // --- 5. a live rank that never enters the op ----------------------------------

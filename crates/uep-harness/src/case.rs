@@ -70,6 +70,11 @@ pub fn identity_expert(
                 *o = bf16::from_f32(v);
             }
         }
+        RecvTokens::Nvfp4 { .. } => {
+            return Err(uep_ep::EpError::InvalidArgument(
+                "the identity expert takes bf16 or FP8 rows, not NVFP4".into(),
+            ))
+        }
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! bit. Shared by `uep bench --soak`, the EP layer's in-process tests and the CLI.
 
 use half::bf16;
-use uep_ep::{Buffer, DispatchArgs, LlCombineInput, Result};
+use uep_ep::{Buffer, Cast, DispatchArgs, LlCombineInput, LlDispatchArgs, Result};
 
 use crate::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
 use crate::check::{self, Mismatches};
@@ -84,7 +84,9 @@ pub fn ll_step(
         };
         LlCase::new(rank, seen, shape, max_tokens, opts.fp8, opts.round_scale)
     };
-    let mut out = buffer.low_latency_dispatch(x, &mine.topk_idx, opts.fp8, opts.round_scale)?;
+    let mut out = buffer.low_latency_dispatch(
+        LlDispatchArgs::new(x, &mine.topk_idx).cast(Cast::fp8_if(opts.fp8, opts.round_scale)),
+    )?;
     let dispatched = case(&out.handle.masked)?;
     check::ll_dispatch(bad, &out, &dispatched.expected, h);
     let y = match (opts.zero_copy, out.combine_buffer.take()) {

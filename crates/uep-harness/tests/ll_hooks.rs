@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use half::bf16;
 use uep_bootstrap::Group;
-use uep_ep::{Buffer, BufferConfig, LlCombineInput, RecvTokens};
+use uep_ep::{Buffer, BufferConfig, LlCombineInput, LlDispatchArgs, RecvTokens};
 use uep_harness::ranks::run_ranks;
 
 const HIDDEN: usize = 128;
@@ -53,7 +53,7 @@ fn a_peer_running_ahead_does_not_overwrite_a_step_not_yet_received() {
         let idx = vec![0i64; TOKENS];
         let mut got = Vec::new();
         let send = |buf: &mut Buffer, step| {
-            buf.low_latency_dispatch_send(&x(me, step), &idx, false, false)
+            buf.low_latency_dispatch_send(LlDispatchArgs::new(&x(me, step), &idx))
                 .expect("send")
         };
         let (p0, p1) = (send(&mut buf, 0), send(&mut buf, 1));
@@ -94,10 +94,10 @@ fn a_combine_between_two_deferred_receives_waits_for_its_own_rows() {
         let idx = vec![1 - me as i64; TOKENS];
         let w = vec![1f32; TOKENS];
         let pa = buf
-            .low_latency_dispatch_send(&x(me, 0), &idx, false, false)
+            .low_latency_dispatch_send(LlDispatchArgs::new(&x(me, 0), &idx))
             .expect("send A");
         let pb = buf
-            .low_latency_dispatch_send(&x(me, 1), &idx, false, false)
+            .low_latency_dispatch_send(LlDispatchArgs::new(&x(me, 1), &idx))
             .expect("send B");
         let out = buf.low_latency_dispatch_recv(pa).expect("recv A");
         let y = bf16_rows(&out).to_vec();
@@ -130,7 +130,7 @@ fn a_peer_running_ahead_does_not_overwrite_a_combine_not_yet_received() {
             let idx = vec![1 - me as i64; TOKENS];
             let w = vec![1f32; TOKENS];
             let out = buf
-                .low_latency_dispatch(&x(me, 0), &idx, false, false)
+                .low_latency_dispatch(LlDispatchArgs::new(&x(me, 0), &idx))
                 .expect("dispatch");
             let rows = bf16_rows(&out);
             let handle = out.handle;
@@ -193,7 +193,8 @@ fn at_most_two_low_latency_calls_wait_for_their_receive() {
             let w = vec![1f32; TOKENS];
             if !combine {
                 for step in 0..3 {
-                    if let Err(e) = buf.low_latency_dispatch_send(&x(me, step), &idx, false, false)
+                    if let Err(e) =
+                        buf.low_latency_dispatch_send(LlDispatchArgs::new(&x(me, step), &idx))
                     {
                         return e.to_string();
                     }
@@ -201,7 +202,7 @@ fn at_most_two_low_latency_calls_wait_for_their_receive() {
                 return "a third dispatch was accepted".into();
             }
             let out = buf
-                .low_latency_dispatch(&x(me, 0), &idx, false, false)
+                .low_latency_dispatch(LlDispatchArgs::new(&x(me, 0), &idx))
                 .unwrap();
             let handle = out.handle;
             let y = vec![bf16::ONE; 2 * TOKENS * HIDDEN];
@@ -237,7 +238,7 @@ fn a_zero_copy_combine_sends_from_its_own_buffer() {
             let w = vec![1f32; TOKENS];
             // A: the identity expert writes every received row into the combine buffer.
             let mut a = buf
-                .low_latency_dispatch(&x(me, 0), &idx, false, false)
+                .low_latency_dispatch(LlDispatchArgs::new(&x(me, 0), &idx))
                 .expect("dispatch A");
             let y_a = bf16_rows(&a).to_vec();
             let buffer_a = a.combine_buffer.take().expect("a combine buffer");
@@ -249,7 +250,7 @@ fn a_zero_copy_combine_sends_from_its_own_buffer() {
                 .expect("combine A send");
             // B, dispatched while A waits for its receive: its buffer is another one.
             let mut b = buf
-                .low_latency_dispatch(&x(me, 1), &idx, false, false)
+                .low_latency_dispatch(LlDispatchArgs::new(&x(me, 1), &idx))
                 .expect("dispatch B");
             let y_b = bf16_rows(&b).to_vec();
             let scribble = b.combine_buffer.take().expect("the next buffer");
@@ -297,7 +298,7 @@ fn a_combine_is_received_with_the_input_it_was_sent_with() {
         let idx = vec![1 - me as i64; TOKENS];
         let w = vec![1f32; TOKENS];
         let out = buf
-            .low_latency_dispatch(&x(me, 0), &idx, false, false)
+            .low_latency_dispatch(LlDispatchArgs::new(&x(me, 0), &idx))
             .expect("dispatch");
         let y = bf16_rows(&out).to_vec();
         let handle = out.handle;

@@ -26,9 +26,11 @@ use half::bf16;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
 use uep_bootstrap::Group;
+use uep_ep::quant::Nvfp4;
 use uep_ep::{
-    Buffer, BufferConfig, CombineArgs, DispatchArgs, DispatchLayout, EpError, ErrorKind, Lease,
-    LlCombineInput, LlCombinePending, LlHandle, LlPending, NormalHandle, Shape, Tokens, Topology,
+    Buffer, BufferConfig, Cast, CombineArgs, DispatchArgs, DispatchLayout, EpError, ErrorKind,
+    Lease, LlCombineInput, LlCombinePending, LlDispatchArgs, LlHandle, LlPending, NormalHandle,
+    Shape, TokenFormat, Tokens, Topology,
 };
 
 use crate::control::PyControlPlane;
@@ -160,7 +162,7 @@ pub struct LlHandlePy {
 pub struct LlPendingPy {
     inner: Mutex<Option<LlPending>>,
     buffer: usize,
-    fp8: bool,
+    format: TokenFormat,
     generation: u64,
 }
 
@@ -839,8 +841,9 @@ impl Runtime {
         (combined, weights).into_pyobject(py)
     }
 
-    /// The send half of a low-latency dispatch; returns its pending receive.
-    #[pyo3(signature = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale))]
+    /// The send half of a low-latency dispatch; returns its pending receive. `nvfp4`
+    /// (global scale, UE8M0 block scales) casts to NVFP4 instead of FP8.
+    #[pyo3(signature = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, nvfp4=None, topk_weights=None))]
     #[allow(clippy::too_many_arguments)]
     fn ll_dispatch_send<'py>(
         &self,
@@ -851,19 +854,34 @@ impl Runtime {
         num_experts: usize,
         use_fp8: bool,
         round_scale: bool,
+        nvfp4: Option<(f32, bool)>,
+        topk_weights: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<LlPendingPy> {
+        let cast = match nvfp4 {
+            Some((global_scale, ue8m0)) => Some(Cast::Nvfp4(Nvfp4 {
+                global_scale,
+                ue8m0,
+            })),
+            None => Cast::fp8_if(use_fp8, round_scale),
+        };
         let parsed = (|| -> PyResult<_> {
             let x = In::new(x, "x", DType::BF16)?;
             x.expect_ndim(2)?;
             let idx = In::new(topk_idx, "topk_idx", DType::I64)?;
             idx.expect_ndim(2)?;
+            let w = topk_weights
+                .map(|w| In::new(w, "topk_weights", DType::F32))
+                .transpose()?;
+            if let Some(w) = &w {
+                w.expect_ndim(2)?;
+            }
             let shape = Shape {
                 num_experts,
                 hidden: x.dim(1)?,
                 topk: idx.dim(1)?,
                 max_tokens: num_max_dispatch_tokens_per_rank,
             };
-            Ok((x, idx, shape))
+            Ok((x, idx, w, shape))
         })();
         let mut st = self.lock(py);
         let dim = |o: &Bound<'py, PyAny>, i: usize| peek_shape(o).and_then(|s| s.get(i).copied());
@@ -878,23 +896,28 @@ impl Runtime {
         };
         let bad = parsed.as_ref().err().map(|e| e.to_string());
         self.ensure(py, &mut st, false, want, bad)?;
-        let (x, idx, _) = parsed?;
+        let (x, idx, w, _) = parsed?;
         let generation = st.generation;
         let buffer = Self::buffer(&mut st)?;
-        let (x, idx) = (x.slice::<bf16>(), idx.slice::<i64>());
+        let mut args = LlDispatchArgs::new(x.slice::<bf16>(), idx.slice::<i64>()).cast(cast);
+        if let Some(w) = &w {
+            args = args.weights(w.slice::<f32>());
+        }
         let pending = py
-            .detach(|| buffer.low_latency_dispatch_send(x, idx, use_fp8, round_scale))
+            .detach(|| buffer.low_latency_dispatch_send(args))
             .map_err(ep_err)?;
         Ok(LlPendingPy {
             buffer: pending.buffer_index(),
-            fp8: use_fp8,
+            format: cast.map_or(TokenFormat::Bf16, |c| c.format()),
             inner: Mutex::new(Some(pending)),
             generation,
         })
     }
 
-    /// The rows and scales of a low-latency dispatch as tensors `[E/R, R*M, H]` and
-    /// `[E/R, R*M, H/128]` (column-major in the last two dimensions), valid once its
+    /// The rows and scales of a low-latency dispatch as tensors `[E/R, R*M, H]` (bf16 or
+    /// e4m3 bytes; `H/2` bytes for NVFP4) and `[E/R, R*M, words]` (column-major in the
+    /// last two dimensions; f32 FP8 scales, or int32 words of four NVFP4 block scale
+    /// bytes), valid once its
     /// receive ran: before the receive for a hook, after it otherwise (`handle` then
     /// narrows what a later reuse of the buffer keeps).
     #[pyo3(signature = (pending, handle=None))]
@@ -911,23 +934,23 @@ impl Runtime {
             .config()
             .ll
             .ok_or_else(|| errors::internal("no low-latency shape"))?;
-        let (r_n, fp8) = (self.topo.num_ranks, pending.fp8);
+        let (r_n, format) = (self.topo.num_ranks, pending.format);
         let (epr, rows, h) = (s.experts_per_rank(r_n), r_n * s.max_tokens, s.hidden);
         let lease = buffer
-            .lease_ll(pending.buffer, fp8, handle.as_ref().map(|h| &h.inner))
+            .lease_ll(pending.buffer, format, handle.as_ref().map(|h| &h.inner))
             .map_err(ep_err)?;
         let part = |i: usize, shape: &[usize], strides: Option<&[usize]>, dtype: DType| {
             export_lease(py, &lease, i, shape, strides, dtype)
         };
-        let x = part(
-            0,
-            &[epr, rows, h],
-            None,
-            if fp8 { DType::U8 } else { DType::BF16 },
-        )?;
-        let g = h / 128;
-        let scales = fp8
-            .then(|| part(1, &[epr, rows, g], Some(&[g * rows, 1, rows]), DType::F32))
+        let (x_cols, x_dtype, s_dtype) = match format {
+            TokenFormat::Bf16 => (h, DType::BF16, DType::F32),
+            TokenFormat::Fp8 => (h, DType::U8, DType::F32),
+            TokenFormat::Nvfp4 => (h / 2, DType::U8, DType::I32),
+        };
+        let x = part(0, &[epr, rows, x_cols], None, x_dtype)?;
+        let g = format.scale_words(h);
+        let scales = (g > 0)
+            .then(|| part(1, &[epr, rows, g], Some(&[g * rows, 1, rows]), s_dtype))
             .transpose()?;
         (x, scales).into_pyobject(py)
     }
@@ -977,6 +1000,19 @@ impl Runtime {
             },
         )?;
         (counts, handle, src_info, layout_range, wait_ns).into_pyobject(py)
+    }
+
+    /// `[E/R, R*M]` f32: the gate weight each received row's (token, slot) had at its
+    /// source (0 past the counts).
+    fn ll_src_weights<'py>(
+        &self,
+        py: Python<'py>,
+        handle: PyRef<'py, LlHandlePy>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let h = &handle.inner;
+        let epr = h.recv_count.len();
+        let rows = h.src_weight.len() / epr.max(1);
+        export_vec(py, h.src_weight.clone(), &[epr, rows], DType::F32)
     }
 
     /// `(start, end)`: the addresses of the Buffer's registered memory (an output there

@@ -13,7 +13,7 @@ use half::bf16;
 
 use crate::area::Area;
 use crate::error::{EpError, Result};
-use crate::quant::check_fp8_shape;
+use crate::quant::{check_fp8_shape, Cast};
 use crate::symm::{self, Published};
 
 /// The layout phase (DeepEP's `get_dispatch_layout`): which ranks, nodes and experts
@@ -32,16 +32,19 @@ pub struct LayoutPhase<'a> {
     pub ranks_per_node: usize,
 }
 
-/// The cast phase of a low-latency dispatch: `[tokens, hidden]` bf16 rows into FP8
-/// e4m3 codes with one f32 scale per 128 channels (`crate::quant::quantize_token`, the
-/// definition every device matches bit for bit).
+/// The cast phase of a low-latency dispatch: `[tokens, hidden]` bf16 rows into codes
+/// and 32-bit scale words, as `cast` says: FP8 e4m3 with one f32 scale per 128
+/// channels ([`crate::quant::quantize_token`]), or NVFP4 with four block scale bytes a
+/// word ([`crate::quant::nvfp4_quantize_token`]); the definitions every device matches
+/// bit for bit. [`crate::TokenFormat`] gives the sizes a row.
 ///
 /// ```
 /// use half::bf16;
 /// use uep_ep::device::{CastPhase, Device, HostDevice};
+/// use uep_ep::Cast;
 /// let x: Vec<bf16> = (0..3 * 128).map(|i| bf16::from_f32(i as f32 / 7.0)).collect();
 /// let (mut q, mut scales) = (vec![0u8; x.len()], vec![0f32; 3]);
-/// let phase = CastPhase { x: &x, hidden: 128, round_scale: false };
+/// let phase = CastPhase { x: &x, hidden: 128, cast: Cast::Fp8 { round_scale: false } };
 /// HostDevice::new(2).cast(&phase, &mut q, &mut scales).unwrap();
 /// assert_eq!((q, scales), uep_ep::quant::quantize(&x, 128, false).unwrap());
 /// ```
@@ -51,21 +54,30 @@ pub struct CastPhase<'a> {
     pub x: &'a [bf16],
     /// Channels a row, a multiple of 128.
     pub hidden: usize,
-    /// Scales rounded up to powers of two (UE8M0-representable).
-    pub round_scale: bool,
+    /// What the rows become.
+    pub cast: Cast,
 }
 
 impl CastPhase<'_> {
-    /// Checks that `hidden` is a multiple of 128 that divides the input, and that `q`
-    /// and `scales` hold `q_len` codes and `scales_len` scales, one a value and one a
-    /// 128 values: what a device relies on before it casts.
+    /// Checks that `hidden` is a multiple of 128 that divides the input, that an NVFP4
+    /// global scale is finite and positive, and that `q` and `scales` hold `q_len`
+    /// codes and `scales_len` scale words, the format's sizes: what a device relies on
+    /// before it casts.
     pub fn check(&self, q_len: usize, scales_len: usize) -> Result<()> {
         check_fp8_shape(self.x.len(), self.hidden)?;
-        let n = self.x.len();
-        if q_len != n || scales_len * 128 != n {
+        if let Cast::Nvfp4(n) = self.cast {
+            if !(n.global_scale.is_finite() && n.global_scale > 0.0) {
+                return Err(crate::invalid!(
+                    "NVFP4 needs a finite, positive global scale, got {}",
+                    n.global_scale
+                ));
+            }
+        }
+        let (n, f, h) = (self.x.len(), self.cast.format(), self.hidden.max(1));
+        let (codes, words) = (n / h * f.row_bytes(h), n / h * f.scale_words(h));
+        if q_len != codes || scales_len != words {
             return Err(crate::invalid!(
-                "cast: {n} values need {n} codes and {} scales, got {q_len} and {scales_len}",
-                n / 128
+                "cast: {n} values need {codes} code bytes and {words} scale words, got {q_len} and {scales_len}"
             ));
         }
         Ok(())

@@ -8,7 +8,9 @@ use std::time::Instant;
 use half::bf16;
 use uep_shm::Region;
 
-use super::{check_window, fingerprint, LlDispatchOutput, LlHandle, LlPending, LlState};
+use super::{
+    check_window, fingerprint, LlDispatchArgs, LlDispatchOutput, LlHandle, LlPending, LlState,
+};
 use crate::area::{Area, Mem, SliceRows};
 use crate::config::Shape;
 use crate::ctx::Ctx;
@@ -18,7 +20,8 @@ use crate::invalid;
 use crate::map::LlAreas;
 use crate::net::Staged;
 use crate::packet::{Channel, LlDispatchPacket, LL_BUFFERS};
-use crate::tokens::RecvTokens;
+use crate::quant::Cast;
+use crate::tokens::{RecvTokens, TokenFormat};
 use crate::wait::{epoch_word, Seen};
 
 /// Whether the kernel pushes a packet's rows itself: where each row is whole 16-byte
@@ -72,6 +75,7 @@ struct Packed {
     recv_count: Vec<i32>,
     src_info: Vec<i32>,
     src_slot: Vec<i32>,
+    src_weight: Vec<f32>,
 }
 
 /// What a peer on another node sent in one packet, read and checked: its rows stay in
@@ -81,8 +85,10 @@ struct Landed {
     /// `[experts]` (row in the packet, token * K + slot) of each copy, in (token, slot)
     /// order.
     by_expert: Vec<Vec<(u32, i32)>>,
-    /// `[n, groups]` the tokens' scales (FP8 only).
+    /// `[n, words]` the tokens' scale words (none for bf16).
     scales: Vec<f32>,
+    /// `[n, K]` the tokens' gate weights.
+    weights: Vec<f32>,
 }
 
 /// Where each copy goes inside its (expert, source) block: copies numbered per expert in
@@ -113,60 +119,60 @@ impl Placement {
     }
 }
 
-/// The rows to send, cast once per token (not once per copy): bf16 as given, or FP8
-/// with a scale per 128 channels.
+/// The rows to send, cast once per token (not once per copy): bf16 as given, or codes
+/// with their scale words (FP8, NVFP4).
 struct Rows<'a> {
     x: &'a [bf16],
     hidden: usize,
+    format: TokenFormat,
     /// Bytes of one sent row.
     row_bytes: usize,
-    /// FP8: `[T, H]` codes and `[T, H/128]` scales.
-    fp8: Option<(Vec<u8>, Vec<f32>)>,
+    /// Cast: `[T, row_bytes]` codes and `[T, words]` scale words.
+    cast: Option<(Vec<u8>, Vec<f32>)>,
 }
 
 impl<'a> Rows<'a> {
-    /// The rows of `x`, cast by `device`'s cast phase when `use_fp8`.
+    /// The rows of `x`, cast by `device`'s cast phase.
     fn cast(
         device: &dyn Device,
         x: &'a [bf16],
         hidden: usize,
-        use_fp8: bool,
-        round_scale: bool,
+        cast: Option<Cast>,
     ) -> Result<Rows<'a>> {
-        let fp8 = match use_fp8 {
-            true => {
-                let (mut q, mut scales) = (vec![0u8; x.len()], vec![0f32; x.len() / 128]);
-                let phase = CastPhase {
-                    x,
-                    hidden,
-                    round_scale,
-                };
+        let format = cast.map_or(TokenFormat::Bf16, |c| c.format());
+        let (row_bytes, words) = (format.row_bytes(hidden), format.scale_words(hidden));
+        let tokens = x.len() / hidden.max(1);
+        let cast = match cast {
+            Some(cast) => {
+                let (mut q, mut scales) =
+                    (vec![0u8; tokens * row_bytes], vec![0f32; tokens * words]);
+                let phase = CastPhase { x, hidden, cast };
                 device.cast(&phase, &mut q, &mut scales)?;
                 Some((q, scales))
             }
-            false => None,
+            None => None,
         };
         Ok(Rows {
             x,
             hidden,
-            row_bytes: if use_fp8 { hidden } else { 2 * hidden },
-            fp8,
+            format,
+            row_bytes,
+            cast,
         })
     }
 
     /// Token `t`'s bytes as sent.
     fn row(&self, t: usize) -> &[u8] {
-        let h = self.hidden;
-        match &self.fp8 {
-            Some((q, _)) => q.row(t, h),
-            None => bytemuck::cast_slice(self.x.row(t, h)),
+        match &self.cast {
+            Some((q, _)) => q.row(t, self.row_bytes),
+            None => bytemuck::cast_slice(self.x.row(t, self.hidden)),
         }
     }
 
-    /// Token `t`'s scales (FP8 only).
+    /// Token `t`'s scale words (none for bf16).
     fn scales(&self, t: usize) -> Option<&[f32]> {
-        let g = self.hidden / 128;
-        self.fp8.as_ref().map(|(_, s)| s.row(t, g))
+        let words = self.format.scale_words(self.hidden);
+        self.cast.as_ref().map(|(_, s)| s.row(t, words))
     }
 }
 
@@ -178,13 +184,8 @@ impl Ctx {
         })
     }
 
-    fn check_ll_dispatch(
-        &self,
-        s: Shape,
-        x: &[bf16],
-        topk_idx: &[i64],
-        use_fp8: bool,
-    ) -> Result<()> {
+    fn check_ll_dispatch(&self, s: Shape, args: &LlDispatchArgs<'_>) -> Result<()> {
+        let (x, topk_idx) = (args.x, args.topk_idx);
         let (e_n, k, h, m) = (s.num_experts, s.topk, s.hidden, s.max_tokens);
         if x.len() % h != 0 {
             return Err(invalid!(
@@ -199,9 +200,17 @@ impl Ctx {
                 self.topo.rank
             ));
         }
-        if use_fp8 && h % 128 != 0 {
+        if let Some(w) = args.topk_weights {
+            if w.len() != topk_idx.len() {
+                return Err(invalid!(
+                    "topk_weights has {} values, expected [tokens = {t_n}, topk = {k}]",
+                    w.len()
+                ));
+            }
+        }
+        if args.cast.is_some() && h % 128 != 0 {
             return Err(invalid!(
-                "FP8 needs hidden to be a multiple of 128, got {h}"
+                "a low-latency cast needs hidden to be a multiple of 128, got {h}"
             ));
         }
         if topk_idx.len() != t_n * k {
@@ -236,16 +245,9 @@ impl Ctx {
 
     /// The send half of one low-latency dispatch (see
     /// [`crate::Buffer::low_latency_dispatch_send`]), numbered in `st`.
-    pub(crate) fn ll_send(
-        &self,
-        st: &mut LlState,
-        x: &[bf16],
-        topk_idx: &[i64],
-        use_fp8: bool,
-        round_scale: bool,
-    ) -> Result<LlPending> {
+    pub(crate) fn ll_send(&self, st: &mut LlState, args: LlDispatchArgs<'_>) -> Result<LlPending> {
         let shape = self.ll_areas(0)?.shape;
-        self.check_ll_dispatch(shape, x, topk_idx, use_fp8)?;
+        self.check_ll_dispatch(shape, &args)?;
         let seq = st.dispatch.wrapping_add(1);
         let b = seq as usize % LL_BUFFERS;
         check_window(&st.unreceived, seq, ("dispatch", "dispatches"))?;
@@ -256,21 +258,15 @@ impl Ctx {
         if let Some(banks) = &mut st.banks {
             banks[(seq as usize + 1) % LL_BUFFERS].reclaim()?;
         }
-        let pending = self.ll_send_step(seq, x, topk_idx, use_fp8, round_scale)?;
+        let pending = self.ll_send_step(seq, args)?;
         st.unreceived[b] = Some(seq);
         Ok(pending)
     }
 
     /// The send half of step `seq`, in phases: enter → cast → open sinks → pack →
     /// signal.
-    fn ll_send_step(
-        &self,
-        seq: u32,
-        x: &[bf16],
-        topk_idx: &[i64],
-        use_fp8: bool,
-        round_scale: bool,
-    ) -> Result<LlPending> {
+    fn ll_send_step(&self, seq: u32, args: LlDispatchArgs<'_>) -> Result<LlPending> {
+        let (x, topk_idx) = (args.x, args.topk_idx);
         let b = seq as usize % LL_BUFFERS;
         let areas = self.ll_areas(b)?;
         let s = areas.shape;
@@ -280,17 +276,18 @@ impl Ctx {
             .local()
             .word(self.map.control.ll_entered, 0)?
             .store(seq as u64, Ordering::Release);
-        let rows = Rows::cast(&*self.device, x, s.hidden, use_fp8, round_scale)?;
+        let rows = Rows::cast(&*self.device, x, s.hidden, args.cast)?;
         let place = Placement::of(topk_idx, s.num_experts);
-        let sinks = self.ll_open_sinks(seq, &areas, topk_idx, &place, rows.row_bytes)?;
-        self.ll_pack(&sinks, &areas, topk_idx, &place, &rows)?;
+        let sinks = self.ll_open_sinks(seq, &areas, topk_idx, &place, rows.format)?;
+        self.ll_pack(&sinks, &areas, &args, &place, &rows)?;
         let packets = self.ll_signal(sinks, seq, &areas, &place)?;
         Ok(LlPending {
             buffer_id: self.id,
             seq,
             buffer: b,
             num_tokens: t_n,
-            fp8: use_fp8,
+            format: rows.format,
+            weighted: args.topk_weights.is_some(),
             topk_hash: fingerprint(topk_idx),
             packets,
         })
@@ -305,11 +302,12 @@ impl Ctx {
         areas: &LlAreas,
         topk_idx: &[i64],
         place: &Placement,
-        row_bytes: usize,
+        format: TokenFormat,
     ) -> Result<Vec<Option<LlSink<'_>>>> {
         let b = seq as usize % LL_BUFFERS;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let s = areas.shape;
+        let (row_bytes, words) = (format.row_bytes(s.hidden), format.scale_words(s.hidden));
         let (epr, k) = (s.experts_per_rank(r_n), s.topk);
         let wait = self.ll_wait();
         let ch = Channel::ll_dispatch(b);
@@ -337,7 +335,7 @@ impl Ctx {
                         n += 1;
                     }
                 }
-                let p = LlDispatchPacket::layout(epr, n as usize, k, row_bytes, s.groups())
+                let p = LlDispatchPacket::layout(epr, n as usize, k, row_bytes, words)
                     .at_base(staged.area.offset());
                 staged.fit_fence(p.rows.len(), self.device.lanes());
                 let local = self.symm.local();
@@ -361,20 +359,22 @@ impl Ctx {
         &self,
         sinks: &[Option<LlSink<'_>>],
         areas: &LlAreas,
-        topk_idx: &[i64],
+        args: &LlDispatchArgs<'_>,
         place: &Placement,
         rows: &Rows<'_>,
     ) -> Result<()> {
+        let topk_idx = args.topk_idx;
+        let weight = |i: usize| args.topk_weights.map_or(0.0, |w| w[i]);
         let s = areas.shape;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
-        let (groups, row_bytes) = (h / 128, rows.row_bytes);
+        let (groups, row_bytes) = (rows.format.scale_words(h), rows.row_bytes);
         let t_n = topk_idx.len() / k.max(1);
         let local = self.symm.local();
         let started = Instant::now();
         let push_rows = kernel_pushes_rows(row_bytes);
         self.device.launch(t_n, &|range| {
-            let mut slots = vec![-1i32; k];
+            let (mut slots, mut weights) = (vec![-1i32; k], vec![0f32; k]);
             // `[rank]`: packet rows packed but not pushed yet (a thread's are adjacent).
             let mut runs: Vec<Option<Range<usize>>> = vec![None; r_n];
             for t in range {
@@ -393,6 +393,10 @@ impl Ctx {
                                 region.put(areas.recv_scales.row(row, groups)?, scales)?;
                             }
                             region.put(areas.recv_src.row(row, 1)?, &[(t * k + slot) as i32])?;
+                            if args.topk_weights.is_some() {
+                                let w = [weight(t * k + slot)];
+                                region.put(areas.recv_weight.row(row, 1)?, &w)?;
+                            }
                         }
                         // The first slot naming this peer carries the token there.
                         Some(LlSink::Packet { p, row_of, .. })
@@ -406,6 +410,10 @@ impl Ctx {
                             }
                             local.put(p.ids.row(i, 1)?, &[t as i32])?;
                             local.put(p.slots.row(i, k)?, &slots)?;
+                            for (j, w) in weights.iter_mut().enumerate() {
+                                *w = weight(t * k + j);
+                            }
+                            local.put(p.weights.row(i, k)?, &weights)?;
                             let run = runs[r].get_or_insert(i..i);
                             run.end = i + 1;
                         }
@@ -523,7 +531,7 @@ impl Ctx {
                 ));
             }
         }
-        let packed = self.ll_pack_front(&areas, &counts, &landed, pending.fp8)?;
+        let packed = self.ll_pack_front(&areas, &counts, &landed, pending)?;
         Ok((
             LlHandle {
                 buffer_id: self.id,
@@ -532,9 +540,10 @@ impl Ctx {
                 num_tokens: pending.num_tokens,
                 src_info: packed.src_info,
                 src_slot: packed.src_slot,
+                src_weight: packed.src_weight,
                 layout_range: packed.layout_range,
                 recv_count: packed.recv_count,
-                fp8: pending.fp8,
+                format: pending.format,
                 topk_hash: pending.topk_hash,
                 masked,
             },
@@ -584,7 +593,7 @@ impl Ctx {
                 let Some(landing) = self.unless_lost(src, landing)? else {
                     continue;
                 };
-                let l = self.ll_read_packet(src, landing.offset(), areas.shape, pending.fp8)?;
+                let l = self.ll_read_packet(src, landing.offset(), areas.shape, pending.format)?;
                 for (le, copies) in l.by_expert.iter().enumerate() {
                     counts[le * r_n + src] = copies.len() as u32;
                 }
@@ -605,10 +614,16 @@ impl Ctx {
     }
 
     /// Reads and checks the packet from `src` that landed at byte `base`.
-    fn ll_read_packet(&self, src: usize, base: usize, s: Shape, use_fp8: bool) -> Result<Landed> {
+    fn ll_read_packet(
+        &self,
+        src: usize,
+        base: usize,
+        s: Shape,
+        format: TokenFormat,
+    ) -> Result<Landed> {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
-        let (groups, row_bytes) = (h / 128, if use_fp8 { h } else { 2 * h });
+        let (groups, row_bytes) = (format.scale_words(h), format.row_bytes(h));
         let local = self.symm.local();
         let bad = |what: String| crate::protocol!("rank {src}'s LL packet for rank {me}: {what}");
         let head = LlDispatchPacket::layout(epr, 0, 0, 0, 0).at_base(base);
@@ -622,15 +637,12 @@ impl Ctx {
         let p = LlDispatchPacket::layout(epr, n, k, row_bytes, groups).at_base(base);
         let (ids, slots) = (local.get_vec(p.ids)?, local.get_vec(p.slots)?);
         let by_expert = copies_by_expert(&header, &ids, &slots, m).map_err(bad)?;
-        let scales = if use_fp8 {
-            local.get_vec(p.scales)?
-        } else {
-            Vec::new()
-        };
+        let (scales, weights) = (local.get_vec(p.scales)?, local.get_vec(p.weights)?);
         Ok(Landed {
             p,
             by_expert,
             scales,
+            weights,
         })
     }
 
@@ -643,12 +655,18 @@ impl Ctx {
         areas: &LlAreas,
         counts: &[u32],
         landed: &[Option<Landed>],
-        use_fp8: bool,
+        pending: &LlPending,
     ) -> Result<Packed> {
         let s = areas.shape;
         let r_n = self.topo.num_ranks;
-        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
-        let (groups, row_bytes) = (h / 128, if use_fp8 { h } else { 2 * h });
+        let (epr, m, h) = (s.experts_per_rank(r_n), s.max_tokens, s.hidden);
+        let g = BlockShape {
+            row_bytes: pending.format.row_bytes(h),
+            groups: pending.format.scale_words(h),
+            k: s.topk,
+            weighted: pending.weighted,
+        };
+        let k = g.k as i32;
         let local = self.symm.local();
         let rows_per_expert = r_n * m;
         let mut out = Packed {
@@ -656,58 +674,34 @@ impl Ctx {
             recv_count: vec![0i32; epr],
             src_info: vec![-1i32; epr * rows_per_expert],
             src_slot: vec![-1i32; epr * rows_per_expert],
+            // Only a weighted dispatch's receive reads the weights.
+            src_weight: match g.weighted {
+                true => vec![0f32; epr * rows_per_expert],
+                false => Vec::new(),
+            },
         };
-        let mut block_scales = Vec::new();
-        let mut codes = Vec::new();
-        let mut column = Vec::new();
+        let (mut block, mut column) = (Block::default(), Vec::new());
         for le in 0..epr {
             let mut base = 0usize;
             for src in 0..r_n {
                 let n = counts[le * r_n + src] as usize;
                 let (from, to) = (le * rows_per_expert + src * m, le * rows_per_expert + base);
-                codes.clear();
-                block_scales.clear();
+                block.clear();
                 match &landed[src] {
                     _ if n == 0 => {}
-                    Some(l) => {
-                        for (j, &(i, code)) in l.by_expert[le].iter().enumerate() {
-                            local.copy(
-                                areas.recv_x.row(to + j, row_bytes)?,
-                                local,
-                                l.p.rows.row(i as usize, row_bytes)?,
-                            )?;
-                            let i = i as usize;
-                            block_scales.extend_from_slice(
-                                l.scales.get(i * groups..(i + 1) * groups).unwrap_or(&[]),
-                            );
-                            codes.push(code);
-                        }
-                    }
-                    None => {
-                        if from != to {
-                            local.copy(
-                                areas.recv_x.rows(to..to + n, row_bytes)?,
-                                local,
-                                areas.recv_x.rows(from..from + n, row_bytes)?,
-                            )?;
-                        }
-                        if use_fp8 {
-                            block_scales.resize(n * groups, 0f32);
-                            local.get(
-                                areas.recv_scales.rows(from..from + n, groups)?,
-                                &mut block_scales,
-                            )?;
-                        }
-                        codes = local.get_vec(areas.recv_src.slice(from..from + n)?)?;
-                    }
+                    Some(l) => block.unpack(local, areas, l, le, to, g)?,
+                    None => block.move_down(local, areas, from..from + n, to, g)?,
                 }
-                if use_fp8 && n > 0 {
-                    let at = (le, base, n, rows_per_expert);
-                    put_scale_columns(local, areas, at, &block_scales, &mut column)?;
+                if g.groups > 0 && n > 0 {
+                    let at = (le, base, n, rows_per_expert, g.groups);
+                    put_scale_columns(local, areas, at, &block.scales, &mut column)?;
                 }
-                for (i, &code) in codes.iter().enumerate() {
-                    out.src_info[to + i] = code / k as i32;
-                    out.src_slot[to + i] = code % k as i32;
+                for (i, &code) in block.codes.iter().enumerate() {
+                    out.src_info[to + i] = code / k;
+                    out.src_slot[to + i] = code % k;
+                }
+                if g.weighted {
+                    out.src_weight[to..to + block.weights.len()].copy_from_slice(&block.weights);
                 }
                 out.layout_range[le * r_n + src] = (base as i32, n as i32);
                 base += n;
@@ -723,8 +717,10 @@ impl Ctx {
         let areas = self.ll_areas(handle.buffer)?;
         let s = areas.shape;
         let rows = s.experts_per_rank(self.topo.num_ranks) * self.topo.num_ranks * s.max_tokens;
-        let rb = if handle.fp8 { s.hidden } else { 2 * s.hidden };
-        let groups = if handle.fp8 { s.hidden / 128 } else { 0 };
+        let (rb, groups) = (
+            handle.format.row_bytes(s.hidden),
+            handle.format.scale_words(s.hidden),
+        );
         Ok((
             areas.recv_x.prefix(rows * rb)?,
             areas.out_scales.prefix(rows * groups)?,
@@ -743,7 +739,7 @@ impl Ctx {
         // enter a later step first (the Buffer held mutably).
         let published = self.symm.published(&seen);
         let (x, scales) = (published.view(x)?, published.view(scales)?);
-        let recv_x = RecvTokens::from_bytes(handle.fp8, x, scales);
+        let recv_x = RecvTokens::from_bytes(handle.format, x, scales);
         // The next combine's buffer, once its last combine is done with it.
         let combine_buffer = match self.ll_next_combine_area(st)? {
             Some(area) => Some(bytemuck::cast_slice_mut(
@@ -777,16 +773,98 @@ struct Arrivals {
     seen: Seen,
 }
 
-/// Writes `n` rows of scales (`block`, row-major) as rows `base..base + n` of local
-/// expert `le`'s column-major scales (`rows` rows an expert); `column` is scratch.
+/// The sizes of an LL receive's packed rows.
+#[derive(Clone, Copy)]
+struct BlockShape {
+    row_bytes: usize,
+    /// Scale words a row.
+    groups: usize,
+    k: usize,
+    /// Whether the dispatch carried gate weights.
+    weighted: bool,
+}
+
+/// One (expert, source) block as the receive packs it to the front: each row's
+/// `token * K + slot`, its weight (weighted dispatches) and its scale words.
+#[derive(Default)]
+struct Block {
+    codes: Vec<i32>,
+    weights: Vec<f32>,
+    scales: Vec<f32>,
+}
+
+impl Block {
+    fn clear(&mut self) {
+        self.codes.clear();
+        self.weights.clear();
+        self.scales.clear();
+    }
+
+    /// Expert `le`'s copies from a packet `l` that landed: each row to `to..` of the
+    /// expert's rows, its metadata and scales into the block.
+    fn unpack(
+        &mut self,
+        local: &Region,
+        areas: &LlAreas,
+        l: &Landed,
+        le: usize,
+        to: usize,
+        g: BlockShape,
+    ) -> Result<()> {
+        for (j, &(i, code)) in l.by_expert[le].iter().enumerate() {
+            let row = l.p.rows.row(i as usize, g.row_bytes)?;
+            local.copy(areas.recv_x.row(to + j, g.row_bytes)?, local, row)?;
+            let i = i as usize;
+            let scales = l.scales.get(i * g.groups..(i + 1) * g.groups);
+            self.scales.extend_from_slice(scales.unwrap_or(&[]));
+            self.codes.push(code);
+            if g.weighted {
+                self.weights.push(l.weights[i * g.k + code as usize % g.k]);
+            }
+        }
+        Ok(())
+    }
+
+    /// A same-node source's rows `from`, written in place by the source, moved down to
+    /// `to..` (moves only go down), with their metadata and scales.
+    fn move_down(
+        &mut self,
+        local: &Region,
+        areas: &LlAreas,
+        from: Range<usize>,
+        to: usize,
+        g: BlockShape,
+    ) -> Result<()> {
+        let n = from.len();
+        if from.start != to {
+            let dst = areas.recv_x.rows(to..to + n, g.row_bytes)?;
+            local.copy(dst, local, areas.recv_x.rows(from.clone(), g.row_bytes)?)?;
+        }
+        if g.groups > 0 {
+            self.scales.resize(n * g.groups, 0f32);
+            local.get(
+                areas.recv_scales.rows(from.clone(), g.groups)?,
+                &mut self.scales,
+            )?;
+        }
+        self.codes = local.get_vec(areas.recv_src.slice(from.clone())?)?;
+        if g.weighted {
+            self.weights = local.get_vec(areas.recv_weight.slice(from)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes `n` rows of scale words (`block`, row-major, `groups` a row) as rows
+/// `base..base + n` of local expert `le`'s column-major scales (`rows` rows an expert);
+/// `column` is scratch.
 fn put_scale_columns(
     local: &Region,
     areas: &LlAreas,
-    (le, base, n, rows): (usize, usize, usize, usize),
+    (le, base, n, rows, groups): (usize, usize, usize, usize, usize),
     block: &[f32],
     column: &mut Vec<f32>,
 ) -> Result<()> {
-    let groups = areas.shape.hidden / 128;
     for g in 0..groups {
         column.clear();
         column.extend((0..n).map(|i| block[i * groups + g]));

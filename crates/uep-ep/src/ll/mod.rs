@@ -51,12 +51,13 @@ use crate::ctx::Ctx;
 use crate::error::Result;
 use crate::invalid;
 use crate::packet::{Channel, LL_BUFFERS};
+use crate::quant::Cast;
 use crate::symm::{Bank, Exclusive};
-use crate::tokens::RecvTokens;
+use crate::tokens::{RecvTokens, TokenFormat};
 use crate::wait::Wait;
 
 /// Where every packed LL row came from; combine needs it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LlHandle {
     pub(crate) buffer_id: u64,
     /// The dispatch step.
@@ -69,17 +70,70 @@ pub struct LlHandle {
     pub src_info: Vec<i32>,
     /// `[E/R, R*M]`: top-k slot that produced each packed row (`-1` past the count).
     pub src_slot: Vec<i32>,
+    /// `[E/R, R*M]`: the source's gate weight of the (token, slot) of each packed row
+    /// (0 past the count); empty unless the dispatch passed weights (every rank passes
+    /// them or none, as DeepEP's kernels assume).
+    pub src_weight: Vec<f32>,
     /// `[E/R, R]`: (begin, count) of each source's block among an expert's rows.
     pub layout_range: Vec<(i32, i32)>,
     /// `[E/R]`: rows received per local expert.
     pub recv_count: Vec<i32>,
-    /// Whether the rows are FP8.
-    pub fp8: bool,
+    /// What the rows are made of.
+    pub format: TokenFormat,
     /// Fingerprint of the `topk_idx` dispatched, so combine can check it gets the same.
     pub(crate) topk_hash: u64,
     /// `[R]`: the ranks masked in this dispatch (elastic mode; all `false` otherwise):
     /// they sent nothing here.
     pub masked: Vec<bool>,
+}
+
+/// Arguments of [`Buffer::low_latency_dispatch`](crate::Buffer::low_latency_dispatch);
+/// build with [`LlDispatchArgs::new`] and the setters.
+///
+/// ```
+/// use half::bf16;
+/// use uep_ep::{Cast, LlDispatchArgs};
+/// let (x, idx, w) = (vec![bf16::ONE; 2 * 128], vec![0i64, 3, -1, 1], vec![0.5f32; 4]);
+/// let args = LlDispatchArgs::new(&x, &idx)
+///     .cast(Cast::fp8_if(true, false))
+///     .weights(&w);
+/// assert_eq!(args.topk_weights.map(|w| w.len()), Some(4));
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct LlDispatchArgs<'a> {
+    /// `[T, H]` bf16 activations.
+    pub x: &'a [bf16],
+    /// `[T, K]` expert ids, `-1` for an empty slot.
+    pub topk_idx: &'a [i64],
+    /// `[T, K]` gate weights: each received row then carries its (token, slot)'s
+    /// ([`LlHandle::src_weight`]), as DeepEP's hybrid-ep branch returns them.
+    pub topk_weights: Option<&'a [f32]>,
+    /// The cast on the way (`None`: bf16 as given).
+    pub cast: Option<Cast>,
+}
+
+impl<'a> LlDispatchArgs<'a> {
+    /// Dispatch bf16 `x` by `topk_idx`, uncast and unweighted.
+    pub fn new(x: &'a [bf16], topk_idx: &'a [i64]) -> Self {
+        LlDispatchArgs {
+            x,
+            topk_idx,
+            topk_weights: None,
+            cast: None,
+        }
+    }
+
+    /// Cast the rows on the way ([`Cast::fp8_if`] takes DeepEP's FP8 flags).
+    pub fn cast(mut self, cast: Option<Cast>) -> Self {
+        self.cast = cast;
+        self
+    }
+
+    /// Carry the gate weights to the received rows.
+    pub fn weights(mut self, topk_weights: &'a [f32]) -> Self {
+        self.topk_weights = Some(topk_weights);
+        self
+    }
 }
 
 /// A low-latency dispatch whose send half ran: pass it to
@@ -91,7 +145,9 @@ pub struct LlPending {
     pub(crate) seq: u32,
     pub(crate) buffer: usize,
     pub(crate) num_tokens: usize,
-    pub(crate) fp8: bool,
+    pub(crate) format: TokenFormat,
+    /// Whether the dispatch carried gate weights (its receive then reads them).
+    pub(crate) weighted: bool,
     pub(crate) topk_hash: u64,
     /// `[R]`: the number of the packet sent to each rank on another node among the
     /// fenced sends of this buffer to it (0: none); the peer's packet of this step has

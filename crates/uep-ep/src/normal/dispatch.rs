@@ -19,7 +19,7 @@ use crate::layout::DispatchLayout;
 use crate::map::NormalAreas;
 use crate::net::{Staged, Write};
 use crate::packet::{Channel, DispatchHeader, DispatchPacket, NotifyHead, NotifyPacket, RowFormat};
-use crate::tokens::RecvTokens;
+use crate::tokens::{RecvTokens, TokenFormat};
 use crate::wait::{Seen, Wait};
 
 /// The routing one dispatch works with, whichever way it was given.
@@ -1029,7 +1029,12 @@ impl Ctx {
             published.view::<i64>(idx.cast())?,
             published.view::<f32>(w.cast())?,
         );
-        let recv_x = RecvTokens::from_bytes(handle.fp8, x, scales);
+        let format = if handle.fp8 {
+            TokenFormat::Fp8
+        } else {
+            TokenFormat::Bf16
+        };
+        let recv_x = RecvTokens::from_bytes(format, x, scales);
         Ok(DispatchOutput {
             recv_x,
             recv_topk_idx: handle.with_topk.then_some(idx),

@@ -8,7 +8,7 @@ use crate::area::SliceRows;
 use crate::device::{CastPhase, LayoutPhase, ReducePhase};
 use crate::error::Result;
 use crate::layout::{get_dispatch_layout, DispatchLayout};
-use crate::quant::{quantize_token, reduce_rows};
+use crate::quant::{nvfp4_quantize_token, quantize_token, reduce_rows, Cast};
 
 impl HostDevice {
     pub(super) fn layout_phase(&self, p: &LayoutPhase<'_>) -> Result<DispatchLayout> {
@@ -28,11 +28,19 @@ impl HostDevice {
         scales: &mut [f32],
     ) -> Result<()> {
         p.check(q.len(), scales.len())?;
-        let (h, g) = (p.hidden, p.hidden / 128);
-        self.launch_row_pairs((q, h), (scales, g), |first, codes, scales| {
-            for (i, t) in (first..first + codes.len() / h).enumerate() {
-                let (q, s) = (codes.row_mut(i, h), scales.row_mut(i, g));
-                quantize_token(p.x.row(t, h), p.round_scale, q, s);
+        let h = p.hidden;
+        let f = p.cast.format();
+        let (rb, g) = (f.row_bytes(h), f.scale_words(h));
+        self.launch_row_pairs((q, rb), (scales, g), |first, codes, scales| {
+            for (i, t) in (first..first + codes.len() / rb).enumerate() {
+                let (q, s) = (codes.row_mut(i, rb), scales.row_mut(i, g));
+                match p.cast {
+                    Cast::Fp8 { round_scale } => quantize_token(p.x.row(t, h), round_scale, q, s),
+                    Cast::Nvfp4(n) => {
+                        let s: &mut [u8] = bytemuck::cast_slice_mut(s);
+                        nvfp4_quantize_token(p.x.row(t, h), n, q, s);
+                    }
+                }
             }
             Ok(())
         })
@@ -69,7 +77,7 @@ mod tests {
     use crate::area::{Area, Layout, Mem, SliceRows};
     use crate::device::{CastPhase, Device, HostDevice, LayoutPhase, Part, ReducePhase, Rows};
     use crate::layout::get_dispatch_layout;
-    use crate::quant::{quantize_token, reduce_rows};
+    use crate::quant::{nvfp4_quantize_token, quantize_token, reduce_rows, Cast, Nvfp4};
     use crate::symm;
     use crate::wait::Seen;
 
@@ -107,7 +115,7 @@ mod tests {
                     let phase = CastPhase {
                         x: &x,
                         hidden,
-                        round_scale,
+                        cast: Cast::Fp8 { round_scale },
                     };
                     HostDevice::new(threads)
                         .cast(&phase, &mut q, &mut s)
@@ -119,12 +127,65 @@ mod tests {
     }
 
     #[test]
+    fn the_nvfp4_cast_phase_is_nvfp4_quantize_token_on_every_row() {
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        for (tokens, hidden) in [(0, 128), (1, 256), (9, 384), (33, 128)] {
+            let x = random_rows(&mut rng, tokens * hidden);
+            for ue8m0 in [false, true] {
+                let n = Nvfp4 {
+                    global_scale: 448.0 * 6.0 / 3.0,
+                    ue8m0,
+                };
+                let (mut q0, mut s0) = (vec![0u8; x.len() / 2], vec![0u8; x.len() / 16]);
+                for t in 0..tokens {
+                    let (q, s) = (q0.row_mut(t, hidden / 2), s0.row_mut(t, hidden / 16));
+                    nvfp4_quantize_token(x.row(t, hidden), n, q, s);
+                }
+                for threads in [1, 3, 8] {
+                    let (mut q, mut s) = (vec![7u8; x.len() / 2], vec![-1f32; x.len() / 64]);
+                    let phase = CastPhase {
+                        x: &x,
+                        hidden,
+                        cast: Cast::Nvfp4(n),
+                    };
+                    HostDevice::new(threads)
+                        .cast(&phase, &mut q, &mut s)
+                        .unwrap();
+                    let words: &[u8] = bytemuck::cast_slice(&s);
+                    assert_eq!(
+                        (&q, words),
+                        (&q0, &s0[..]),
+                        "{tokens}x{hidden} on {threads}"
+                    );
+                }
+            }
+        }
+        // A global scale that is not finite and positive is refused.
+        let x = vec![bf16::ONE; 128];
+        let (mut q, mut s) = (vec![0u8; 64], vec![0f32; 2]);
+        for g in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let phase = CastPhase {
+                x: &x,
+                hidden: 128,
+                cast: Cast::Nvfp4(Nvfp4 {
+                    global_scale: g,
+                    ue8m0: false,
+                }),
+            };
+            assert!(
+                HostDevice::new(1).cast(&phase, &mut q, &mut s).is_err(),
+                "{g}"
+            );
+        }
+    }
+
+    #[test]
     fn a_cast_into_outputs_of_the_wrong_size_is_refused() {
         let x = vec![bf16::ONE; 256];
         let phase = CastPhase {
             x: &x,
             hidden: 128,
-            round_scale: false,
+            cast: Cast::Fp8 { round_scale: false },
         };
         let (mut q, mut s) = (vec![0u8; 255], vec![0f32; 2]);
         assert!(HostDevice::new(2).cast(&phase, &mut q, &mut s).is_err());
