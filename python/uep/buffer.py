@@ -219,8 +219,8 @@ class Buffer:
 
     Args:
         group: the ``torch.distributed`` process group of the expert-parallel ranks
-            (gloo on CPU). Its ``all_gather`` (of the bytes of an invitation) is the only collective uep uses to
-            set up; everything else moves through uep itself.
+            (gloo on CPU). Two ``all_gather`` of rank 0's invitation are the only
+            collectives uep runs on it; everything else moves through uep itself.
         num_nvl_bytes, num_rdma_bytes: a capacity: uep uses at most their sum (plus
             32 MiB of fixed areas) and raises an error naming the bytes it needs if a
             call needs more. Memory is only taken as the shapes of the calls need it.
