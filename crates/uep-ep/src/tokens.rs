@@ -66,13 +66,17 @@ impl Tokens<'_> {
         matches!(self, Tokens::Fp8 { .. })
     }
 
+    /// What these rows are made of.
+    pub fn format(&self) -> TokenFormat {
+        match self {
+            Tokens::Bf16(_) => TokenFormat::Bf16,
+            Tokens::Fp8 { .. } => TokenFormat::Fp8,
+        }
+    }
+
     /// Bytes of one token row (without scales).
     pub fn row_bytes(&self, hidden: usize) -> usize {
-        if self.is_fp8() {
-            hidden
-        } else {
-            hidden * 2
-        }
+        self.format().row_bytes(hidden)
     }
 
     /// Number of tokens, checking the shapes against `hidden`.

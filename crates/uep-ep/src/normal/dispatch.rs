@@ -999,8 +999,8 @@ impl Ctx {
         let a = self.normal_areas()?;
         let bank = &a.banks[handle.bank];
         let (h, k, rows) = (a.shape.hidden, a.shape.topk, handle.num_rows);
-        let rb = if handle.fp8 { h } else { 2 * h };
-        let groups = if handle.fp8 { h / 128 } else { 0 };
+        let format = rows_of(handle);
+        let (rb, groups) = (format.row_bytes(h), format.scale_words(h));
         Ok([
             bank.recv_x.prefix(rows * rb)?,
             bank.recv_scales.prefix(rows * groups)?.cast(),
@@ -1029,12 +1029,7 @@ impl Ctx {
             published.view::<i64>(idx.cast())?,
             published.view::<f32>(w.cast())?,
         );
-        let format = if handle.fp8 {
-            TokenFormat::Fp8
-        } else {
-            TokenFormat::Bf16
-        };
-        let recv_x = RecvTokens::from_bytes(format, x, scales);
+        let recv_x = RecvTokens::from_bytes(rows_of(&handle), x, scales);
         Ok(DispatchOutput {
             recv_x,
             recv_topk_idx: handle.with_topk.then_some(idx),
@@ -1042,6 +1037,15 @@ impl Ctx {
             num_recv_tokens_per_expert: handle.num_recv_tokens_per_expert.clone(),
             handle,
         })
+    }
+}
+
+/// What the rows of a normal dispatch are made of (normal mode moves bf16 or FP8).
+fn rows_of(handle: &NormalHandle) -> TokenFormat {
+    if handle.fp8 {
+        TokenFormat::Fp8
+    } else {
+        TokenFormat::Bf16
     }
 }
 
