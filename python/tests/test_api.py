@@ -120,3 +120,58 @@ def test_events_are_completed_and_waitable():
         none.current_stream_wait()
     kept = deep_ep.EventOverlap(deep_ep.EventHandle(), (torch.zeros(1),))
     assert kept.extra_tensors[0].numel() == 1
+
+
+def test_v2_surface_in_deepeps_order_with_deepeps_defaults():
+    for name in ("ElasticBuffer", "EPHandle", "get_physical_domain_size", "get_logical_domain_size"):
+        assert hasattr(deep_ep, name), name
+    params = inspect.signature(deep_ep.ElasticBuffer.__init__).parameters
+    expect = {"group": inspect.Parameter.empty, "num_bytes": None, "num_cpu_bytes": 0,
+              "num_max_tokens_per_rank": 0, "hidden": 0, "num_topk": 0, "use_fp8_dispatch": False,
+              "deterministic": False, "allow_hybrid_mode": True, "allow_multiple_reduction": True,
+              "prefer_overlap_with_compute": True, "sl_idx": 3, "num_allocated_qps": 0,
+              "num_cpu_timeout_secs": 300, "num_gpu_timeout_secs": 100, "explicitly_destroy": False}
+    assert list(params)[1:] == list(expect)
+    for k, v in expect.items():
+        assert params[k].default == v, k
+    dispatch = inspect.signature(deep_ep.ElasticBuffer.dispatch).parameters
+    assert list(dispatch)[1:] == ["x", "topk_idx", "topk_weights", "cumulative_local_expert_recv_stats",
+                                  "num_experts", "num_max_tokens_per_rank", "expert_alignment", "num_sms",
+                                  "num_qps", "previous_event", "previous_event_before_epilogue",
+                                  "async_with_compute_stream", "allocate_on_comm_stream", "handle",
+                                  "do_handle_copy", "do_cpu_sync", "do_expand", "do_zero_padding",
+                                  "use_tma_aligned_col_major_sf"]
+    combine = inspect.signature(deep_ep.ElasticBuffer.combine).parameters
+    assert list(combine)[1:] == ["x", "handle", "topk_weights", "bias", "num_sms", "num_qps", "previous_event",
+                                 "previous_event_before_epilogue", "async_with_compute_stream",
+                                 "allocate_on_comm_stream"]
+    handle = inspect.signature(deep_ep.EPHandle.__init__).parameters
+    assert list(handle)[1:] == ["do_expand", "num_experts", "expert_alignment", "num_max_tokens_per_rank",
+                                "num_sms", "topk_idx", "num_recv_tokens", "num_expanded_tokens",
+                                "num_recv_tokens_per_expert_list", "psum_num_recv_tokens_per_scaleup_rank",
+                                "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert",
+                                "recv_src_metadata", "dst_buffer_slot_idx", "token_metadata_at_forward",
+                                "channel_linked_list"]
+
+
+def test_v2_size_hint_is_2mib_aligned_and_checked():
+    class Group:
+        def size(self):
+            return 8
+    hint = deep_ep.ElasticBuffer.get_buffer_size_hint(Group(), 4096, 7168, 8)
+    assert hint % (2 << 20) == 0 and hint >= 8 * 4096 * 7168 * 2
+    assert deep_ep.ElasticBuffer.get_buffer_size_hint(Group(), 128, 7168) >= \
+        deep_ep.ElasticBuffer.get_buffer_size_hint(Group(), 128, 7168, 8)
+    with pytest.raises(deep_ep.InvalidArgumentError, match="num_max_tokens_per_rank > 0"):
+        deep_ep.ElasticBuffer.get_buffer_size_hint(Group(), 0, 7168)
+
+
+def test_v2_events_run_hooks_once_after_the_wait():
+    from uep.utils import EventHandle, EventOverlap
+    seen = []
+    ev = EventOverlap(EventHandle())
+    ev.register_hook_after_wait(lambda: seen.append(1))
+    with ev(release_handle=True):
+        pass
+    ev.current_stream_wait()
+    assert seen == [1]

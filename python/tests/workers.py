@@ -1172,3 +1172,8 @@ def corrupted_calls(ctx: Ctx, seed: int, cases: int, deadline: float) -> Dict[st
     normal_step(ctx, fresh, tokens=16, hidden=256, experts=8)
     fresh.destroy()
     return {"log": log, "deadline": deadline}
+
+
+# DeepEP v2's ElasticBuffer (its own module: workers_v2.py).
+from workers_v2 import (elastic_v2, hybrid_ep_plain, megatron_hybrid_ep, v2_bad_input,  # noqa: E402,F401
+                        v2_callers)

@@ -1,11 +1,13 @@
-"""uep: portable expert-parallel communication, with DeepEP v1's Python API.
+"""uep: portable expert-parallel communication, with DeepEP's Python APIs.
 
-``import uep as deep_ep`` and DeepEP code runs on PyTorch CPU tensors: ``Buffer``,
-``Config``, ``EventOverlap``, ``EventHandle`` and ``topk_idx_t`` are here under DeepEP's
-names. Errors raise a subclass of ``UepError`` (a ``RuntimeError``) by kind:
-``InvalidArgumentError`` (also a ``ValueError``), ``CapacityError``,
-``UepTimeoutError`` (also a ``TimeoutError``), ``PeerLostError``, ``PeerAbortedError``,
-``ProtocolError``, ``ResourceError``, ``ControlPlaneError`` and ``InternalError``.
+``import uep as deep_ep`` and DeepEP code runs on PyTorch CPU tensors: v1's ``Buffer``,
+``Config``, ``EventOverlap``, ``EventHandle`` and ``topk_idx_t``; v2's ``ElasticBuffer``,
+``EPHandle``, ``get_physical_domain_size`` and ``get_logical_domain_size``; and
+hybrid-ep's ``HybridEPBuffer`` (Megatron's), under DeepEP's names. Errors raise a
+subclass of ``UepError`` (a ``RuntimeError``) by kind: ``InvalidArgumentError`` (also a
+``ValueError``), ``CapacityError``, ``UepTimeoutError`` (also a ``TimeoutError``),
+``PeerLostError``, ``PeerAbortedError``, ``ProtocolError``, ``ResourceError``,
+``ControlPlaneError`` and ``InternalError``.
 """
 
 from ._uep import (
@@ -22,6 +24,8 @@ from ._uep import (
     __version__,
 )
 from .buffer import Buffer, topk_idx_t
+from .elastic_buffer import EPHandle, ElasticBuffer, get_logical_domain_size, get_physical_domain_size
+from .hybrid_ep_buffer import HybridEPBuffer
 from .config import Config
 from .utils import EventHandle, EventOverlap
 
@@ -29,9 +33,12 @@ __all__ = [
     "Buffer",
     "CapacityError",
     "Config",
+    "EPHandle",
+    "ElasticBuffer",
     "ControlPlaneError",
     "EventHandle",
     "EventOverlap",
+    "HybridEPBuffer",
     "InternalError",
     "InvalidArgumentError",
     "PeerAbortedError",
@@ -40,6 +47,8 @@ __all__ = [
     "ResourceError",
     "UepError",
     "UepTimeoutError",
+    "get_logical_domain_size",
+    "get_physical_domain_size",
     "topk_idx_t",
     "__version__",
 ]

@@ -11,6 +11,10 @@ path for each op::
 
     python -m uep.bench --compare target/release/uep
 
+With ``--v2`` it also times DeepEP v2's ``ElasticBuffer`` dispatch and combine (plain
+and expanded layouts) on the same tensors, in the same steps as v1's, and prints what
+each costs over v1's.
+
 With ``--peers`` it also times, step by step alternating with uep on the same tensors,
 what a user would write without an EP library: a Megatron-style dispatcher over
 ``torch.distributed.all_to_all_single`` on gloo (count exchange, pack by destination,
@@ -38,6 +42,8 @@ import uep
 
 OPS = ["layout", "dispatch", "combine", "ll_dispatch", "ll_combine"]
 PEER_OPS = ["gloo_dispatch", "gloo_combine"]
+#: DeepEP v2's calls (``--v2``): plain and expanded layouts, CPU sync on.
+V2_OPS = ["v2_dispatch", "v2_combine", "v2_dispatch_expanded", "v2_combine_expanded"]
 
 
 def _gloo_dispatch(x, topk_idx, weights, epr: int, group):
@@ -75,6 +81,33 @@ def _gloo_combine(y, state, T: int, group):
     return acc.to(torch.bfloat16)
 
 
+def _v2_bytes(group, tokens: int, hidden: int, topk: int) -> int:
+    return uep.ElasticBuffer.get_buffer_size_hint(group, tokens, hidden, topk)
+
+
+def _v2_step(v2, timed, step: int, x, topk_idx, weights, experts: int, in_rank) -> bool:
+    """One step of DeepEP v2's calls: plain, then expanded; the identity experts return
+    the rows they got. With `in_rank` (the last step) both combines are checked: plain
+    gives x times the ranks a token went to; expanded first sums a token's local rows on
+    each rank (rounded to bf16), then over ranks."""
+    ok = True
+    recv_x, _, _, handle, _ = timed("v2_dispatch", step, lambda: v2.dispatch(
+        x, topk_idx=topk_idx, topk_weights=weights, num_experts=experts))
+    combined, _, _ = timed("v2_combine", step, lambda: v2.combine(recv_x, handle))
+    if in_rank is not None:
+        ok &= torch.equal(combined, (x.float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16))
+    del recv_x, handle, combined
+    recv_x, _, _, handle, _ = timed("v2_dispatch_expanded", step, lambda: v2.dispatch(
+        x, topk_idx=topk_idx, topk_weights=weights, num_experts=experts, do_expand=True))
+    combined, _, _ = timed("v2_combine_expanded", step, lambda: v2.combine(recv_x, handle))
+    if in_rank is not None:
+        owner = torch.where(topk_idx >= 0, topk_idx // (experts // v2.num_ranks), v2.num_ranks)
+        lanes = torch.zeros((x.shape[0], v2.num_ranks + 1)).scatter_add_(1, owner, torch.ones(owner.shape))
+        want = sum((x.float() * lanes[:, r:r + 1]).to(torch.bfloat16).float() for r in range(v2.num_ranks))
+        ok &= torch.equal(combined, want.to(torch.bfloat16))
+    return ok
+
+
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
     torch.set_num_threads(1)
@@ -87,7 +120,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -
     topk_idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int64)
     weights = torch.rand((T, K), generator=g)
     ll_x, ll_idx, ll_w = x[:M].contiguous(), topk_idx[:M].contiguous(), weights[:M].contiguous()
-    times: Dict[str, List[float]] = {op: [] for op in OPS + PEER_OPS}
+    times: Dict[str, List[float]] = {op: [] for op in OPS + PEER_OPS + V2_OPS}
+    v2 = uep.ElasticBuffer(group, num_bytes=_v2_bytes(group, T, H, K), num_max_tokens_per_rank=T,
+                           explicitly_destroy=True) if args.v2 else None
     copies = {"normal": 0, "ll": 0}
     ok = True
 
@@ -115,6 +150,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -
             copies["normal"] += int(per_rank.sum())
         # A layer's tensors die with its call; so do these, before the next step.
         del recv_x, recv_w, handle
+        if v2 is not None:
+            ok &= _v2_step(v2, timed, step, x, topk_idx, weights, E, in_rank if step == last else None)
         if args.peers:
             # The same step through the peer, on the same tensors.
             def peer_dispatch():
@@ -149,6 +186,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -
             copies["ll"] += int((ll_idx >= 0).sum())
         del recv, ll_handle, out
     buffer.destroy()
+    if v2 is not None:
+        v2.destroy()
     results[rank] = {"times": times, "copies": copies, "ok": ok}
     dist.destroy_process_group()
 
@@ -162,9 +201,9 @@ def run_python(args: argparse.Namespace) -> List[dict]:
     mp.spawn(_rank, args=(args.ranks, port, args, results), nprocs=args.ranks)
     H, R = args.hidden, args.ranks
     reports = []
-    for op in OPS + (PEER_OPS if args.peers else []):
+    for op in OPS + (PEER_OPS if args.peers else []) + (V2_OPS if args.v2 else []):
         samples = [t for r in range(R) for t in results[r]["times"][op]]
-        mode = "ll" if op.startswith("ll_") else "normal"
+        mode = "ll" if op.startswith("ll_") else "normal"  # v2 moves normal mode's rows
         copies = sum(results[r]["copies"][mode] for r in range(R)) / R / args.iters
         row = 2 * H
         nbytes = 0 if op == "layout" else int(copies * row)
@@ -224,6 +263,8 @@ def main(argv=None) -> int:
     p.add_argument("--compare", metavar="UEP", help="the uep binary: run `uep bench` beside it")
     p.add_argument("--peers", action="store_true",
                    help="also time the all_to_all_single dispatcher on gloo, alternating with uep")
+    p.add_argument("--v2", action="store_true",
+                   help="also time DeepEP v2's ElasticBuffer calls beside v1's, in the same steps")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -237,6 +278,14 @@ def main(argv=None) -> int:
             for op in ("dispatch", "combine"):
                 u, g = by[op]["avg_us"], by["gloo_" + op]["avg_us"]
                 print(f"  {op:<9} uep {u:>12.0f} µs   gloo {g:>12.0f} µs   speedup {g / u:.2f}x")
+        if args.v2 and not args.json:
+            by = {r["op"]: r for r in reports}
+            print()
+            print("DeepEP v2's calls beside v1's, same steps, same tensors:")
+            for op in V2_OPS:
+                v1 = "dispatch" if "dispatch" in op else "combine"
+                u, g = by[op]["avg_us"], by[v1]["avg_us"]
+                print(f"  {op:<21} {u:>12.0f} µs   v1 {v1:<8} {g:>12.0f} µs   {u / g:.2f}x")
         return 0 if all(r["verified"] for r in reports) else 1
     rust: Dict[str, List[float]] = {op: [] for op in OPS}
     py: Dict[str, List[float]] = {op: [] for op in OPS}

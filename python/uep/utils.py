@@ -49,14 +49,28 @@ class EventOverlap:
                  extra_tensors: Optional[Tuple[Any, ...]] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
+        self._hooks: list = []
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """Make the current stream wait for the event, then run the hooks registered
+        after it (once). ``release_handle`` (DeepEP v2) is accepted."""
         assert self.event is not None, "EventOverlap.current_stream_wait() needs an event (pass async_finish=True)"
         self.event.current_stream_wait()
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def register_hook_after_wait(self, hook: Any) -> None:
+        """Run `hook` after the next wait (DeepEP v2)."""
+        self._hooks.append(hook)
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        """For ``with event(release_handle=True):`` (DeepEP v2)."""
+        return self
 
     def __enter__(self) -> "EventOverlap":
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
         if self.event is not None:
-            self.event.current_stream_wait()
+            self.current_stream_wait()

@@ -68,7 +68,9 @@ pub use ll::{
     LlCombineInput, LlCombinePending, LlDispatchArgs, LlDispatchOutput, LlHandle, LlPending,
 };
 pub use net::{NetConfig, DEFAULT_WRITE_BYTES};
-pub use normal::{CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, NormalHandle};
+pub use normal::{
+    CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, NormalHandle, WeightLanes,
+};
 pub use quant::Cast;
 pub use symm::Lease;
 pub use tokens::{RecvTokens, TokenFormat, Tokens};

@@ -163,6 +163,8 @@ impl DispatchHeader {
     /// The relay's own rows went straight to it (else they are in the packet too: their
     /// place there would not be 16-byte aligned).
     pub const DIRECT: u32 = 8;
+    /// The weights keep every lane at the receivers ([`crate::WeightLanes::All`]).
+    pub const ALL_LANES: u32 = 16;
 
     /// Whether `flag` is set.
     pub fn has(&self, flag: u32) -> bool {

@@ -30,7 +30,7 @@ use uep_ep::quant::Nvfp4;
 use uep_ep::{
     Buffer, BufferConfig, Cast, CombineArgs, DispatchArgs, DispatchLayout, EpError, ErrorKind,
     Lease, LlCombineInput, LlCombinePending, LlDispatchArgs, LlHandle, LlPending, NormalHandle,
-    Shape, TokenFormat, Tokens, Topology,
+    Shape, TokenFormat, Tokens, Topology, WeightLanes,
 };
 
 use crate::control::PyControlPlane;
@@ -711,7 +711,8 @@ impl Runtime {
     /// Normal dispatch; see `uep.Buffer.dispatch`. Returns `(recv_x, recv_x_scales,
     /// recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert, handle)`, the
     /// tensors as DLPack capsules (absent ones `None`).
-    #[pyo3(signature = (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, handle, expert_alignment, num_worst_tokens))]
+    /// `all_weight_lanes` hands every rank each token's whole weight row (DeepEP v2's).
+    #[pyo3(signature = (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, handle, expert_alignment, num_worst_tokens, all_weight_lanes=false))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch<'py>(
         &self,
@@ -726,6 +727,7 @@ impl Runtime {
         handle: Option<PyRef<'py, NormalHandlePy>>,
         expert_alignment: usize,
         num_worst_tokens: usize,
+        all_weight_lanes: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let parsed = NormalIn::parse(
             self.topo,
@@ -736,8 +738,13 @@ impl Runtime {
         // The shape this call needs, read from the arguments' shapes even when they are
         // unusable (so that this rank decides as its peers do).
         let have = st.buffer.as_ref().and_then(|b| b.config().normal);
-        let (want, experts) =
+        let (mut want, experts) =
             normal_want(x, topk_idx, num_tokens_per_expert, handle.as_deref(), have);
+        // Outputs padded to `num_worst_tokens` rows need room for as many.
+        if let Some(Want::Normal(shape)) = &mut want {
+            let worst = num_worst_tokens.div_ceil(self.topo.num_ranks);
+            shape.max_tokens = shape.max_tokens.max(worst);
+        }
         let bad = match &parsed {
             Err(e) => Some(e.to_string()),
             Ok(_) if experts.is_none() => Some(
@@ -758,7 +765,11 @@ impl Runtime {
             .map_or(0, |s| s.num_experts);
         let mut args = DispatchArgs::new(p.tokens())
             .expert_alignment(expert_alignment)
-            .num_worst_tokens(num_worst_tokens);
+            .num_worst_tokens(num_worst_tokens)
+            .weight_lanes(match all_weight_lanes {
+                true => WeightLanes::All,
+                false => WeightLanes::Local,
+            });
         if let Some(h) = &handle {
             args = args.cached(&h.inner);
         }
@@ -839,6 +850,52 @@ impl Runtime {
             .map(|v| export_vec(py, v, &[t, k], DType::F32))
             .transpose()?;
         (combined, weights).into_pyobject(py)
+    }
+
+    /// Rows gathered into memory that is reused once Python lets go of it (so a large
+    /// output costs no page faults): `out[rows[j]] = x[tokens[j]]` for every `j`, `x`
+    /// `[M, W]` bytes, `out` `[num_rows, W]`; rows no `j` names are zero with `zero`,
+    /// else stale. DeepEP v2's expanded layout.
+    #[pyo3(signature = (x, tokens, rows, num_rows, zero))]
+    fn gather_rows<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        tokens: &Bound<'py, PyAny>,
+        rows: &Bound<'py, PyAny>,
+        num_rows: usize,
+        zero: bool,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let x = In::new(x, "x", DType::U8)?;
+        let (m, w) = (x.expect_ndim(2)?.dim(0)?, x.dim(1)?);
+        let (tokens, rows) = (
+            In::new(tokens, "tokens", DType::I64)?,
+            In::new(rows, "rows", DType::I64)?,
+        );
+        let (ts, rs) = (tokens.slice::<i64>(), rows.slice::<i64>());
+        let inside = |v: &[i64], n: usize| v.iter().all(|&i| (0..n as i64).contains(&i));
+        if ts.len() != rs.len() || !inside(ts, m) || !inside(rs, num_rows) {
+            return Err(errors::invalid(format!(
+                "gather_rows: {} tokens of {m} rows into {} rows of {num_rows}: an index is out of range",
+                ts.len(),
+                rs.len()
+            )));
+        }
+        let xs = x.slice::<u8>();
+        let mut st = self.lock(py);
+        let (block, ()) = st.outputs.fill(num_rows * w, |block| {
+            let out = block.as_mut_slice::<u8>(num_rows * w);
+            py.detach(|| {
+                if zero {
+                    out.fill(0);
+                }
+                for (&t, &r) in ts.iter().zip(rs) {
+                    let (t, r) = (t as usize, r as usize);
+                    out[r * w..(r + 1) * w].copy_from_slice(&xs[t * w..(t + 1) * w]);
+                }
+            })
+        });
+        export_block(py, block, &[num_rows, w], DType::U8)
     }
 
     /// The send half of a low-latency dispatch; returns its pending receive. `nvfp4`

@@ -8,6 +8,7 @@ use uep_shm::Region;
 
 use super::{
     column_sum, localize, DispatchArgs, DispatchOutput, NormalHandle, NormalState, Relayed,
+    WeightLanes,
 };
 use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::config::Shape;
@@ -141,6 +142,8 @@ struct Plan<'a> {
     fp8: bool,
     with_topk: bool,
     with_weights: bool,
+    /// Which weight lanes the receivers get.
+    weight_lanes: WeightLanes,
     /// Rows into the node's ranks go with streaming stores ([`STREAM_ABOVE`]).
     streaming: bool,
 }
@@ -367,7 +370,14 @@ impl PackKernel<'_, '_> {
         match dest {
             Dest::Rank(r) if plan.with_topk => {
                 let epr = self.shape.experts_per_rank(self.topo.num_ranks);
-                localize(idx, w, r, epr, &mut rows.idx, &mut rows.w);
+                localize(
+                    idx,
+                    (w, plan.weight_lanes),
+                    r,
+                    epr,
+                    &mut rows.idx,
+                    &mut rows.w,
+                );
                 sink.region.put(sink.topk.row(j, k)?, &rows.idx)?;
                 if plan.with_weights {
                     sink.region.put(sink.weights.row(j, k)?, &rows.w)?;
@@ -750,6 +760,7 @@ impl Ctx {
             fp8,
             with_topk,
             with_weights,
+            weight_lanes: args.weight_lanes,
             streaming: node_rows * fmt.row_bytes > STREAM_ABOVE,
         })
     }
@@ -883,6 +894,8 @@ impl Ctx {
                         flags: (plan.fp8 as u32 * DispatchHeader::FP8)
                             | (plan.with_topk as u32 * DispatchHeader::TOPK)
                             | (plan.with_weights as u32 * DispatchHeader::WEIGHTS)
+                            | ((plan.weight_lanes == WeightLanes::All) as u32
+                                * DispatchHeader::ALL_LANES)
                             | (aligned as u32 * DispatchHeader::DIRECT),
                         reserved: 0,
                     };

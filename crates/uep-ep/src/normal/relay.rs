@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use half::bf16;
 use uep_shm::Region;
 
-use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed};
+use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed, WeightLanes};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
 use crate::error::Result;
@@ -52,9 +52,13 @@ impl RelayPacket {
         let k = areas.shape.topk;
         if self.fmt.topk > 0 {
             let w = (self.fmt.weights > 0).then(|| self.weights.row(j, k));
+            let lanes = match self.head.has(DispatchHeader::ALL_LANES) {
+                true => WeightLanes::All,
+                false => WeightLanes::Local,
+            };
             localize(
                 self.idx.row(j, k),
-                w,
+                (w, lanes),
                 r,
                 epr,
                 &mut scratch.0,
