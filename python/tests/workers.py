@@ -1176,4 +1176,4 @@ def corrupted_calls(ctx: Ctx, seed: int, cases: int, deadline: float) -> Dict[st
 
 # DeepEP v2's ElasticBuffer (its own module: workers_v2.py).
 from workers_v2 import (elastic_v2, hybrid_ep_plain, megatron_hybrid_ep, v2_bad_input,  # noqa: E402,F401
-                        v2_callers)
+                        megatron_deepep, v2_callers)

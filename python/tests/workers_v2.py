@@ -576,3 +576,44 @@ def hybrid_ep_plain(ctx: Any, t_max: int = 20, hidden: int = 256, topk: int = 4,
     buffer.destroy()
     dist.barrier(group=ctx.group)
     return {"rows": len(ref.rows)}
+
+
+def megatron_deepep(ctx: Any, async_finish: bool = False, tokens: int = 24, hidden: int = 256,
+                    experts: int = 16, topk: int = 4, seed: int = 4) -> Dict[str, Any]:
+    """Megatron-core's own ``fused_a2a.fused_dispatch`` / ``fused_combine`` (its DeepEP
+    v1 path, from PyPI, unchanged; ``deep_ep`` is uep through ``sys.modules``), forward
+    and backward through a toy MoE, against the dense layer. Rank 1 has no tokens."""
+    import sys
+    import uep
+    import uep.utils
+    sys.modules["deep_ep"], sys.modules["deep_ep.utils"] = uep, uep.utils
+    from megatron.core.transformer.moe import fused_a2a
+    assert fused_a2a.HAVE_DEEP_EP
+    R, me, L = ctx.world, ctx.rank, experts // ctx.world
+    g = torch.Generator().manual_seed(seed * 100 + me)
+    n = 0 if me == 1 else tokens
+    x = torch.randn((n, hidden), generator=g).to(torch.bfloat16).requires_grad_()
+    logits = torch.randn((n, experts), generator=g)
+    weights, idx = torch.softmax(logits, 1).topk(topk, dim=1)
+    weights = weights.detach().requires_grad_()
+    factor = 1 + torch.arange(experts, dtype=torch.float32) / 16
+    recv_x, recv_idx, recv_w, per_expert, handle = fused_a2a.fused_dispatch(
+        x, idx, weights, experts, ctx.group, async_finish=async_finish, allocate_on_comm_stream=async_finish)
+    assert per_expert.sum() == (recv_idx >= 0).sum()
+    # Each received token: its local experts' outputs, weighted, summed.
+    local = (recv_idx >= 0).float()
+    scale = (factor[recv_idx.clamp(min=0) + me * L] * recv_w * local).sum(1, keepdim=True)
+    y = (recv_x.float() * scale).to(torch.bfloat16)
+    out, _ = fused_a2a.fused_combine(y, ctx.group, handle, async_finish=async_finish,
+                                     allocate_on_comm_stream=async_finish)
+    grad = torch.randn((n, hidden), generator=g)
+    (out.float() * grad).sum().backward()
+    xr, wr = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    want = (xr.float().unsqueeze(1) * (wr * factor[idx]).unsqueeze(2)).sum(1).to(torch.bfloat16)
+    (want.float() * grad).sum().backward()
+    diffs = {"out": _calc_diff(out.detach(), want.detach()), "x_grad": _calc_diff(x.grad, xr.grad),
+             "weights_grad": _calc_diff(weights.grad, wr.grad)}
+    assert out.shape == (n, hidden) and all(d < 1e-4 for d in diffs.values()), diffs
+    fused_a2a._buffer = None   # Megatron's Buffer frees itself (no explicitly_destroy)
+    dist.barrier(group=ctx.group)
+    return {"diffs": diffs}
