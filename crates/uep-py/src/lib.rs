@@ -1,7 +1,8 @@
 //! `uep._uep`: the Rust core of the `uep` Python package.
 //!
-//! The package's Python layer (`python/uep`) is DeepEP v1's API; this module is what it
-//! calls: a [`runtime::Runtime`] per `uep.Buffer`, bootstrapped over the caller's
+//! The package's Python layer (`python/uep`) is DeepEP's APIs; this module is what it
+//! calls: a [`runtime::Runtime`] per `uep.Buffer` (v2's and hybrid-ep's buffers hold
+//! one, with the helpers of [`v2`]), bootstrapped over the caller's
 //! `torch.distributed` group ([`control`]), with tensors in and out through DLPack
 //! without copies ([`dlpack`]), and the GIL released while a call communicates or
 //! waits. Every error raises a subclass of `uep.UepError` (a `RuntimeError`) by kind
@@ -16,6 +17,7 @@ pub mod control;
 pub mod dlpack;
 pub mod errors;
 pub mod runtime;
+pub mod v2;
 
 create_exception!(
     _uep,
@@ -27,92 +29,6 @@ create_exception!(
 /// The version of the package.
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// This process's host id: ranks with the same one share memory (one node).
-#[pyfunction]
-fn host_id() -> String {
-    uep_bootstrap::host_id()
-}
-
-/// `(ranks_per_node, num_nodes)` of `hosts` (every rank's [`host_id`], in rank order),
-/// as a Buffer over those ranks finds them; `ranks_per_node` emulates nodes of that
-/// many ranks (`UEP_RANKS_PER_NODE`).
-#[pyfunction]
-#[pyo3(signature = (hosts, ranks_per_node=None))]
-fn nodes(hosts: Vec<String>, ranks_per_node: Option<usize>) -> PyResult<(usize, usize)> {
-    let t = uep_ep::Topology::from_hosts(0, &hosts, ranks_per_node).map_err(errors::ep_err)?;
-    Ok((t.ranks_per_node, t.num_nodes))
-}
-
-/// Bytes of registered memory a rank needs for normal-mode calls of this shape, on
-/// `num_ranks` ranks over `num_nodes` nodes (what a capacity must allow); `shape` is
-/// `(num_experts, hidden, topk, max_tokens)`.
-#[pyfunction]
-fn normal_bytes(num_ranks: usize, num_nodes: usize, shape: (usize, usize, usize, usize)) -> usize {
-    let (num_experts, hidden, topk, max_tokens) = shape;
-    uep_ep::BufferConfig::new(num_experts, hidden, topk, max_tokens, 0)
-        .bytes_needed(num_ranks, num_nodes)
-}
-
-/// `out[i] = bf16(0.0 + x[s0] + x[s1] + ...)` over the rows of `x` that `slots[i]`
-/// names (`-1`: none), in f32 in slot order, rounded once: an expanded v2 combine's sum
-/// of a token's local experts on its rank. `x` and `out` are bf16 `[rows, H]` and
-/// `[M, H]`, `slots` int64 `[M, K]`; runs without the GIL on up to `threads` threads.
-#[pyfunction]
-fn sum_slots(
-    py: Python<'_>,
-    x: &Bound<'_, PyAny>,
-    slots: &Bound<'_, PyAny>,
-    out: &Bound<'_, PyAny>,
-    threads: usize,
-) -> PyResult<()> {
-    use dlpack::{DType, In};
-    let (x, slots, out) = (
-        In::new(x, "x", DType::BF16)?,
-        In::new(slots, "slots", DType::I64)?,
-        In::new(out, "out", DType::BF16)?,
-    );
-    let (rows, h) = (x.expect_ndim(2)?.dim(0)?, x.dim(1)?);
-    let (m, k) = (slots.expect_ndim(2)?.dim(0)?, slots.dim(1)?);
-    if out.shape() != [m, h] {
-        return Err(errors::invalid(format!(
-            "out has shape {:?}, expected [{m}, {h}]",
-            out.shape()
-        )));
-    }
-    let (xs, ss) = (x.slice::<u16>(), slots.slice::<i64>());
-    if let Some(bad) = ss.iter().find(|&&s| s < -1 || s >= rows as i64) {
-        return Err(errors::invalid(format!(
-            "slot {bad} is not a row of x ({rows} rows) or -1"
-        )));
-    }
-    let dst = out.slice_mut::<half::bf16>(&[&x, &slots])?;
-    if m == 0 || h == 0 {
-        return Ok(());
-    }
-    let per_thread = m.div_ceil(threads.max(1));
-    py.detach(|| {
-        std::thread::scope(|scope| {
-            for (c, block) in dst.chunks_mut(per_thread * h).enumerate() {
-                scope.spawn(move || {
-                    let mut parts = Vec::with_capacity(k);
-                    for (j, row) in block.chunks_exact_mut(h).enumerate() {
-                        let i = c * per_thread + j;
-                        parts.clear();
-                        parts.extend(
-                            ss[i * k..(i + 1) * k]
-                                .iter()
-                                .filter(|&&s| s >= 0)
-                                .map(|&s| (&xs[s as usize * h..(s as usize + 1) * h], 1.0f32)),
-                        );
-                        uep_ep::quant::reduce_rows(&parts, false, row);
-                    }
-                });
-            }
-        })
-    });
-    Ok(())
-}
-
 #[pymodule]
 fn _uep(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Logs go to stderr, filtered by UEP_LOG, as in the CLI.
@@ -123,10 +39,10 @@ fn _uep(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UepError", m.py().get_type::<UepError>())?;
     errors::register(m)?;
     m.add("__version__", VERSION)?;
-    m.add_function(wrap_pyfunction!(host_id, m)?)?;
-    m.add_function(wrap_pyfunction!(nodes, m)?)?;
-    m.add_function(wrap_pyfunction!(normal_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(sum_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(v2::host_id, m)?)?;
+    m.add_function(wrap_pyfunction!(v2::nodes, m)?)?;
+    m.add_function(wrap_pyfunction!(v2::normal_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(v2::sum_slots, m)?)?;
     m.add_class::<runtime::Runtime>()?;
     m.add_class::<runtime::NormalHandlePy>()?;
     m.add_class::<runtime::LlHandlePy>()?;
