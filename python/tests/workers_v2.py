@@ -251,8 +251,9 @@ def elastic_v2(ctx: Any, t_max: int = 24, hidden: int = 512, topk: int = 4, expe
     sync, bf16 and FP8 (f32 scales, int32 packs, row- or column-major), alignments 1 and
     4, zero padding, biases, cached dispatch, the statistics."""
     R, me = ctx.world, ctx.rank
+    # Deterministic: the reference's order is (source rank, token), DeepEP's sorted order.
     buffer = deep_ep.ElasticBuffer(ctx.group, num_max_tokens_per_rank=t_max, hidden=hidden, num_topk=topk,
-                                   allow_hybrid_mode=hybrid, explicitly_destroy=True)
+                                   allow_hybrid_mode=hybrid, deterministic=True, explicitly_destroy=True)
     nodes, per_node = buffer.get_physical_domain_size()
     assert (nodes, per_node) == deep_ep.get_physical_domain_size(ctx.group)
     assert buffer.get_logical_domain_size() == deep_ep.get_logical_domain_size(ctx.group, hybrid)
