@@ -26,8 +26,13 @@ use crate::proto::{
 
 /// Longest a single joiner's handshake may take, so a stalled connection cannot hold rank 0.
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
-/// Most handshakes rank 0 runs at once; further connections are dropped (flood protection).
+/// Most handshakes rank 0 runs at once (flood protection); further connections wait in
+/// the listener's queue until one ends. (Dropping them instead turned real ranks away
+/// when hundreds joined at once: a 512-rank job lost a quarter of its ranks.)
 const MAX_PENDING_HANDSHAKES: usize = 64;
+/// The listener's queue of connections not yet accepted: room for DeepEP v2's 1024
+/// ranks joining at once.
+const JOIN_BACKLOG: i32 = 4096;
 /// Most turned-away joiners remembered for the join-timeout message.
 const MAX_REJECTIONS_KEPT: usize = 16;
 /// Longest rank 0 spends pushing an abort or goodbye to one peer.
@@ -428,6 +433,13 @@ impl Lobby {
         listener
             .set_nonblocking(true)
             .map_err(|e| BootstrapError::io("making the listener non-blocking", e))?;
+        // std listens with a backlog of 128. Hundreds of ranks connect at once, and
+        // past a full queue Linux may complete a client's connect yet drop the
+        // connection (a SYN cookie's ACK with no room): that rank then waits for a
+        // challenge that never comes. Listening again only raises the queue's length
+        // (the kernel caps it at net.core.somaxconn).
+        rustix::net::listen(&listener, JOIN_BACKLOG)
+            .map_err(|e| BootstrapError::io("raising the listener's backlog", e.into()))?;
         let (vtx, vrx) = mpsc::channel::<Verdict>();
         Ok(Lobby {
             listener,
@@ -447,10 +459,11 @@ impl Lobby {
         })
     }
 
-    /// Accepts everything pending; each handshake runs on its own thread so a slow or
-    /// malicious connection cannot hold up the real ranks.
+    /// Accepts what is pending, up to [`MAX_PENDING_HANDSHAKES`] handshakes at once; each
+    /// runs on its own thread (ending by [`HANDSHAKE_LIMIT`]) so a slow or malicious
+    /// connection cannot hold up the real ranks. The rest stay queued for the next poll.
     fn accept_pending(&mut self) -> Result<(), BootstrapError> {
-        loop {
+        while self.active.load(Ordering::SeqCst) < MAX_PENDING_HANDSHAKES {
             match self.listener.accept() {
                 Ok((stream, addr)) => self.handshake(stream, addr)?,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
@@ -469,16 +482,11 @@ impl Lobby {
                 }
             }
         }
+        Ok(())
     }
 
-    /// Starts the handshake of a new connection on a thread of its own, unless too
-    /// many are in progress.
+    /// Starts the handshake of a new connection on a thread of its own.
     fn handshake(&mut self, stream: TcpStream, addr: SocketAddr) -> Result<(), BootstrapError> {
-        if self.active.load(Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
-            let why = format!("{addr}: dropped, too many handshakes in progress");
-            self.rejections.note(&self.local, why);
-            return Ok(());
-        }
         self.active.fetch_add(1, Ordering::SeqCst);
         let (expect, vtx, active) = (self.expect.clone(), self.vtx.clone(), self.active.clone());
         let hs_deadline = self.deadline.min(Instant::now() + HANDSHAKE_LIMIT);

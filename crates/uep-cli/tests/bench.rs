@@ -358,6 +358,39 @@ fn normal_mode_crosses_the_network_once_per_node() {
 }
 
 #[test]
+#[ignore = "long tier (./dev test runs it): 64 processes"]
+fn sixty_four_processes_as_eight_nodes() {
+    // As many rank processes as two cores serve in well under a minute (128 verify in
+    // about 2 min 20 s): each rank watches the 56 on other nodes and reaches them
+    // through its proxy. The 512-rank check runs in one process (uep-ep's scale.rs).
+    let args = [
+        "--ranks",
+        "64",
+        "--nodes",
+        "8",
+        "--experts",
+        "128",
+        "--tokens",
+        "16",
+        "--ll-tokens",
+        "8",
+        "--hidden",
+        "128",
+        "--topk",
+        "2",
+        "--proxy-threads",
+        "1",
+        "--threads",
+        "1",
+        "--timeout",
+        "120",
+    ];
+    let reports = bench(&args);
+    let shape = |r: &serde_json::Value| r["ranks"] == 64 && r["nodes"] == 8;
+    assert!(reports.iter().all(shape), "{reports:?}");
+}
+
+#[test]
 #[ignore = "long tier (./dev test runs it): a fault sweep"]
 fn multi_node_exact_under_injected_faults() {
     // Reordered, delayed and split bursts of writes, fresh tokens every step.

@@ -19,19 +19,25 @@ constexpr uint64_t kFifoSlotsOff = 384;
 
 constexpr uint64_t kKindWrite = 1;
 constexpr uint64_t kPiggybackNone = 0xFFFF;
+// word0: kind bits 0..3, combine bit 4, LL buffer bit 5, dst rank bits 6..15 (10 bits:
+// up to 1024 ranks), piggyback slot 16..31, len 32..55.
+constexpr uint64_t kFlagCombine = 1ull << 4;
+constexpr uint64_t kFlagLlBuffer = 1ull << 5;
+constexpr unsigned kRankShift = 6;
+constexpr uint32_t kRankMask = 0x3ff;
 
 struct Cmd {
     uint64_t word0, word1;
 };
 
 // A Write of `len` bytes from `src_off` to `dst_off` on `dst_rank` (offsets 16-byte
-// aligned, len < 2^24), no piggyback; `flags` holds the combine (bit 6) and LL buffer
-// (bit 7) bits.
+// aligned, len < 2^24, dst_rank < 1024), no piggyback; `flags` holds kFlagCombine and
+// kFlagLlBuffer.
 __host__ __device__ __forceinline__ Cmd write_cmd(uint32_t dst_rank, uint64_t src_off,
                                                   uint64_t dst_off, uint32_t len,
                                                   uint64_t flags) {
     Cmd c;
-    c.word0 = kKindWrite | flags | (uint64_t(dst_rank & 0xff) << 8) | (kPiggybackNone << 16) |
+    c.word0 = kKindWrite | flags | (uint64_t(dst_rank & kRankMask) << kRankShift) | (kPiggybackNone << 16) |
               (uint64_t(len) << 32);
     c.word1 = (dst_off >> 4) | ((src_off >> 4) << 32);
     return c;

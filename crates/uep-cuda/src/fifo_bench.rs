@@ -63,7 +63,7 @@ pub fn expected(ring: usize, i: u64) -> TransferCmd {
     let off = (i & ((1 << 26) - 1)) << 4;
     Wire::encode(&Command::Write {
         flags: Default::default(),
-        dst_rank: (ring & 0xff) as u8,
+        dst_rank: (ring & 0xff) as u16,
         src_off: off,
         dst_off: off,
         len: 4096,

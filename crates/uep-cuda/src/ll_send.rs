@@ -62,7 +62,7 @@ impl SendShape {
             && self.ranks > 0
             && self.experts % self.ranks == 0
             && self.experts > 0
-            && self.ranks <= 256
+            && self.ranks <= uep_wire::MAX_RANKS
             && self.rings > 0
             && self.consumers > 0;
         if ok {
@@ -104,7 +104,7 @@ fn expected(s: &SendShape, ids: &[i64]) -> Vec<TransferCmd> {
             let t = t as u64;
             let cmd = Command::Write {
                 flags: Default::default(),
-                dst_rank: r as u8,
+                dst_rank: r as u16,
                 src_off: STAGED_OFF + t * row,
                 dst_off: RECV_OFF + (SRC_RANK * s.tokens as u64 + t) * row,
                 len: row as u32,

@@ -77,7 +77,7 @@ proptest! {
 
     #[test]
     fn write_cmd_equals_the_wire_encoder(
-        rank in any::<u8>(),
+        rank in 0..uep_wire::MAX_RANKS as u16,
         src in 0u64..(1 << 32),
         dst in 0u64..(1 << 32),
         len in 0u32..(1 << 24),
@@ -94,7 +94,7 @@ proptest! {
             piggyback: None,
         })
         .unwrap();
-        let bits = u64::from(combine) << 6 | u64::from(ll_buffer) << 7;
+        let bits = u64::from(combine) << 4 | u64::from(ll_buffer) << 5;
         let got = dev::write_cmd(rank.into(), src << 4, dst << 4, len, bits);
         prop_assert_eq!(got, (want.word0, want.word1));
     }

@@ -151,11 +151,13 @@ impl BufferConfig {
             None => "off".into(),
         };
         format!(
-            "normal: {}; low-latency: {}; ranks per node {:?}; elastic {}; {bytes} bytes",
+            "normal: {}; low-latency: {}; ranks per node {:?}; elastic {}; liveness watch {}; \
+             {bytes} bytes",
             mode(&self.normal),
             mode(&self.ll),
             self.ranks_per_node,
-            self.elastic
+            self.elastic,
+            self.net.liveness.watch
         )
     }
 
@@ -173,6 +175,12 @@ impl BufferConfig {
         }
         if let Some(s) = &self.ll {
             s.validate("low-latency mode", num_ranks)?;
+        }
+        if self.elastic && !self.net.liveness.watch {
+            return Err(invalid!(
+                "elastic mode needs the liveness watch (net.liveness.watch is off): without it \
+                 a rank on another node that dies is known only at the deadline"
+            ));
         }
         if let Some(l) = self.ranks_per_node {
             if l == 0 || num_ranks % l != 0 {

@@ -50,6 +50,11 @@ pub struct LivenessConfig {
     /// 600 ms (`UEP_UNREACHABLE_MS`): above a few TCP retransmissions on a busy link,
     /// so that a dead node is known everywhere within a second.
     pub unreachable_after: Duration,
+    /// Whether to watch at all (default true). Off only where every rank shares one
+    /// process, so none can die alone: hundreds of in-process ranks would otherwise
+    /// hold a connection to each of the others (`R²` sockets in one process). A Buffer
+    /// refuses elastic mode without it.
+    pub watch: bool,
 }
 
 impl Default for LivenessConfig {
@@ -61,6 +66,7 @@ impl Default for LivenessConfig {
             .unwrap_or(600);
         LivenessConfig {
             unreachable_after: Duration::from_millis(ms),
+            watch: true,
         }
     }
 }
@@ -112,9 +118,19 @@ impl Liveness {
         timeout: Duration,
     ) -> Result<Liveness> {
         let me = topo.rank;
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            any: AtomicBool::new(false),
+            lost: (0..topo.num_ranks).map(|_| OnceLock::new()).collect(),
+        });
+        if !cfg.watch {
+            return Ok(Liveness {
+                shared,
+                thread: None,
+            });
+        }
         let bind_ip: IpAddr = host.parse().unwrap_or(Ipv4Addr::UNSPECIFIED.into());
-        let listener = TcpListener::bind((bind_ip, 0))
-            .map_err(io_err(me, format!("listening on {bind_ip}")))?;
+        let listener = listen(bind_ip).map_err(io_err(me, format!("listening on {bind_ip}")))?;
         let port = listener
             .local_addr()
             .map_err(io_err(me, "reading the port".into()))?
@@ -158,11 +174,6 @@ impl Liveness {
                 left: false,
             });
         }
-        let shared = Arc::new(Shared {
-            stop: AtomicBool::new(false),
-            any: AtomicBool::new(false),
-            lost: (0..topo.num_ranks).map(|_| OnceLock::new()).collect(),
-        });
         let thread = {
             let shared = shared.clone();
             std::thread::Builder::new()
@@ -208,6 +219,18 @@ struct Advert {
     host: String,
     port: u16,
     nonce: u64,
+}
+
+/// A listener on an ephemeral port of `ip` whose queue holds every peer: up to 1023
+/// ranks of other nodes connect to the highest rank, and past std's queue of 128 Linux
+/// may complete a connect yet drop the connection.
+fn listen(ip: IpAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let addr = std::net::SocketAddr::new(ip, 0);
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    sock.bind(&addr.into())?;
+    sock.listen(4096)?;
+    Ok(sock.into())
 }
 
 fn io_err(me: usize, what: String) -> impl Fn(std::io::Error) -> EpError {

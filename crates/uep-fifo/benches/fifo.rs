@@ -326,9 +326,15 @@ fn make_queue(queue: Queue, producers: usize, capacity: usize) -> anyhow::Result
 /// src offset bits 32..=63, both stored shifted by 4), so the consumer reads
 /// it back without a full decode, as a proxy reads offsets.
 pub fn stamped_write(producer: usize, payload: u64) -> anyhow::Result<TransferCmd> {
-    let dst_rank = u8::try_from(producer).map_err(|_| {
-        anyhow::anyhow!("producer {producer} does not fit a command's u8 dst rank (at most 255)")
-    })?;
+    let dst_rank = u16::try_from(producer)
+        .ok()
+        .filter(|&r| usize::from(r) < uep_wire::MAX_RANKS)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "producer {producer} does not fit a command's dst rank (below {})",
+                uep_wire::MAX_RANKS
+            )
+        })?;
     Ok(TransferCmd::encode(&Command::Write {
         flags: CmdFlags::default(),
         dst_rank,
@@ -835,7 +841,8 @@ mod self_check {
                 other => panic!("not a write: {other:?}"),
             }
         }
-        assert!(stamped_write(256, 0).is_err());
+        assert!(stamped_write(uep_wire::MAX_RANKS - 1, 0).is_ok());
+        assert!(stamped_write(uep_wire::MAX_RANKS, 0).is_err());
     }
 
     pub fn shares_add_up() {

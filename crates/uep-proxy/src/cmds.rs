@@ -12,9 +12,8 @@
 //! | 6..=7               | channel bits 6..=7                | local expert bits 6..=7                 | local expert bits 6..=7                   |
 //! | 8..=9               | 0 (reserved)                      | local expert bits 8..=9                 | local expert bits 8..=9                   |
 //! | 10                  | 0 (reserved)                      | 0 = data arrival                        | 1 = count signal                          |
-//! | 11..=12             | 0 (reserved)                      | 0 (reserved)                            | count bits 8..=9                          |
-//! | 13..=14             | 0 (reserved)                      | 0 (reserved)                            | 0 (reserved)                              |
-//! | piggyback value     | tail increment (`0..=`[`MAX_WRITE_COUNT`] = 255) | 0                        | count bits 0..=7                          |
+//! | 11..=14             | 0 (reserved)                      | 0 (reserved)                            | 0 (reserved)                              |
+//! | piggyback value     | tail increment (`0..=`[`MAX_WRITE_COUNT`] = 255) | 0                        | count (`0..=`[`MAX_LL_COUNT`] = 255)      |
 //! | flags.combine       | must be 0 (WriteImm has no combine bit) | must be 0 (LlImm has no combine bit) | must be 0                         |
 //! | flags.ll_buffer     | must be 0                         | `LlImm.buffer`                          | `LlImm.buffer`                            |
 //! | len                 | any (0 = signal only)             | any (0 still counts as one arrival)     | any (its own data is not among the count) |
@@ -57,9 +56,7 @@ const LL_BIT: u16 = 1 << 15;
 /// Bit 10 of an LL slot: count signal (else data arrival).
 const LL_COUNT_BIT: u16 = 1 << 10;
 const LL_EXPERT_MASK: u16 = 0x3FF;
-const LL_COUNT_HI_SHIFT: u32 = 11;
-const LL_COUNT_HI_MASK: u16 = 0x3 << LL_COUNT_HI_SHIFT;
-const LL_RESERVED: u16 = 0x3 << 13;
+const LL_RESERVED: u16 = 0xF << 11;
 const NORMAL_CHANNEL_MASK: u16 = 0xFF;
 const NORMAL_RESERVED: u16 = 0x7F00;
 
@@ -127,9 +124,8 @@ pub(crate) fn classify(
         );
     }
     let expert = p.slot & LL_EXPERT_MASK;
-    let hi = (p.slot & LL_COUNT_HI_MASK) >> LL_COUNT_HI_SHIFT;
     if p.slot & LL_COUNT_BIT == 0 {
-        if hi != 0 || p.value != 0 {
+        if p.value != 0 {
             return Err(format!(
                 "LL data-arrival piggyback (slot {:#06x}, value {}) must have a zero count",
                 p.slot, p.value
@@ -146,12 +142,12 @@ pub(crate) fn classify(
     Ok(Signal::LlCount {
         buffer: flags.ll_buffer,
         expert,
-        count: hi << 8 | u16::from(p.value),
+        count: u16::from(p.value),
     })
 }
 
-fn rank_u8(dst_rank: usize) -> Result<u8> {
-    u8::try_from(dst_rank)
+fn wire_rank(dst_rank: usize) -> Result<u16> {
+    u16::try_from(dst_rank)
         .ok()
         .filter(|_| dst_rank < MAX_RANKS)
         .ok_or_else(|| {
@@ -181,7 +177,7 @@ fn write(
 ) -> Result<TransferCmd> {
     Ok(TransferCmd::encode(&Command::Write {
         flags,
-        dst_rank: rank_u8(dst_rank)?,
+        dst_rank: wire_rank(dst_rank)?,
         src_off,
         dst_off,
         len,
@@ -239,7 +235,7 @@ pub fn ll_write(
     ll(to, buffer, local_expert, None)
 }
 
-/// An LL count signal (a zero-length write): "I sent `count` (at most 1023)
+/// An LL count signal (a zero-length write): "I sent `count` (at most 255)
 /// data writes for (`buffer`, `local_expert`)". The receiver stores
 /// `(k << 32) | count` in its LL counter once `count` arrivals have been
 /// seen, `k` numbering the signals applied (1, 2, ...).
@@ -249,7 +245,7 @@ pub fn ll_count(dst_rank: usize, buffer: u8, local_expert: u16, count: u16) -> R
 
 /// An LL count signal that carries data: `len` bytes from `src_off` to
 /// `dst_off`, as the last piece of a block, and "I sent `count` (at most
-/// 1023) *other* data writes for (`buffer`, `local_expert`)". Its own data
+/// 255) *other* data writes for (`buffer`, `local_expert`)". Its own data
 /// needs no fence (it is placed before its immediate is delivered), so a
 /// block that fits one write costs one message, signal included.
 pub fn ll_write_count(
@@ -282,8 +278,8 @@ fn ll(
         None => (LL_BIT | local_expert, 0),
         Some(n) => {
             check("LL count", n.into(), MAX_LL_COUNT.into())?;
-            let hi = (n >> 8) << LL_COUNT_HI_SHIFT;
-            (LL_BIT | LL_COUNT_BIT | local_expert | hi, n as u8)
+            // Checked above: at most 255.
+            (LL_BIT | LL_COUNT_BIT | local_expert, n as u8)
         }
     };
     write(
@@ -309,7 +305,7 @@ pub fn atomic(
     let dst_off = counters.atomic(slot.into())?;
     Ok(TransferCmd::encode(&Command::Atomic {
         flags: CmdFlags::default(),
-        dst_rank: rank_u8(dst_rank)?,
+        dst_rank: wire_rank(dst_rank)?,
         dst_off,
         slot,
         value: value.into(),
@@ -341,7 +337,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn parts(cmd: TransferCmd) -> (CmdFlags, u8, u64, u64, u32, Option<Piggyback>) {
+    fn parts(cmd: TransferCmd) -> (CmdFlags, u16, u64, u64, u32, Option<Piggyback>) {
         match cmd.decode().unwrap() {
             Command::Write {
                 flags,
@@ -359,7 +355,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
         #[test]
-        fn normal_roundtrip(dst in 0usize..256, src_off in 0u64..1 << 30, dst_off in 0u64..1 << 30,
+        fn normal_roundtrip(dst in 0usize..MAX_RANKS, src_off in 0u64..1 << 30, dst_off in 0u64..1 << 30,
                             len in 0u32..1 << 24, channel: u8, inc in 0u16..=255) {
             let cmd = normal_write(dst, src_off * 16, dst_off * 16, len, channel, inc).unwrap();
             let (flags, d, s, o, l, p) = parts(cmd);
@@ -371,8 +367,8 @@ mod tests {
         }
 
         #[test]
-        fn ll_roundtrip(dst in 0usize..256, buffer in 0u8..2, expert in 0u16..1024,
-                        count in 0u16..=1023, len in 0u32..1 << 24) {
+        fn ll_roundtrip(dst in 0usize..MAX_RANKS, buffer in 0u8..2, expert in 0u16..1024,
+                        count in 0..=MAX_LL_COUNT, len in 0u32..1 << 24) {
             let cmd = ll_write(dst, 32, 64, len, buffer, expert).unwrap();
             let (flags, d, s, o, l, p) = parts(cmd);
             prop_assert_eq!((d as usize, s, o, l), (dst, 32, 64, len));
@@ -410,7 +406,8 @@ mod tests {
 
     #[test]
     fn helpers_reject_out_of_range() {
-        assert!(normal_write(256, 0, 0, 0, 0, 0).is_err());
+        assert!(normal_write(MAX_RANKS - 1, 0, 0, 0, 0, 0).is_ok());
+        assert!(normal_write(MAX_RANKS, 0, 0, 0, 0, 0).is_err());
         let msg = normal_write(0, 0, 0, 0, 0, 256).unwrap_err().to_string();
         assert!(
             msg.contains("tail_inc 256") && msg.contains("0..=255"),
@@ -421,7 +418,8 @@ mod tests {
         assert!(normal_write(0, 8, 0, 16, 0, 0).is_err(), "misaligned src");
         assert!(ll_write(0, 0, 0, 0, 2, 0).is_err());
         assert!(ll_write(0, 0, 0, 0, 0, 1024).is_err());
-        assert!(ll_count(0, 0, 0, 1024).is_err());
+        assert!(ll_count(0, 0, 0, MAX_LL_COUNT + 1).is_err());
+        assert!(ll_count(MAX_RANKS - 1, 0, 0, MAX_LL_COUNT).is_ok());
         assert!(barrier(BarrierScope::AllPeers, 0).is_err());
         let l = CounterLayout {
             num_ranks: 1,
@@ -463,6 +461,11 @@ mod tests {
         assert!(classify(f, p(0x4000, 0)).is_err(), "normal reserved bit");
         assert!(classify(f, p(0xA000, 0)).is_err(), "LL reserved bit");
         assert!(classify(f, p(0x8000, 1)).is_err(), "arrival with count");
+        // The paper's count bits 8..=9 (slot bits 11..=12) are reserved now.
+        assert!(
+            classify(f, p(0x8C00, 0)).is_err(),
+            "LL count's old high bits"
+        );
         let llb = CmdFlags {
             combine: false,
             ll_buffer: 1,

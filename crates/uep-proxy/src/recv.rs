@@ -325,7 +325,7 @@ mod tests {
         .unwrap()
     }
 
-    fn limm(buffer: u8, expert: u16, src: u8, signal: LlSignal) -> u32 {
+    fn limm(buffer: u8, expert: u16, src: u16, signal: LlSignal) -> u32 {
         LlImm {
             buffer,
             expert,
@@ -421,7 +421,7 @@ mod tests {
             // Far ahead of the window.
             wimm(0, 0, u64::from(REORDER_LIMIT), 1),
             limm(0, NE as u16, 0, LlSignal::Arrival),
-            limm(0, 0, NR as u8, LlSignal::Count(1)),
+            limm(0, 0, NR as u16, LlSignal::Count(1)),
             AtomicImm { slot: 4, value: 1 }.encode().unwrap(),
             BarrierImm {
                 scope: BarrierScope::AllPeers,

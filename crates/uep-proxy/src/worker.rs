@@ -805,7 +805,8 @@ impl Worker {
                 let imm = LlImm {
                     buffer,
                     expert,
-                    src_rank: self.rank as u8,
+                    // Below MAX_RANKS (1024): `start` checked it.
+                    src_rank: self.rank as u16,
                     signal,
                 }
                 .encode();
@@ -952,7 +953,8 @@ impl Worker {
         }
         let imm = BarrierImm {
             scope,
-            src_rank: self.rank as u8,
+            // Below MAX_RANKS (1024): `start` checked it.
+            src_rank: self.rank as u16,
             seq: BarrierImm::wrap_seq(seq.into()),
         }
         .encode()

@@ -30,6 +30,7 @@
 //! ```
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use uep_shm::Region;
@@ -51,29 +52,42 @@ pub struct Post {
     pub imm: u32,
 }
 
+/// One endpoint's side of the network. Each has its own locks, so that hundreds of
+/// endpoints polling at once do not queue on one (a single lock starved some proxy
+/// threads for minutes in a 384-rank job).
 #[derive(Default)]
-struct State {
-    /// `[rank]`: the endpoint's registered region, once it exists.
-    regions: Vec<Option<Region>>,
-    /// `[rank]`: arrivals not polled yet.
-    inbox: Vec<VecDeque<u32>>,
-    /// `[rank]`: send completions not polled yet.
-    done: Vec<Vec<u64>>,
-    /// `[rank]`: operations posted and not completed (polled) yet.
-    in_flight: Vec<usize>,
-    /// Every post, in posting order.
-    posts: Vec<Post>,
-    /// `[rank]`: hold back the completions of the next this-many posts.
-    hold: Vec<usize>,
-    /// `[rank]`: completions held back.
-    held: Vec<Vec<u64>>,
+struct Port {
+    /// The endpoint's registered region, once it exists.
+    region: Mutex<Option<Region>>,
+    /// Arrivals not polled yet.
+    inbox: Mutex<VecDeque<u32>>,
+    /// What the endpoint sent and has not learnt of yet.
+    sent: Mutex<Sent>,
+    /// Its posts, each with its place in the network's order.
+    posts: Mutex<Vec<(u64, Post)>>,
+}
+
+/// A sender's completions.
+#[derive(Default)]
+struct Sent {
+    /// Send completions not polled yet.
+    done: Vec<u64>,
+    /// Operations posted and not completed (polled) yet.
+    in_flight: usize,
+    /// Hold back the completions of the next this-many posts.
+    hold: usize,
+    /// Completions held back.
+    held: Vec<u64>,
 }
 
 /// An in-memory network of `num_ranks` endpoints (one per rank; a proxy with several
 /// threads uses one network per thread). Clones share it.
 #[derive(Clone)]
 pub struct MemNet {
-    state: Arc<Mutex<State>>,
+    /// `[rank]`: that endpoint's side.
+    ports: Arc<[Port]>,
+    /// Numbers the posts in the order the network took them.
+    order: Arc<AtomicU64>,
     /// Most operations in flight per endpoint before a post answers `WouldBlock`.
     max_in_flight: usize,
 }
@@ -81,9 +95,14 @@ pub struct MemNet {
 impl std::fmt::Debug for MemNet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemNet")
-            .field("ranks", &self.lock().regions.len())
+            .field("ranks", &self.ports.len())
             .finish_non_exhaustive()
     }
+}
+
+/// Locks `m`; a panicking test thread must not hide the others' results.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl MemNet {
@@ -96,28 +115,21 @@ impl MemNet {
     /// posted and not yet completed.
     pub fn with_max_in_flight(num_ranks: usize, max_in_flight: usize) -> MemNet {
         MemNet {
-            state: Arc::new(Mutex::new(State {
-                regions: vec![None; num_ranks],
-                inbox: vec![VecDeque::new(); num_ranks],
-                done: vec![Vec::new(); num_ranks],
-                in_flight: vec![0; num_ranks],
-                hold: vec![0; num_ranks],
-                held: vec![Vec::new(); num_ranks],
-                posts: Vec::new(),
-            })),
+            ports: (0..num_ranks).map(|_| Port::default()).collect(),
+            order: Arc::new(AtomicU64::new(0)),
             max_in_flight: max_in_flight.max(1),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A panicking test thread must not hide the others' results.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// The region of `rank`'s endpoint, if it exists.
+    fn region(&self, rank: usize) -> Option<Region> {
+        self.ports.get(rank).and_then(|p| lock(&p.region).clone())
     }
 
     /// Rank `rank`'s endpoint, writing from and into `region` (the memory a real
     /// transport would register).
     pub fn endpoint(&self, rank: usize, region: Region) -> MemTransport {
-        self.lock().regions[rank] = Some(region.clone());
+        *lock(&self.ports[rank].region) = Some(region.clone());
         MemTransport {
             rank,
             net: self.clone(),
@@ -133,20 +145,24 @@ impl MemNet {
 
     /// Every post so far, in posting order.
     pub fn posts(&self) -> Vec<Post> {
-        self.lock().posts.clone()
+        let mut all: Vec<(u64, Post)> = (self.ports.iter())
+            .flat_map(|p| lock(&p.posts).clone())
+            .collect();
+        all.sort_unstable_by_key(|&(n, _)| n);
+        all.into_iter().map(|(_, post)| post).collect()
     }
 
     /// Hold back the send completions of `rank`'s next `n` posts (they arrive at once,
     /// but the sender learns of it only after [`MemNet::release_held`]).
     pub fn hold_completions(&self, rank: usize, n: usize) {
-        self.lock().hold[rank] = n;
+        lock(&self.ports[rank].sent).hold = n;
     }
 
     /// Complete the posts whose completions were held back.
     pub fn release_held(&self, rank: usize) {
-        let mut s = self.lock();
-        let held = std::mem::take(&mut s.held[rank]);
-        s.done[rank].extend(held);
+        let mut sent = lock(&self.ports[rank].sent);
+        let held = std::mem::take(&mut sent.held);
+        sent.done.extend(held);
     }
 }
 
@@ -159,6 +175,10 @@ pub struct MemTransport {
 }
 
 impl MemTransport {
+    fn port(&self) -> &Port {
+        &self.net.ports[self.rank]
+    }
+
     /// Deliver a post of `len` bytes (0: a signal) to `peer` at once.
     fn deliver(
         &mut self,
@@ -170,12 +190,13 @@ impl MemTransport {
         ctx: u64,
     ) -> Result<(), TransportError> {
         let max = self.net.max_in_flight;
-        let mut s = self.net.lock();
-        if s.in_flight[self.rank] >= max {
+        // The sender's lock is held throughout, so its posts keep their order.
+        let mut sent = lock(&self.port().sent);
+        if sent.in_flight >= max {
             return Err(TransportError::WouldBlock);
         }
         if len > 0 {
-            let Some(Some(to)) = s.regions.get(peer) else {
+            let Some(to) = self.net.region(peer) else {
                 return Err(TransportError::Invalid(format!(
                     "mem transport: rank {peer} has no endpoint"
                 )));
@@ -183,19 +204,22 @@ impl MemTransport {
             to.copy_from(dst as usize, &self.region, src as usize, len)
                 .map_err(|e| TransportError::Invalid(format!("mem transport: {e}")))?;
         }
-        s.posts.push(Post {
+        let n = self.net.order.fetch_add(1, Ordering::Relaxed);
+        let post = Post {
             from: self.rank,
             to: peer,
             len,
             imm,
-        });
-        s.inbox[peer].push_back(imm);
-        s.in_flight[self.rank] += 1;
-        if s.hold[self.rank] > 0 {
-            s.hold[self.rank] -= 1;
-            s.held[self.rank].push(ctx);
+        };
+        lock(&self.port().posts).push((n, post));
+        // The data is in place before the arrival can be polled.
+        lock(&self.net.ports[peer].inbox).push_back(imm);
+        sent.in_flight += 1;
+        if sent.hold > 0 {
+            sent.hold -= 1;
+            sent.held.push(ctx);
         } else {
-            s.done[self.rank].push(ctx);
+            sent.done.push(ctx);
         }
         Ok(())
     }
@@ -211,7 +235,7 @@ impl Transport for MemTransport {
     }
 
     fn connect(&mut self, peers: &[PeerAddr]) -> Result<(), TransportError> {
-        let ranks = self.net.lock().regions.len();
+        let ranks = self.net.ports.len();
         if peers.len() != ranks {
             return Err(TransportError::Invalid(format!(
                 "mem transport: {} peer addresses for a network of {ranks}",
@@ -228,12 +252,11 @@ impl Transport for MemTransport {
         remote_off: u64,
         len: usize,
     ) -> Result<(), TransportError> {
-        let s = self.net.lock();
         // A signal needs only a rank of the network; data needs the peer's region.
-        let remote_len = match s.regions.get(peer) {
-            Some(Some(to)) => to.len() as u64,
-            Some(None) if len == 0 => 0,
-            _ => {
+        let remote_len = match self.net.region(peer) {
+            Some(to) => to.len() as u64,
+            None if len == 0 && peer < self.net.ports.len() => 0,
+            None => {
                 return Err(TransportError::Invalid(format!(
                     "mem transport: rank {peer} has no endpoint"
                 )))
@@ -278,17 +301,17 @@ impl Transport for MemTransport {
     }
 
     fn poll_send(&mut self, out: &mut Vec<Completion>) -> Result<usize, TransportError> {
-        let mut s = self.net.lock();
-        let done = std::mem::take(&mut s.done[self.rank]);
-        s.in_flight[self.rank] -= done.len();
+        let mut sent = lock(&self.port().sent);
+        let done = std::mem::take(&mut sent.done);
+        sent.in_flight -= done.len();
         out.extend(done.iter().map(|&ctx| Completion::Write { ctx }));
         Ok(done.len())
     }
 
     fn poll_recv(&mut self, out: &mut Vec<Arrival>) -> Result<usize, TransportError> {
-        let mut s = self.net.lock();
-        let n = s.inbox[self.rank].len();
-        out.extend(s.inbox[self.rank].drain(..).map(|imm| Arrival { imm }));
+        let mut inbox = lock(&self.port().inbox);
+        let n = inbox.len();
+        out.extend(inbox.drain(..).map(|imm| Arrival { imm }));
         Ok(n)
     }
 }

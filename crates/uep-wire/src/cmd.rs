@@ -11,13 +11,17 @@
 //!
 //! | bits    | Write                         | Atomic              | Quiet | Barrier             |
 //! |---------|-------------------------------|---------------------|-------|---------------------|
-//! | 0..=5   | kind = 1                      | kind = 2            | 3     | kind = 4            |
-//! | 6       | combine flag                  | combine flag        | 0     | 0                   |
-//! | 7       | LL buffer index               | LL buffer index     | 0     | 0                   |
-//! | 8..=15  | dst rank (u8)                 | dst rank (u8)       | 0     | scope (0 all peers, 1 same rail, 2 node leader) |
+//! | 0..=3   | kind = 1                      | kind = 2            | 3     | kind = 4            |
+//! | 4       | combine flag                  | combine flag        | 0     | 0                   |
+//! | 5       | LL buffer index               | LL buffer index     | 0     | 0                   |
+//! | 6..=15  | dst rank (10 bits)            | dst rank (10 bits)  | 0     | scope (0 all peers, 1 same rail, 2 node leader) |
 //! | 16..=31 | piggyback slot, `0xFFFF` = none | slot (u16)        | 0     | 0                   |
 //! | 32..=55 | len in bytes (24 bits)        | value (i32, two's complement, bits 32..=63) | 0 | seq (u32, bits 32..=63) |
 //! | 56..=63 | piggyback value (u8; 0 if none) | (value, cont.)    | 0     | (seq, cont.)        |
+//!
+//! The rank field is 10 bits, so a command addresses up to [`MAX_RANKS`] (1024)
+//! ranks, DeepEP v2's limit. (The paper's format gave the kind 6 bits and the
+//! rank 8, i.e. 256 ranks: four kinds need 3 bits, so the kind field gave up 2.)
 //!
 //! ## `word1`
 //!
@@ -40,14 +44,16 @@
 
 use crate::error::{check_max, WireError};
 
-/// Mask of the kind bits (0..=5) of `word0`.
-pub const KIND_MASK: u64 = 0x3F;
-/// The combine flag, bit 6 of `word0`.
-pub const FLAG_COMBINE: u64 = 1 << 6;
-/// The LL buffer index, bit 7 of `word0`.
-pub const FLAG_LL_BUFFER: u64 = 1 << 7;
-/// Number of ranks a command can address (`dst rank` is a `u8`).
-pub const MAX_RANKS: usize = 256;
+/// Mask of the kind bits (0..=3) of `word0`.
+pub const KIND_MASK: u64 = 0xF;
+/// The combine flag, bit 4 of `word0`.
+pub const FLAG_COMBINE: u64 = 1 << 4;
+/// The LL buffer index, bit 5 of `word0`.
+pub const FLAG_LL_BUFFER: u64 = 1 << 5;
+/// Bits of the destination rank (bits 6..=15 of `word0`).
+pub const RANK_BITS: u32 = 10;
+/// Number of ranks a command can address (the 10-bit `dst rank`): 1024.
+pub const MAX_RANKS: usize = 1 << RANK_BITS;
 /// Alignment of Write offsets (they are stored shifted right by 4).
 pub const OFFSET_ALIGN: u64 = 16;
 /// Largest Write src/dst offset: `u32::MAX << 4` (64 GiB − 16).
@@ -63,15 +69,18 @@ pub const PIGGYBACK_NONE: u16 = u16::MAX;
 /// Largest piggyback slot (one below [`PIGGYBACK_NONE`]).
 pub const MAX_PIGGYBACK_SLOT: u16 = PIGGYBACK_NONE - 1;
 
-const DST_RANK_SHIFT: u32 = 8;
+const DST_RANK_SHIFT: u32 = 6;
+const RANK_MASK: u64 = (1 << RANK_BITS) - 1;
 const AUX_SHIFT: u32 = 16;
+// The rank field ends where the 16-bit slot begins.
+const _: () = assert!(DST_RANK_SHIFT + RANK_BITS == AUX_SHIFT);
 const HIGH_SHIFT: u32 = 32;
 const LEN_MASK: u64 = (1 << 24) - 1;
 const PIGGY_VALUE_SHIFT: u32 = 56;
 const LOW32: u64 = 0xFFFF_FFFF;
 const ATOMIC_OFF_MASK: u64 = (1 << 34) - 1;
 
-/// The kind of a command: the low 6 bits of `word0`. Zero is never a kind.
+/// The kind of a command: the low 4 bits of `word0`. Zero is never a kind.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 #[repr(u8)]
 pub enum Kind {
@@ -86,7 +95,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    /// The kind named by the low 6 bits of `word0`, if any.
+    /// The kind named by the low 4 bits of `word0`, if any.
     pub const fn from_bits(bits: u8) -> Option<Kind> {
         match bits {
             1 => Some(Kind::Write),
@@ -183,8 +192,8 @@ pub enum Command {
     Write {
         /// Type-byte flags.
         flags: CmdFlags,
-        /// Destination rank.
-        dst_rank: u8,
+        /// Destination rank, below [`MAX_RANKS`].
+        dst_rank: u16,
         /// Source offset, 16-byte aligned, at most [`MAX_OFFSET`].
         src_off: u64,
         /// Destination offset, 16-byte aligned, at most [`MAX_OFFSET`].
@@ -198,8 +207,8 @@ pub enum Command {
     Atomic {
         /// Type-byte flags.
         flags: CmdFlags,
-        /// Destination rank.
-        dst_rank: u8,
+        /// Destination rank, below [`MAX_RANKS`].
+        dst_rank: u16,
         /// Counter offset, 4-byte aligned, at most [`MAX_ATOMIC_OFFSET`].
         dst_off: u64,
         /// Expert index / counter slot for atomic emulation (the proxy's meaning).
@@ -256,6 +265,10 @@ fn check_offset(field: &'static str, off: u64, align: u64, max: u64) -> Result<(
     check_max(field, off, max)
 }
 
+fn check_rank(dst_rank: u16) -> Result<(), WireError> {
+    check_max("dst_rank", dst_rank.into(), MAX_RANKS as u64 - 1)
+}
+
 fn reserved(kind: Kind, word: u8, bits: u64) -> Result<(), WireError> {
     if bits != 0 {
         return Err(WireError::ReservedBits {
@@ -281,6 +294,7 @@ impl TransferCmd {
                 len,
                 piggyback,
             } => {
+                check_rank(dst_rank)?;
                 check_offset("src_off", src_off, OFFSET_ALIGN, MAX_OFFSET)?;
                 check_offset("dst_off", dst_off, OFFSET_ALIGN, MAX_OFFSET)?;
                 check_max("len", len.into(), MAX_WRITE_LEN.into())?;
@@ -307,6 +321,7 @@ impl TransferCmd {
                 slot,
                 value,
             } => {
+                check_rank(dst_rank)?;
                 check_offset("dst_off", dst_off, ATOMIC_ALIGN, MAX_ATOMIC_OFFSET)?;
                 // `as u32` reinterprets the i32's two's-complement bits; lossless.
                 let word0 = kind
@@ -341,7 +356,7 @@ impl TransferCmd {
         }
         let kind_bits = (w0 & KIND_MASK) as u8;
         let kind = Kind::from_bits(kind_bits).ok_or(WireError::UnknownKind { kind: kind_bits })?;
-        let dst_rank = (w0 >> DST_RANK_SHIFT) as u8;
+        let dst_rank = ((w0 >> DST_RANK_SHIFT) & RANK_MASK) as u16;
         let aux = (w0 >> AUX_SHIFT) as u16;
         let high = (w0 >> HIGH_SHIFT) as u32;
         match kind {
@@ -385,17 +400,19 @@ impl TransferCmd {
                     w0 & (FLAG_COMBINE | FLAG_LL_BUFFER | 0xFFFF << AUX_SHIFT),
                 )?;
                 reserved(kind, 1, w1)?;
-                let scope = BarrierScope::from_code(dst_rank).ok_or(WireError::InvalidValue {
-                    field: "barrier scope",
-                    value: dst_rank.into(),
-                    allowed: BarrierScope::ALLOWED,
-                })?;
+                let scope = (u8::try_from(dst_rank).ok())
+                    .and_then(BarrierScope::from_code)
+                    .ok_or(WireError::InvalidValue {
+                        field: "barrier scope",
+                        value: dst_rank.into(),
+                        allowed: BarrierScope::ALLOWED,
+                    })?;
                 Ok(Command::Barrier { scope, seq: high })
             }
         }
     }
 
-    /// The kind named by `word0`'s low 6 bits, if any (cheap; no validation
+    /// The kind named by `word0`'s low 4 bits, if any (cheap; no validation
     /// of the other bits).
     pub const fn kind(&self) -> Option<Kind> {
         Kind::from_bits((self.word0 & KIND_MASK) as u8)

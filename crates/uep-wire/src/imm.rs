@@ -50,12 +50,17 @@
 //!
 //! | bits    | field |
 //! |---------|-------|
-//! | 0..=9   | count N for a count signal (`0..=`[`MAX_LL_COUNT`]); 0 for a data arrival |
-//! | 10..=17 | source rank (u8) |
+//! | 0..=7   | count N for a count signal (`0..=`[`MAX_LL_COUNT`]); 0 for a data arrival |
+//! | 8..=17  | source rank (10 bits, `0..`[`MAX_RANKS`]) |
 //! | 18..=27 | local expert index, `0..`[`MAX_LOCAL_EXPERTS`] |
 //! | 28      | 0 = data arrival, 1 = count signal |
 //! | 29      | LL buffer index |
 //! | 30..=31 | tag = 1 |
+//!
+//! The source rank has 10 bits so that an LL job reaches [`MAX_RANKS`] (1024)
+//! ranks, every one writing to every other; the count gave up 2 bits for it (the
+//! paper's 10-bit count and 8-bit rank). A sender that needs more than 255 writes
+//! for one (buffer, expert) block makes its pieces larger instead.
 //!
 //! ## `AtomicImm` (tag 2)
 //!
@@ -69,12 +74,12 @@
 //!
 //! | bits    | field |
 //! |---------|-------|
-//! | 0..=19  | seq, wraps modulo [`BARRIER_SEQ_MODULUS`] |
-//! | 20..=27 | source rank (u8) |
+//! | 0..=17  | seq, wraps modulo [`BARRIER_SEQ_MODULUS`] (2^18) |
+//! | 18..=27 | source rank (10 bits, `0..`[`MAX_RANKS`]) |
 //! | 28..=29 | scope: 0 all peers, 1 same rail, 2 node leader (3 invalid) |
 //! | 30..=31 | tag = 3 |
 
-use crate::cmd::BarrierScope;
+use crate::cmd::{BarrierScope, MAX_RANKS, RANK_BITS};
 use crate::error::{check_max, WireError};
 
 /// Bits of the [`WriteImm`] count (tail increment).
@@ -98,14 +103,25 @@ pub const WRITE_SEQ_MODULUS: u32 = 1 << WRITE_SEQ_BITS;
 /// Largest [`WriteImm`] tail increment (8 bits, 255); [`WriteImm::encode`]
 /// rejects more.
 pub const MAX_WRITE_COUNT: u16 = (1 << WRITE_COUNT_BITS) - 1;
+/// Bits of the [`LlImm`] count.
+const LL_COUNT_BITS: u32 = 8;
+const LL_SRC_SHIFT: u32 = LL_COUNT_BITS;
+const LL_EXPERT_SHIFT: u32 = LL_SRC_SHIFT + RANK_BITS;
+const LL_EXPERT_BITS: u32 = 10;
+const LL_IS_COUNT_SHIFT: u32 = LL_EXPERT_SHIFT + LL_EXPERT_BITS;
+const LL_BUFFER_SHIFT: u32 = LL_IS_COUNT_SHIFT + 1;
+// The fields and the two flag bits fill exactly the 30 bits below the tag.
+const _: () = assert!(LL_BUFFER_SHIFT + 1 == TAG_SHIFT);
 /// Number of local experts an [`LlImm`] can name (10 bits).
-pub const MAX_LOCAL_EXPERTS: usize = 1024;
-/// Largest count an [`LlImm`] count signal can announce (10 bits).
-pub const MAX_LL_COUNT: u16 = (1 << 10) - 1;
+pub const MAX_LOCAL_EXPERTS: usize = 1 << LL_EXPERT_BITS;
+/// Largest count an [`LlImm`] count signal can announce (8 bits).
+pub const MAX_LL_COUNT: u16 = (1 << LL_COUNT_BITS) - 1;
 /// Number of counter slots an [`AtomicImm`] can name (14 bits).
 pub const MAX_ATOMIC_SLOTS: usize = 1 << 14;
 /// Bits of the [`BarrierImm`] sequence number.
-pub const BARRIER_SEQ_BITS: u32 = 20;
+pub const BARRIER_SEQ_BITS: u32 = 18;
+const BARRIER_SCOPE_SHIFT: u32 = BARRIER_SEQ_BITS + RANK_BITS;
+const _: () = assert!(BARRIER_SCOPE_SHIFT + 2 == TAG_SHIFT);
 /// The [`BarrierImm`] sequence number wraps modulo this.
 pub const BARRIER_SEQ_MODULUS: u32 = 1 << BARRIER_SEQ_BITS;
 
@@ -208,8 +224,8 @@ pub struct LlImm {
     pub buffer: u8,
     /// Local expert index, below [`MAX_LOCAL_EXPERTS`].
     pub expert: u16,
-    /// The sending rank.
-    pub src_rank: u8,
+    /// The sending rank, below [`MAX_RANKS`].
+    pub src_rank: u16,
     /// Data arrival or count signal.
     pub signal: LlSignal,
 }
@@ -223,6 +239,7 @@ impl LlImm {
             self.expert.into(),
             MAX_LOCAL_EXPERTS as u64 - 1,
         )?;
+        check_max("LlImm.src_rank", self.src_rank.into(), MAX_RANKS as u64 - 1)?;
         let (is_count, count) = match self.signal {
             LlSignal::Arrival => (0, 0),
             LlSignal::Count(n) => {
@@ -231,10 +248,10 @@ impl LlImm {
             }
         };
         Ok(u32::from(TAG_LL) << TAG_SHIFT
-            | u32::from(self.buffer) << 29
-            | is_count << 28
-            | u32::from(self.expert) << 18
-            | u32::from(self.src_rank) << 10
+            | u32::from(self.buffer) << LL_BUFFER_SHIFT
+            | is_count << LL_IS_COUNT_SHIFT
+            | u32::from(self.expert) << LL_EXPERT_SHIFT
+            | u32::from(self.src_rank) << LL_SRC_SHIFT
             | count)
     }
 
@@ -242,8 +259,8 @@ impl LlImm {
     /// arrival with count bits set.
     pub fn decode(imm: u32) -> Result<LlImm, WireError> {
         check_tag(imm, TAG_LL)?;
-        let count = field(imm, 0, 10);
-        let signal = if field(imm, 28, 1) == 1 {
+        let count = field(imm, 0, LL_COUNT_BITS);
+        let signal = if field(imm, LL_IS_COUNT_SHIFT, 1) == 1 {
             LlSignal::Count(count as u16)
         } else if count != 0 {
             return Err(WireError::ReservedImmBits {
@@ -255,9 +272,9 @@ impl LlImm {
             LlSignal::Arrival
         };
         Ok(LlImm {
-            buffer: field(imm, 29, 1) as u8,
-            expert: field(imm, 18, 10) as u16,
-            src_rank: field(imm, 10, 8) as u8,
+            buffer: field(imm, LL_BUFFER_SHIFT, 1) as u8,
+            expert: field(imm, LL_EXPERT_SHIFT, LL_EXPERT_BITS) as u16,
+            src_rank: field(imm, LL_SRC_SHIFT, RANK_BITS) as u16,
             signal,
         })
     }
@@ -302,8 +319,8 @@ impl AtomicImm {
 pub struct BarrierImm {
     /// Which barrier phase / peer set.
     pub scope: BarrierScope,
-    /// The sending rank.
-    pub src_rank: u8,
+    /// The sending rank, below [`MAX_RANKS`].
+    pub src_rank: u16,
     /// Barrier sequence number, below [`BARRIER_SEQ_MODULUS`] (wrap it with
     /// [`BarrierImm::wrap_seq`]).
     pub seq: u32,
@@ -322,16 +339,21 @@ impl BarrierImm {
             self.seq.into(),
             u64::from(BARRIER_SEQ_MODULUS) - 1,
         )?;
+        check_max(
+            "BarrierImm.src_rank",
+            self.src_rank.into(),
+            MAX_RANKS as u64 - 1,
+        )?;
         Ok(u32::from(TAG_BARRIER) << TAG_SHIFT
-            | u32::from(self.scope as u8) << 28
-            | u32::from(self.src_rank) << 20
+            | u32::from(self.scope as u8) << BARRIER_SCOPE_SHIFT
+            | u32::from(self.src_rank) << BARRIER_SEQ_BITS
             | self.seq)
     }
 
     /// Unpacks the immediate; fails on another encoding's tag or scope 3.
     pub fn decode(imm: u32) -> Result<BarrierImm, WireError> {
         check_tag(imm, TAG_BARRIER)?;
-        let code = field(imm, 28, 2) as u8;
+        let code = field(imm, BARRIER_SCOPE_SHIFT, 2) as u8;
         let scope = BarrierScope::from_code(code).ok_or(WireError::InvalidValue {
             field: "BarrierImm.scope",
             value: code.into(),
@@ -339,8 +361,8 @@ impl BarrierImm {
         })?;
         Ok(BarrierImm {
             scope,
-            src_rank: field(imm, 20, 8) as u8,
-            seq: field(imm, 0, 20),
+            src_rank: field(imm, BARRIER_SEQ_BITS, RANK_BITS) as u16,
+            seq: field(imm, 0, BARRIER_SEQ_BITS),
         })
     }
 }

@@ -12,12 +12,12 @@
 //! values and set reserved bits are errors, so every word that decodes
 //! re-encodes to itself.
 //!
-//! Limits, as constants: ranks [`MAX_RANKS`] (256), Write offsets up to
+//! Limits, as constants: ranks [`MAX_RANKS`] (1024, DeepEP v2's EP limit), Write offsets up to
 //! [`MAX_OFFSET`] (64 GiB − 16, 16-byte aligned), Atomic offsets up to
 //! [`MAX_ATOMIC_OFFSET`] (4-byte aligned), Write length [`MAX_WRITE_LEN`]
 //! (16 MiB − 1), normal-mode streams (source rank x channel)
 //! [`MAX_STREAMS`] (1024), local experts [`MAX_LOCAL_EXPERTS`] (1024), LL
-//! counts [`MAX_LL_COUNT`] (1023), normal-mode tail increments
+//! counts [`MAX_LL_COUNT`] (255), normal-mode tail increments
 //! [`MAX_WRITE_COUNT`] (255), atomic slots [`MAX_ATOMIC_SLOTS`] (16384).
 #![forbid(unsafe_code)]
 
@@ -28,6 +28,7 @@ pub mod imm;
 pub use cmd::{
     BarrierScope, CmdFlags, Command, Kind, Piggyback, TransferCmd, ATOMIC_ALIGN, MAX_ATOMIC_OFFSET,
     MAX_OFFSET, MAX_PIGGYBACK_SLOT, MAX_RANKS, MAX_WRITE_LEN, OFFSET_ALIGN, PIGGYBACK_NONE,
+    RANK_BITS,
 };
 pub use error::WireError;
 pub use imm::{

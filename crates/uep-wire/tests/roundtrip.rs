@@ -24,10 +24,15 @@ fn write_off() -> impl Strategy<Value = u64> {
     ]
 }
 
+/// Ranks, the edges of the 10-bit field as well as uniform.
+fn rank() -> impl Strategy<Value = u16> {
+    prop_oneof![Just(0u16), Just(MAX_RANKS as u16 - 1), 0..MAX_RANKS as u16]
+}
+
 fn command() -> impl Strategy<Value = Command> {
     let write = (
         flags(),
-        any::<u8>(),
+        rank(),
         write_off(),
         write_off(),
         prop_oneof![Just(0u32), Just(MAX_WRITE_LEN), 0..=MAX_WRITE_LEN],
@@ -45,7 +50,7 @@ fn command() -> impl Strategy<Value = Command> {
         );
     let atomic = (
         flags(),
-        any::<u8>(),
+        rank(),
         prop_oneof![
             Just(MAX_ATOMIC_OFFSET),
             (0..=MAX_ATOMIC_OFFSET >> 2).prop_map(|x| x << 2)
@@ -83,7 +88,7 @@ fn imm() -> impl Strategy<Value = Imm> {
         Just(LlSignal::Arrival),
         (0..=MAX_LL_COUNT).prop_map(LlSignal::Count)
     ];
-    let ll = (0u8..=1, 0..MAX_LOCAL_EXPERTS as u16, any::<u8>(), signal).prop_map(
+    let ll = (0u8..=1, 0..MAX_LOCAL_EXPERTS as u16, rank(), signal).prop_map(
         |(buffer, expert, src_rank, signal)| {
             Imm::Ll(LlImm {
                 buffer,
@@ -95,14 +100,13 @@ fn imm() -> impl Strategy<Value = Imm> {
     );
     let atomic = (0..MAX_ATOMIC_SLOTS as u16, any::<i16>())
         .prop_map(|(slot, value)| Imm::Atomic(AtomicImm { slot, value }));
-    let barrier =
-        (scope(), any::<u8>(), 0..BARRIER_SEQ_MODULUS).prop_map(|(scope, src_rank, seq)| {
-            Imm::Barrier(BarrierImm {
-                scope,
-                src_rank,
-                seq,
-            })
-        });
+    let barrier = (scope(), rank(), 0..BARRIER_SEQ_MODULUS).prop_map(|(scope, src_rank, seq)| {
+        Imm::Barrier(BarrierImm {
+            scope,
+            src_rank,
+            seq,
+        })
+    });
     prop_oneof![write, ll, atomic, barrier]
 }
 
@@ -146,7 +150,7 @@ proptest! {
     #[test]
     fn misaligned_or_large_offsets_are_rejected(
         off in prop_oneof![any::<u64>(), any::<u64>().prop_map(|x| x & !15), 0..=MAX_OFFSET + 64],
-        rank in any::<u8>(),
+        rank in rank(),
     ) {
         let write = Command::Write {
             flags: CmdFlags::default(), dst_rank: rank, src_off: 0, dst_off: off, len: 1, piggyback: None,
@@ -179,6 +183,31 @@ proptest! {
         prop_assert_eq!(err, WireError::OutOfRange {
             field: "len", value: len.into(), min: 0, max: MAX_WRITE_LEN.into(),
         });
+    }
+
+    #[test]
+    fn ranks_past_the_field_are_rejected(rank in MAX_RANKS as u16.., cmd in command()) {
+        fn field_of<T: std::fmt::Debug>(r: Result<T, WireError>) -> (&'static str, i128) {
+            match r {
+                Err(WireError::OutOfRange { field, max, .. }) => (field, max),
+                other => panic!("expected OutOfRange, got {other:?}"),
+            }
+        }
+        let top = MAX_RANKS as i128 - 1;
+        match cmd {
+            Command::Write { .. } | Command::Atomic { .. } => {
+                let mut c = cmd;
+                if let Command::Write { dst_rank, .. } | Command::Atomic { dst_rank, .. } = &mut c {
+                    *dst_rank = rank;
+                }
+                prop_assert_eq!(field_of(TransferCmd::encode(&c)), ("dst_rank", top));
+            }
+            _ => {}
+        }
+        let ll = LlImm { buffer: 0, expert: 0, src_rank: rank, signal: LlSignal::Arrival };
+        prop_assert_eq!(field_of(ll.encode()), ("LlImm.src_rank", top));
+        let b = BarrierImm { scope: BarrierScope::AllPeers, src_rank: rank, seq: 0 };
+        prop_assert_eq!(field_of(b.encode()), ("BarrierImm.src_rank", top));
     }
 
     #[test]
@@ -261,7 +290,7 @@ fn golden_words() {
             combine: true,
             ll_buffer: 1,
         },
-        dst_rank: 0xAB,
+        dst_rank: 0x2AB,
         src_off: 0x1234_5670,
         dst_off: 0xF_FFFF_FFF0,
         len: 0x00AB_CDEF,
@@ -271,12 +300,13 @@ fn golden_words() {
         }),
     };
     let t = TransferCmd::encode(&write).unwrap();
-    assert_eq!(t.word0, 0x7FAB_CDEF_0102_ABC1);
+    // Type byte 0x31 (kind 1, combine, LL buffer 1) | 0x2AB << 6.
+    assert_eq!(t.word0, 0x7FAB_CDEF_0102_AAF1);
     assert_eq!(t.word1, 0x0123_4567_FFFF_FFFF);
     assert_eq!(
         t.to_bytes(),
         [
-            0xC1, 0xAB, 0x02, 0x01, 0xEF, 0xCD, 0xAB, 0x7F, 0xFF, 0xFF, 0xFF, 0xFF, 0x67, 0x45,
+            0xF1, 0xAA, 0x02, 0x01, 0xEF, 0xCD, 0xAB, 0x7F, 0xFF, 0xFF, 0xFF, 0xFF, 0x67, 0x45,
             0x23, 0x01
         ]
     );
@@ -292,7 +322,7 @@ fn golden_words() {
     let t = TransferCmd::encode(&no_piggy).unwrap();
     assert_eq!(
         (t.word0, t.word1),
-        (0x0000_0000_FFFF_0301, 0x0000_0001_0000_0002)
+        (0x0000_0000_FFFF_00C1, 0x0000_0001_0000_0002)
     );
 
     let atomic = Command::Atomic {
@@ -308,7 +338,7 @@ fn golden_words() {
     let t = TransferCmd::encode(&atomic).unwrap();
     assert_eq!(
         (t.word0, t.word1),
-        (0xFFFF_FFFE_BEEF_0782, 0x0000_0003_FFFF_FFFF)
+        (0xFFFF_FFFE_BEEF_01E2, 0x0000_0003_FFFF_FFFF)
     );
 
     let t = TransferCmd::encode(&Command::Quiet).unwrap();
@@ -319,7 +349,18 @@ fn golden_words() {
         seq: 0xDEAD_BEEF,
     };
     let t = TransferCmd::encode(&barrier).unwrap();
-    assert_eq!((t.word0, t.word1), (0xDEAD_BEEF_0000_0104, 0));
+    assert_eq!((t.word0, t.word1), (0xDEAD_BEEF_0000_0044, 0));
+    // The last rank a command can address.
+    let last = Command::Write {
+        flags: CmdFlags::default(),
+        dst_rank: 1023,
+        src_off: 0,
+        dst_off: 0,
+        len: 0,
+        piggyback: None,
+    };
+    let t = TransferCmd::encode(&last).unwrap();
+    assert_eq!(t.word0, 0x0000_0000_FFFF_FFC1);
 
     let w = WriteImm {
         stream: 1023,
@@ -349,12 +390,12 @@ fn golden_words() {
     let l = LlImm {
         buffer: 1,
         expert: 1023,
-        src_rank: 0x5A,
-        signal: LlSignal::Count(1023),
+        src_rank: 0x2A5,
+        signal: LlSignal::Count(255),
     }
     .encode()
     .unwrap();
-    assert_eq!(l, 0b01_1_1_1111111111_01011010_1111111111);
+    assert_eq!(l, 0b01_1_1_1111111111_1010100101_11111111);
     let l = LlImm {
         buffer: 0,
         expert: 1,
@@ -363,7 +404,7 @@ fn golden_words() {
     }
     .encode()
     .unwrap();
-    assert_eq!(l, 0b01_0_0_0000000001_00000010_0000000000);
+    assert_eq!(l, 0b01_0_0_0000000001_0000000010_00000000);
     let a = AtomicImm {
         slot: 0x3FFF,
         value: -1,
@@ -373,12 +414,12 @@ fn golden_words() {
     assert_eq!(a, 0xBFFF_FFFF);
     let b = BarrierImm {
         scope: BarrierScope::NodeLeader,
-        src_rank: 0xFF,
-        seq: 0xF_FFFF,
+        src_rank: 0x2A5,
+        seq: 0x3_FFFF,
     }
     .encode()
     .unwrap();
-    assert_eq!(b, 0xEFFF_FFFF);
+    assert_eq!(b, 0b11_10_1010100101_111111111111111111);
 }
 
 #[test]
@@ -387,7 +428,7 @@ fn invalid_words_are_rejected_with_reasons() {
         TransferCmd { word0: 0, word1: 5 }.decode(),
         Err(WireError::ZeroWord0)
     );
-    for kind in [0u64, 5, 0x3F] {
+    for kind in [0u64, 5, 0xF] {
         let t = TransferCmd {
             word0: kind | 0x100,
             word1: 0,
@@ -395,7 +436,7 @@ fn invalid_words_are_rejected_with_reasons() {
         assert_eq!(t.decode(), Err(WireError::UnknownKind { kind: kind as u8 }));
     }
     // Quiet: every bit but the kind is reserved.
-    for bit in 6..128u32 {
+    for bit in 4..128u32 {
         let t = TransferCmd::from_u128(3 | 1u128 << bit);
         assert!(
             matches!(
@@ -406,7 +447,7 @@ fn invalid_words_are_rejected_with_reasons() {
         );
     }
     // Barrier: flags, bits 16..=31 and word1 are reserved; scope 3.. invalid.
-    for bit in [6u32, 7, 16, 31, 64, 127] {
+    for bit in [4u32, 5, 16, 31, 64, 127] {
         let t = TransferCmd::from_u128(4 | 1u128 << bit);
         assert!(
             matches!(
@@ -420,7 +461,7 @@ fn invalid_words_are_rejected_with_reasons() {
         );
     }
     let t = TransferCmd {
-        word0: 4 | 3 << 8,
+        word0: 4 | 3 << 6,
         word1: 0,
     };
     assert!(matches!(

@@ -337,7 +337,7 @@ impl Ctx {
                 }
                 let p = LlDispatchPacket::layout(epr, n as usize, k, row_bytes, words)
                     .at_base(staged.area.offset());
-                staged.fit_fence(p.rows.len(), self.device.lanes());
+                staged.fit_fence(p.rows.len(), self.device.lanes())?;
                 let local = self.symm.local();
                 local.put(p.counts, place.counts_of(r, epr))?;
                 local.put(p.tokens, &[n])?;

@@ -168,9 +168,20 @@ impl Staged {
     /// Make the port's writes large enough that kernels pushing `bytes` from `lanes`
     /// threads (each flushing runs of at least a write's size, so at most two pieces a
     /// run) stay within what one count signal counts, with room for the block's own.
-    pub fn fit_fence(&mut self, bytes: usize, lanes: usize) {
+    /// Refuses more lanes than that allows whatever the write size (126: each lane's
+    /// last run is a write of its own).
+    pub fn fit_fence(&mut self, bytes: usize, lanes: usize) -> Result<()> {
+        let most = usize::from(uep_wire::MAX_LL_COUNT);
+        if 2 * lanes + 2 > most {
+            return Err(crate::invalid!(
+                "low-latency mode across nodes takes at most {} kernel threads a rank \
+                 ({lanes} here): a count signal counts at most {most} writes",
+                (most - 2) / 2
+            ));
+        }
         let piece = fenced_piece(2 * bytes, self.port.write_bytes(), 2 * lanes + 2);
         self.port.set_write_bytes(piece);
+        Ok(())
     }
 
     /// The write of `part` (a part of [`Staged::area`]) into the same place of the
@@ -975,7 +986,7 @@ mod tests {
     proptest! {
         #[test]
         fn a_fenced_block_fits_one_count_signal(
-            lens in proptest::collection::vec(1usize..1 << 30, 1..341),
+            lens in proptest::collection::vec(1usize..1 << 30, 1..=usize::from(uep_wire::MAX_LL_COUNT) + 1),
             w in 1usize..1 << 22,
         ) {
             let write_bytes = w.div_ceil(16) * 16;
