@@ -350,9 +350,9 @@ pub fn payload(cmd: &TransferCmd) -> u64 {
     cmd.word1
 }
 
-/// The producer [`stamped_write`] put in `cmd` (its dst rank, `word0` bits 8..=15).
+/// The producer [`stamped_write`] put in `cmd` (its dst rank, `word0` bits 6..=15).
 pub fn producer_of(cmd: &TransferCmd) -> usize {
-    ((cmd.word0 >> 8) & 0xFF) as usize
+    ((cmd.word0 >> 6) & 0x3FF) as usize
 }
 
 /// Where threads run.
