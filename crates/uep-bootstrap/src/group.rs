@@ -30,9 +30,19 @@ const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
 /// the listener's queue until one ends. (Dropping them instead turned real ranks away
 /// when hundreds joined at once: a 512-rank job lost a quarter of its ranks.)
 const MAX_PENDING_HANDSHAKES: usize = 64;
-/// The listener's queue of connections not yet accepted: room for DeepEP v2's 1024
-/// ranks joining at once.
-const JOIN_BACKLOG: i32 = 4096;
+/// A listener's queue of connections not yet accepted: room for DeepEP v2's 1024 ranks
+/// connecting at once.
+const LISTEN_BACKLOG: i32 = 4096;
+
+/// Raises `listener`'s queue of connections not yet accepted to [`LISTEN_BACKLOG`]
+/// (the kernel caps it at `net.core.somaxconn`), for a listener every rank of a job
+/// connects to at once. std listens with 128, and past a full queue Linux may complete
+/// a client's connect yet drop the connection (a SYN cookie's ACK with no room): a
+/// client that waits for the server to speak first then waits forever. Listening again
+/// only changes the queue's length.
+pub fn raise_backlog(listener: &TcpListener) -> std::io::Result<()> {
+    rustix::net::listen(listener, LISTEN_BACKLOG).map_err(Into::into)
+}
 /// Most turned-away joiners remembered for the join-timeout message.
 const MAX_REJECTIONS_KEPT: usize = 16;
 /// Longest rank 0 spends pushing an abort or goodbye to one peer.
@@ -433,13 +443,9 @@ impl Lobby {
         listener
             .set_nonblocking(true)
             .map_err(|e| BootstrapError::io("making the listener non-blocking", e))?;
-        // std listens with a backlog of 128. Hundreds of ranks connect at once, and
-        // past a full queue Linux may complete a client's connect yet drop the
-        // connection (a SYN cookie's ACK with no room): that rank then waits for a
-        // challenge that never comes. Listening again only raises the queue's length
-        // (the kernel caps it at net.core.somaxconn).
-        rustix::net::listen(&listener, JOIN_BACKLOG)
-            .map_err(|e| BootstrapError::io("raising the listener's backlog", e.into()))?;
+        // Every rank connects at once, and a joiner waits for rank 0's challenge.
+        raise_backlog(&listener)
+            .map_err(|e| BootstrapError::io("raising the listener's backlog", e))?;
         let (vtx, vrx) = mpsc::channel::<Verdict>();
         Ok(Lobby {
             listener,

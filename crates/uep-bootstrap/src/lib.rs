@@ -35,6 +35,6 @@ pub use control::{host_id, ControlPlane};
 pub use env::{EnvSource, WorldInfo, LAUNCHER_LOCAL, LAUNCHER_VAR, PORT_VAR, SECRET_VAR};
 pub use error::BootstrapError;
 pub use fdpass::LISTEN_FD_VAR;
-pub use group::Group;
+pub use group::{raise_backlog, Group};
 pub use launch::{launch_local, launch_local_with_grace, LaunchOutcome, LaunchSpec, DEFAULT_GRACE};
 pub use proto::PROTOCOL_VERSION;

@@ -222,15 +222,11 @@ struct Advert {
 }
 
 /// A listener on an ephemeral port of `ip` whose queue holds every peer: up to 1023
-/// ranks of other nodes connect to the highest rank, and past std's queue of 128 Linux
-/// may complete a connect yet drop the connection.
+/// ranks of other nodes connect to the highest rank at once.
 fn listen(ip: IpAddr) -> std::io::Result<TcpListener> {
-    use socket2::{Domain, Socket, Type};
-    let addr = std::net::SocketAddr::new(ip, 0);
-    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-    sock.bind(&addr.into())?;
-    sock.listen(4096)?;
-    Ok(sock.into())
+    let listener = TcpListener::bind((ip, 0))?;
+    uep_bootstrap::raise_backlog(&listener)?;
+    Ok(listener)
 }
 
 fn io_err(me: usize, what: String) -> impl Fn(std::io::Error) -> EpError {

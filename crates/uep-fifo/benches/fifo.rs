@@ -350,9 +350,9 @@ pub fn payload(cmd: &TransferCmd) -> u64 {
     cmd.word1
 }
 
-/// The producer [`stamped_write`] put in `cmd` (its dst rank, `word0` bits 6..=15).
+/// The producer [`stamped_write`] put in `cmd` (its dst rank).
 pub fn producer_of(cmd: &TransferCmd) -> usize {
-    ((cmd.word0 >> 6) & 0x3FF) as usize
+    cmd.rank_field().into()
 }
 
 /// Where threads run.

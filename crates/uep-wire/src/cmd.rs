@@ -356,7 +356,7 @@ impl TransferCmd {
         }
         let kind_bits = (w0 & KIND_MASK) as u8;
         let kind = Kind::from_bits(kind_bits).ok_or(WireError::UnknownKind { kind: kind_bits })?;
-        let dst_rank = ((w0 >> DST_RANK_SHIFT) & RANK_MASK) as u16;
+        let dst_rank = self.rank_field();
         let aux = (w0 >> AUX_SHIFT) as u16;
         let high = (w0 >> HIGH_SHIFT) as u32;
         match kind {
@@ -416,6 +416,12 @@ impl TransferCmd {
     /// of the other bits).
     pub const fn kind(&self) -> Option<Kind> {
         Kind::from_bits((self.word0 & KIND_MASK) as u8)
+    }
+
+    /// The destination rank of a Write or Atomic (`word0` bits 6..=15; a Barrier's
+    /// scope), cheap and without validating the other bits, as [`TransferCmd::kind`].
+    pub const fn rank_field(&self) -> u16 {
+        ((self.word0 >> DST_RANK_SHIFT) & RANK_MASK) as u16
     }
 
     /// The 16 bytes: `word0` then `word1`, each little-endian (the in-memory

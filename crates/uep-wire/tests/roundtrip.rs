@@ -118,6 +118,9 @@ proptest! {
         let t = TransferCmd::encode(&cmd).unwrap();
         prop_assert_ne!(t.word0, 0, "a valid command's word0 is never zero");
         prop_assert_eq!(t.kind(), Some(cmd.kind()));
+        if let Command::Write { dst_rank, .. } | Command::Atomic { dst_rank, .. } = cmd {
+            prop_assert_eq!(t.rank_field(), dst_rank);
+        }
         prop_assert_eq!(t.decode().unwrap(), cmd);
         prop_assert_eq!(TransferCmd::from_bytes(t.to_bytes()), t);
         prop_assert_eq!(TransferCmd::from_u128(t.to_u128()), t);
