@@ -142,6 +142,11 @@ pub struct BenchArgs {
     /// With --soak: SIGKILL every rank of node NODE at the start of step STEP.
     #[arg(long, value_name = "NODE@STEP", requires = "soak")]
     pub kill_node: Vec<At>,
+    /// With --elastic --soak: victims, steps and moments (inside calls and agreement
+    /// rounds) drawn from SEED; every survivor checks every step and reports a digest
+    /// of every mask it agreed on, which must be the same on all of them.
+    #[arg(long, value_name = "SEED", requires_all = ["soak", "elastic"])]
+    pub chaos: Option<u64>,
     /// Run once per value of one parameter (KEY=V1,V2,..., e.g. tokens=1,8,32,128,512,4096,
     /// ranks=2,3,4, hidden=...) and write sweep-KEY.csv and sweep-KEY.svg.
     #[arg(long, value_name = "KEY=V1,V2,...")]

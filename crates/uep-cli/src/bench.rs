@@ -48,6 +48,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
     };
     // Ranks told to die do; in elastic mode the others must go on, not be stopped by
     // the launcher's grace period after the first death.
+    let chaos = crate::chaos::from_args(args);
     let victims: Vec<usize> = (0..args.ranks)
         .filter(|&r| {
             args.kill.iter().any(|k| k.who == r)
@@ -55,6 +56,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
                     .kill_node
                     .iter()
                     .any(|k| k.who == r / (args.ranks / args.nodes))
+                || crate::chaos::victims(&chaos).contains(&r)
         })
         .collect();
     let grace = if args.elastic && !victims.is_empty() {
@@ -66,7 +68,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
     let mut ok = true;
     for (r, s) in outcome.statuses.iter().enumerate() {
         if victims.contains(&r) {
-            eprintln!("uep bench: rank {r} {s} (as --kill said)");
+            eprintln!("uep bench: rank {r} {s} (a victim of --kill or --chaos)");
         } else if !s.success() {
             eprintln!("uep bench: rank {r} {s}");
             ok = false;

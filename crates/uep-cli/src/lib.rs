@@ -1,6 +1,7 @@
 //! uep command-line library
 pub mod args;
 pub mod bench;
+pub mod chaos;
 pub mod dump;
 pub mod gpu;
 pub mod info;

@@ -17,6 +17,7 @@ use uep_harness::step::{ll_step, normal_step, StepOpts};
 use uep_harness::workload::JobShape;
 
 use crate::args::{make_inputs, step_salt, BenchArgs, Modes};
+use crate::chaos;
 use crate::report::Progress;
 
 /// Resident and peak resident memory of this process, in KiB (`/proc/self/status`).
@@ -55,8 +56,10 @@ pub fn run(
     let mut ll_y = vec![bf16::ZERO; shape.experts_per_rank() * shape.num_ranks * max_ll * h];
     let mut rss_start = 0;
     let mut recovery = Recovery::default();
+    let kills = chaos::from_args(args);
     for step in 0..steps {
         die_if_victim(args, shape, rank, step);
+        chaos::arm(buffer, &kills, step)?;
         let step_start = Instant::now();
         let masked_before = buffer.low_latency_mask().iter().filter(|&&m| m).count();
         let opts = StepOpts {
@@ -120,12 +123,7 @@ fn die_if_victim(args: &BenchArgs, shape: &JobShape, rank: usize, step: u64) {
         "uep soak: rank {rank} (node {node}) SIGKILLs itself at step {step} ({} ms since the epoch)",
         unix_ms()
     );
-    let pid = std::process::id().to_string();
-    let _ = std::process::Command::new("kill")
-        .args(["-KILL", &pid])
-        .status();
-    // Not reached once the signal lands.
-    std::thread::sleep(std::time::Duration::from_secs(3600));
+    chaos::sigkill_self();
 }
 
 fn unix_ms() -> u128 {
@@ -207,6 +205,7 @@ fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Rec
         .filter(|&r| buffer.low_latency_mask()[r])
         .collect();
     let recovered_ms = recovery.first.map(|(_, d)| d.as_secs_f64() * 1e3);
+    let (agreements, digest) = buffer.low_latency_agreements();
     if args.json {
         let summary = serde_json::json!({
             "rank": rank,
@@ -217,6 +216,8 @@ fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Rec
             "masked": masked,
             "masked_at_step": recovery.first.map(|(step, _)| step),
             "recovered_ms": recovered_ms,
+            "agreements": agreements,
+            "agreement_digest": format!("{digest:016x}"),
             "rss_start_kib": s.rss_start,
             "rss_end_kib": s.rss.0,
             "seconds": s.seconds,
@@ -233,7 +234,8 @@ fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Rec
     };
     println!(
         "uep soak (elastic), rank {rank}: {} steps of {world} ranks in {:.1} s ({})\n  \
-         mismatches:      {}\n  faults injected: {}\n  {recovered}",
+         mismatches:      {}\n  faults injected: {}\n  {recovered}\n  \
+         agreements:      {agreements} (digest of the masks decided: {digest:016x})",
         s.steps,
         s.seconds,
         modes(args),

@@ -619,6 +619,89 @@ fn elastic_ll_goes_on_without_rank_0() {
     elastic_soak("4", &["--kill", "0@12"], &[0], &[]);
 }
 
+/// `uep bench --chaos SEED` on `ranks` ranks as `nodes` nodes: every survivor checks
+/// all 24 steps bit for bit against the reference for that step's mask, and all of
+/// them agreed on the same masks in the same agreements (the digests); every rank that
+/// did not report is masked.
+fn elastic_chaos(ranks: usize, nodes: usize, seed: u64) {
+    let (ranks_s, nodes_s, seed_s) = (ranks.to_string(), nodes.to_string(), seed.to_string());
+    let args = [
+        "bench",
+        "--json",
+        "--ranks",
+        &ranks_s,
+        "--nodes",
+        &nodes_s,
+        "--mode",
+        "ll",
+        "--elastic",
+        "--soak",
+        "24",
+        "--experts",
+        "16",
+        "--ll-tokens",
+        "24",
+        "--hidden",
+        "256",
+        "--topk",
+        "4",
+        "--timeout",
+        "30",
+        "--chaos",
+        &seed_s,
+    ];
+    let out = Command::new(env!("CARGO_BIN_EXE_uep"))
+        .args(args)
+        .output()
+        .expect("run uep");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    let ctx = format!("uep {}\n{stdout}\n{stderr}", args.join(" "));
+    assert!(out.status.success(), "{}: {ctx}", out.status);
+    let reports: Vec<serde_json::Value> = stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).expect("JSON line"))
+        .collect();
+    assert!(!reports.is_empty(), "no survivor: {ctx}");
+    let first = &reports[0];
+    for r in &reports {
+        assert_eq!(r["mismatches"], 0, "{ctx}");
+        assert_eq!(r["steps"], 24, "{ctx}");
+        for key in ["agreements", "agreement_digest", "masked"] {
+            assert_eq!(r[key], first[key], "{key} differs between survivors: {ctx}");
+        }
+    }
+    let masked: Vec<u64> = serde_json::from_value(first["masked"].clone()).unwrap();
+    for rank in 0..ranks as u64 {
+        let reported = reports.iter().any(|r| r["rank"] == rank);
+        assert!(
+            reported || masked.contains(&rank),
+            "rank {rank} neither reported nor masked: {ctx}"
+        );
+    }
+}
+
+#[test]
+fn elastic_chaos_quick() {
+    for seed in 0..2 {
+        elastic_chaos(4, 2, seed);
+        elastic_chaos(8, 4, seed);
+    }
+}
+
+/// The soak: 50 seeds each on 4 ranks as 2 nodes and 8 ranks as 4 nodes.
+#[test]
+#[ignore = "long tier: ~3 minutes"]
+fn elastic_chaos_fifty_seeds() {
+    for seed in 100..150 {
+        elastic_chaos(4, 2, seed);
+        elastic_chaos(8, 4, seed);
+    }
+}
+
 /// The ranks of `uep bench` die with it: SIGKILL the launcher mid-run, and every rank
 /// it started is gone within a second, instead of running on alone.
 #[test]

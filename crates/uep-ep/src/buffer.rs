@@ -73,10 +73,20 @@ pub struct Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        let Some(net) = &self.cx.net else {
+            return;
+        };
+        let failed =
+            net.abort_sent() || abort_reason(self.cx.symm.local(), &self.cx.map.control).is_some();
+        if !failed && self.cx.elastic.is_some() {
+            if let Err(e) = self.cx.settle_last() {
+                tracing::warn!(rank = self.cx.topo.rank, "closing an elastic Buffer: {e}");
+            }
+        }
         let Some(net) = self.cx.net.take() else {
             return;
         };
-        if net.abort_sent() || abort_reason(self.cx.symm.local(), &self.cx.map.control).is_some() {
+        if failed {
             // After telling other nodes of a failure, keep the proxy a moment: a send
             // completion only says the bytes left; closing the connections at once could
             // lose them. No drain: a failed job's peers may never complete anything.
@@ -483,6 +493,20 @@ impl Buffer {
     /// `low_latency_clean_mask_buffer`).
     pub fn low_latency_clean_mask(&mut self) -> Result<()> {
         self.cx.low_latency_clean_mask()
+    }
+
+    /// The agreements this elastic Buffer took part in, and a digest of every mask
+    /// they decided, in order: the same on every survivor (what `uep bench --chaos`
+    /// compares). `(0, 0)` on a Buffer that is not elastic.
+    pub fn low_latency_agreements(&self) -> (u64, u64) {
+        self.cx.agreements()
+    }
+
+    /// Fault injection for tests: SIGKILL this process in the agreement `after`
+    /// agreements from now (0: the next), once it has sent `sends` of its messages.
+    #[doc(hidden)]
+    pub fn die_in_agreement(&mut self, after: u64, sends: usize) -> Result<()> {
+        self.cx.die_in_agreement(after, sends)
     }
 }
 

@@ -28,6 +28,7 @@
 // The layers, imports pointing down this list (`docs/architecture.md`, "uep-ep"):
 // areas and layouts; the runtime (memory, waits, liveness, errors, the device); the
 // network path; the context of a call; the operations; the Buffer.
+mod agree;
 mod area;
 mod config;
 mod error;

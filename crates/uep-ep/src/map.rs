@@ -62,12 +62,21 @@ pub struct ControlAreas {
     /// `[LL_BUFFERS]`: the last combine of each area this rank received (reduced):
     /// same-node peers rewrite a combine buffer it read from only after this says so.
     pub ll_combine_received: Area<u64>,
-    /// `[2][src R][1 + W]` elastic mode's agreement messages from the ranks of this
-    /// node, by round parity: the mask (`W = ceil(R / 64)` words), then the round,
-    /// stored last (see [`ControlAreas::agree_slot`]).
+    /// `[2][src R][1 + 2W]` elastic mode's round messages from the ranks of this node,
+    /// by round parity: a stamp, stored last, then the set and the view (`W = ceil(R /
+    /// 64)` words each; see [`ControlAreas::agree_slot`] and `elastic`).
     pub agree: Area<u64>,
+    /// `[src R][2 + W]` elastic mode's decided masks from the ranks of this node: the
+    /// agreement's number, stored last, then the rounds and the set.
+    pub decided: Area<u64>,
     /// `W`.
     pub mask_words: usize,
+}
+
+/// Fence keys of each kind of the network path: one per (LL buffer, local expert),
+/// and, of the combine kind, one more for elastic mode's decided masks.
+pub fn fence_keys(fence_experts: usize) -> usize {
+    LL_BUFFERS * fence_experts + 1
 }
 
 /// Words of a rank mask: one bit a rank.
@@ -91,16 +100,24 @@ impl ControlAreas {
             ll_combine_entered: l.take(1),
             ll_combine_zero_copy: l.take(LL_BUFFERS),
             ll_combine_received: l.take(LL_BUFFERS),
-            agree: l.take(2 * r * (1 + mask_words(r))),
+            agree: l.take(2 * r * (1 + 2 * mask_words(r))),
+            decided: l.take(r * (2 + mask_words(r))),
             mask_words: mask_words(r),
         }
     }
 
-    /// Rank `src`'s agreement message of round parity `parity`: `(round word, mask)`.
+    /// Rank `src`'s round message of round parity `parity`: `(stamp word, the rest)`.
     pub fn agree_slot(&self, parity: usize, src: usize) -> crate::Result<(Area<u64>, Area<u64>)> {
-        let w = 1 + self.mask_words;
+        let w = 1 + 2 * self.mask_words;
         let r = self.agree.len() / (2 * w);
         let slot = self.agree.row((parity % 2) * r + src, w)?;
+        Ok((slot.prefix(1)?, slot.slice(1..w)?))
+    }
+
+    /// Rank `src`'s decided mask: `(agreement number word, the rest)`.
+    pub fn decided_slot(&self, src: usize) -> crate::Result<(Area<u64>, Area<u64>)> {
+        let w = 2 + self.mask_words;
+        let slot = self.decided.row(src, w)?;
         Ok((slot.prefix(1)?, slot.slice(1..w)?))
     }
 
@@ -378,16 +395,22 @@ impl NetAreas {
                 landing_cap[Channel::ll_combine(b).index()] = c;
             }
         }
-        // Elastic mode's agreement: the round, then the mask.
+        // Elastic mode's agreement: a stamp, the set and the view; decided masks: the
+        // agreement's number, the rounds, the set.
         for parity in 0..2 {
-            let agree = round(8 * (1 + mask_words(r)));
+            let agree = round(8 * (1 + 2 * mask_words(r)));
             staging_cap[Channel::agree(parity).index()] = agree;
             landing_cap[Channel::agree(parity).index()] = agree;
         }
+        let decided = round(8 * (2 + mask_words(r)));
+        staging_cap[Channel::Decided.index()] = decided;
+        landing_cap[Channel::Decided.index()] = decided;
         let tails = l.take(r);
         let barriers = l.take(r);
         let fence_experts = ll.map_or(0, |s| s.experts_per_rank(r));
-        let fences = l.take(2 * LL_BUFFERS * fence_experts * r);
+        // Two kinds (LL dispatch, LL combine) of keys; the last combine key counts
+        // decided masks.
+        let fences = l.take(2 * fence_keys(fence_experts) * r);
         let abort_src = l.take(1);
         let mut staging = [Area::default(); CHANNELS];
         let mut landing = [Area::default(); CHANNELS];

@@ -17,8 +17,18 @@ pub(crate) struct Elastic {
     /// masked for every later wait, but left out of what the caller reads until the
     /// next call begins (module docs).
     pub(crate) deferred: Vec<bool>,
-    /// Agreement rounds so far (the same count on every survivor).
+    /// Agreements so far (the same count on every survivor).
     pub(crate) round: u64,
+    /// `[rank]`: in the mask the last agreement decided (ranks not awaited in the
+    /// next).
+    pub(crate) agreed: Vec<bool>,
+    /// A digest of every decided mask so far (FNV-1a over their bits).
+    pub(crate) digest: u64,
+    /// Fault injection: die in agreement `.0` once `.1` messages are sent.
+    pub(crate) die_at: Option<(u64, usize)>,
+    /// `[rank]`: a rank on another node whose decided mask the last agreement did not
+    /// read, and how many of its round messages it read (`elastic::mailbox`).
+    pub(crate) unsettled: Vec<Option<u32>>,
     /// The mask the last low-latency combine used.
     pub(crate) last_combine: Vec<bool>,
 }
@@ -32,6 +42,10 @@ impl Elastic {
             unreachable: vec![false; num_ranks],
             deferred: vec![false; num_ranks],
             round: 0,
+            agreed: vec![false; num_ranks],
+            unsettled: vec![None; num_ranks],
+            digest: 0xcbf2_9ce4_8422_2325,
+            die_at: None,
             last_combine: vec![false; num_ranks],
         }
     }

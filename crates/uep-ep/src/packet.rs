@@ -28,6 +28,9 @@ pub enum Channel {
     LlCombine(u8),
     /// Elastic mode's agreement on the masked ranks, by round parity (`0..2`).
     Agree(u8),
+    /// Elastic mode's decided masks (fenced, so that a rank reads a peer's decision
+    /// only when it needs it: see `agree`).
+    Decided,
 }
 
 /// Low-latency buffers: step `s` uses buffer `s % LL_BUFFERS`. Three, so that the
@@ -39,25 +42,30 @@ pub const LL_BUFFERS: usize = 3;
 const AGREE_PARITIES: usize = 2;
 
 // The first index of each kind of channel: each kind follows the one before, as many
-// as it has (one; one per LL buffer; one per parity).
+// as it has (one; one per LL buffer; one per parity; one).
 const NOTIFY: usize = 0;
 const DISPATCH: usize = NOTIFY + 1;
 const COMBINE: usize = DISPATCH + 1;
 const LL_DISPATCH: usize = COMBINE + 1;
 const LL_COMBINE: usize = LL_DISPATCH + LL_BUFFERS;
 const AGREE: usize = LL_COMBINE + LL_BUFFERS;
+const DECIDED: usize = AGREE + AGREE_PARITIES;
 
 /// Number of [`Channel`]s: one past the last kind's last index.
-pub const CHANNELS: usize = AGREE + AGREE_PARITIES;
+pub const CHANNELS: usize = DECIDED + 1;
 
 impl Channel {
     /// Whether the channel's packets go through the proxy's partial-completion fence
     /// (low-latency calls, which may be received after later calls: a deferred hook, or
-    /// a combine between two dispatches and their receives) rather than the peer's one
-    /// ordered stream (normal mode and the agreement, received in the calls that send
-    /// them, so the k-th packet of the stream is the one the k-th receive expects).
+    /// a combine between two dispatches and their receives; decided masks, read only
+    /// when needed) rather than the peer's one ordered stream (normal mode and the
+    /// agreement's rounds, received in the calls that send them, so the k-th packet of
+    /// the stream is the one the k-th receive expects).
     pub fn is_fenced(self) -> bool {
-        matches!(self, Channel::LlDispatch(_) | Channel::LlCombine(_))
+        matches!(
+            self,
+            Channel::LlDispatch(_) | Channel::LlCombine(_) | Channel::Decided
+        )
     }
 
     /// The channel's index, `0..CHANNELS`.
@@ -69,6 +77,7 @@ impl Channel {
             Channel::LlDispatch(b) => LL_DISPATCH + b as usize % LL_BUFFERS,
             Channel::LlCombine(b) => LL_COMBINE + b as usize % LL_BUFFERS,
             Channel::Agree(p) => AGREE + p as usize % AGREE_PARITIES,
+            Channel::Decided => DECIDED,
         }
     }
 
@@ -95,6 +104,7 @@ impl Channel {
             .chain((0..LL_BUFFERS).map(Channel::ll_dispatch))
             .chain((0..LL_BUFFERS).map(Channel::ll_combine))
             .chain((0..AGREE_PARITIES).map(Channel::agree))
+            .chain([Channel::Decided])
     }
 }
 

@@ -47,7 +47,7 @@ use uep_wire::BarrierScope;
 use crate::area::{Area, Mem};
 use crate::error::{EpError, Result};
 use crate::liveness::{Gone, Liveness, Lost};
-use crate::map::{ControlAreas, NetAreas};
+use crate::map::{fence_keys, ControlAreas, NetAreas};
 use crate::topology::Topology;
 use crate::wait::{Peer, Remote, Wait};
 
@@ -494,7 +494,11 @@ impl NetPath {
         let (kind, b) = match ch {
             Channel::LlDispatch(b) => (0, b),
             Channel::LlCombine(b) => (1, b),
-            _ => return Err(EpError::internal(format!("{ch:?} is not fenced"))),
+            // The key after every LL buffer's (`map::fence_keys`).
+            Channel::Decided if le == 0 => {
+                return Ok((1, (LL_BUFFERS * self.areas.fence_experts) as u16))
+            }
+            _ => return Err(EpError::internal(format!("{ch:?} has no fence key {le}"))),
         };
         let experts = self.areas.fence_experts;
         if le >= experts {
@@ -509,7 +513,7 @@ impl NetPath {
     /// The index of the fence counter of (`ch`, `le`) for packets from `src`.
     fn fence_index(&self, ch: Channel, le: usize, src: usize) -> Result<usize> {
         let (kind, key) = self.fence_key(ch, le)?;
-        let keys = LL_BUFFERS * self.areas.fence_experts;
+        let keys = fence_keys(self.areas.fence_experts);
         Ok((usize::from(kind) * keys + usize::from(key)) * self.num_ranks + src)
     }
 
@@ -531,7 +535,7 @@ impl NetPath {
     /// the send's number for (`ch`, peer); the next [`NetPath::stage`] of the same area
     /// waits for the writes to leave.
     pub fn send_fenced(&self, staged: Staged, blocks: &[Vec<Write>]) -> Result<u64> {
-        if blocks.is_empty() || blocks.len() > self.areas.fence_experts {
+        if blocks.is_empty() || blocks.len() > self.areas.fence_experts.max(1) {
             return Err(EpError::internal(format!(
                 "a fenced send has {} blocks for {} keys",
                 blocks.len(),
@@ -653,6 +657,45 @@ impl NetPath {
         let tail = self.region.word(self.areas.tails, src)?;
         self.wait_landed(tail, target, src, wait, what)?;
         received.set(target);
+        self.areas.landing(ch, src)
+    }
+
+    /// The next packet from `src` in the stream of `ch`, if it has landed (as
+    /// [`NetPath::recv`], without waiting).
+    pub fn try_recv(&self, ch: Channel, src: usize) -> Result<Option<Area<u8>>> {
+        let received = &self.received[src];
+        let tail = self.region.word(self.areas.tails, src)?;
+        if tail.load(Ordering::Acquire) <= received.get() {
+            return Ok(None);
+        }
+        received.set(received.get() + 1);
+        self.areas.landing(ch, src).map(Some)
+    }
+
+    /// Count `packets` of `src`'s stream as received without reading them (packets a
+    /// peer sent that no receive here is for: see `elastic`), and wait until they have
+    /// landed, so that the peer's proxy is done with them.
+    pub fn skip(
+        &self,
+        src: usize,
+        packets: u64,
+        wait: &Wait<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let received = &self.received[src];
+        received.set(received.get() + packets);
+        let tail = self.region.word(self.areas.tails, src)?;
+        self.wait_landed(tail, received.get(), src, wait, what)
+    }
+
+    /// Whether fenced send number `n` on `ch` from `src` has landed (block 0's signal):
+    /// [`NetPath::wait_fenced`] without waiting.
+    pub fn fenced_landed(&self, ch: Channel, src: usize, n: u64) -> Result<bool> {
+        Ok(self.fence_word(ch, 0, src)?.load(Ordering::Acquire) >= n << 32)
+    }
+
+    /// The landing area of `ch` for packets from `src`.
+    pub fn landing(&self, ch: Channel, src: usize) -> Result<Area<u8>> {
         self.areas.landing(ch, src)
     }
 
@@ -886,11 +929,11 @@ impl Remote for NetPath {
 /// "expert" the (LL buffer, local expert) pair: see `NetPath::fence_key`) and the
 /// barrier counters. Refuses more fence keys than the wire can name.
 fn counter_layout(areas: &NetAreas, num_ranks: usize) -> Result<CounterLayout> {
-    let fence_keys = LL_BUFFERS * areas.fence_experts;
-    if fence_keys > uep_wire::MAX_LOCAL_EXPERTS {
+    let keys = fence_keys(areas.fence_experts);
+    if keys > uep_wire::MAX_LOCAL_EXPERTS {
         return Err(crate::invalid!(
-        "low-latency mode across nodes supports at most {} experts per rank (the proxy's fence names {} keys, one per (LL buffer, local expert)); this Buffer has {}",
-        uep_wire::MAX_LOCAL_EXPERTS / LL_BUFFERS,
+        "low-latency mode across nodes supports at most {} experts per rank (the proxy's fence names {} keys, one per (LL buffer, local expert) and one more); this Buffer has {}",
+        (uep_wire::MAX_LOCAL_EXPERTS - 1) / LL_BUFFERS,
         uep_wire::MAX_LOCAL_EXPERTS,
         areas.fence_experts
         ));
@@ -900,7 +943,7 @@ fn counter_layout(areas: &NetAreas, num_ranks: usize) -> Result<CounterLayout> {
         tail_base: areas.tails.offset() as u64,
         num_channels: 1,
         ll_base: areas.fences.offset() as u64,
-        num_local_experts: fence_keys,
+        num_local_experts: keys,
         barrier_base: areas.barriers.offset() as u64,
         // Atomics are not used by this layer.
         atomic_base: areas.barriers.offset() as u64,

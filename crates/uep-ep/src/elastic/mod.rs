@@ -9,17 +9,19 @@
 //!   it nothing and wait for nothing from it. Callers may mask ranks themselves
 //!   ([`Buffer::low_latency_update_mask`](crate::Buffer::low_latency_update_mask)).
 //! * **Agreement.** Ranks learn of a death at different moments, so after the receive
-//!   of every low-latency dispatch and combine, the survivors exchange their masks (one
-//!   small message to every rank not found dead, the *agreement round*) and use the
-//!   union. A rank that died after its data reached some survivors but not others is
-//!   in the mask of those it missed, so in everyone's union; one that dies during the
-//!   round itself had delivered all its data, so it counts in this call everywhere and
-//!   is masked from the next. The mask a caller reads
-//!   ([`Buffer::low_latency_mask`](crate::Buffer::low_latency_mask)) is the one the last call used: such a rank enters
-//!   it when the next call begins (DeepEP's tests check each call's output against the
-//!   mask read right after it). The union is the same on every survivor as long as no
-//!   two deaths interleave with one call's round (a whole node killed at once counts
-//!   as one). A rank that finds itself in a peer's mask fails: it was excluded.
+//!   of every low-latency dispatch and combine, the survivors agree on the union of
+//!   their masks ([`crate::agree`]: flooding consensus with early decision; with
+//!   nobody dying, one small message to every rank, waited for, and one decision
+//!   nobody waits for; [`mailbox`] carries them). It is the same on every survivor
+//!   whatever the number and timing of deaths, in calls or in the agreement itself. A
+//!   rank that died after its data reached some survivors but not others is in the
+//!   mask of those it missed, so in the union; one found gone during the agreement,
+//!   and in no survivor's mask, had delivered all its data, so it counts in this call
+//!   everywhere and is masked from the next. The mask a caller reads
+//!   ([`Buffer::low_latency_mask`](crate::Buffer::low_latency_mask)) is the one the
+//!   last call used: such a rank enters it when the next call begins (DeepEP's tests
+//!   check each call's output against the mask read right after it). A rank that
+//!   finds itself in the union fails: it was excluded.
 //! * **Partitions.** A rank that finds half of the job or more unreachable (not dead:
 //!   unreachable) fails instead of serving alone, so that a cut network does not split
 //!   the job into halves that both go on.
@@ -30,33 +32,13 @@
 //! differ from the survivors'. [`Buffer::low_latency_clean_mask`](crate::Buffer::low_latency_clean_mask) is for ranks masked
 //! by the caller that never stopped calling.
 
-use std::sync::atomic::Ordering;
+mod mailbox;
 
-use crate::area::Mem;
 use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::liveness::Gone;
 use crate::mask::Elastic;
-use crate::packet::Channel;
-
-/// A mask as bits, one per rank, in `words` words.
-fn to_words(mask: &[bool], words: usize) -> Vec<u64> {
-    let mut w = vec![0u64; words];
-    for (r, _) in mask.iter().enumerate().filter(|(_, &m)| m) {
-        w[r / 64] |= 1 << (r % 64);
-    }
-    w
-}
-
-/// `mask[r] |= bit r of words`.
-fn merge(mask: &mut [bool], words: &[u64]) {
-    for (r, m) in mask.iter_mut().enumerate() {
-        if words.get(r / 64).is_some_and(|w| w >> (r % 64) & 1 == 1) {
-            *m = true;
-        }
-    }
-}
 
 impl Ctx {
     /// `[rank]`: whether the rank is masked (DeepEP's
@@ -151,6 +133,46 @@ impl Ctx {
         }
     }
 
+    /// Agreements so far and the digest of their decisions.
+    pub(crate) fn agreements(&self) -> (u64, u64) {
+        self.elastic.as_ref().map_or((0, 0), |e| {
+            let e = e.borrow();
+            (e.round, e.digest)
+        })
+    }
+
+    /// Fault injection (`Buffer::die_in_agreement`).
+    pub(crate) fn die_in_agreement(&self, after: u64, sends: usize) -> Result<()> {
+        let mut e = self.elastic_state()?.borrow_mut();
+        e.die_at = Some((e.round + 1 + after, sends));
+        Ok(())
+    }
+
+    /// SIGKILL this process if the fault injection says so for the `sent`-th send of
+    /// agreement `k`.
+    pub(crate) fn fault_point(&self, k: u64, sent: usize) {
+        let due = self
+            .elastic
+            .as_ref()
+            .is_some_and(|e| e.borrow().die_at == Some((k, sent)));
+        if due {
+            eprintln!(
+                "uep: rank {} SIGKILLs itself in agreement {k} after {sent} sends (fault injection)",
+                self.topo.rank
+            );
+            let pid = std::process::id().to_string();
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid])
+                .status();
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
+
+    /// Whether `rank` was found gone (never, on a Buffer that is not elastic).
+    pub(crate) fn gone(&self, rank: usize) -> bool {
+        self.elastic.as_ref().is_some_and(|e| e.borrow().gone[rank])
+    }
+
     /// Whether `rank` is masked (never, on a Buffer that is not elastic).
     pub(crate) fn masked(&self, rank: usize) -> bool {
         self.elastic
@@ -218,105 +240,5 @@ impl Ctx {
             }
         }
         Ok(None)
-    }
-
-    /// The agreement round (module docs): every survivor's mask to every rank not
-    /// found gone, then the union of what the unmasked ranks sent. Returns the mask
-    /// this call uses; ranks found gone during the round are masked from the next call.
-    pub(crate) fn agree(&self, call: &str) -> Result<Vec<bool>> {
-        let el = self.elastic_state()?;
-        self.ll_call_begins();
-        let (me, n) = (self.topo.rank, self.topo.num_ranks);
-        let (round, mine, gone) = {
-            let mut e = el.borrow_mut();
-            e.round += 1;
-            (e.round, e.masked.clone(), e.gone.clone())
-        };
-        let words = self.map.control.mask_words;
-        let parity = (round % 2) as usize;
-        let bits = to_words(&mine, words);
-        let wait = self.wait().elastic();
-        let local = self.symm.local();
-        let ch = Channel::agree(parity);
-        for r in (0..n).filter(|&r| r != me && !gone[r]) {
-            if self.topo.is_local(r) {
-                let (seq, mask) = self.map.control.agree_slot(parity, me)?;
-                let region = self.peer_region(r)?;
-                region.put(mask, &bits)?;
-                region.word(seq, 0)?.store(round, Ordering::Release);
-            } else {
-                let net = self.net()?;
-                let staged = net.stage(ch, r, &wait)?;
-                let len = 8 * (1 + words);
-                local.put(staged.area.prefix(len)?.cast::<u64>().prefix(1)?, &[round])?;
-                local.put(
-                    staged.area.prefix(len)?.cast::<u64>().slice(1..1 + words)?,
-                    &bits,
-                )?;
-                net.send(staged, len, &[])?;
-            }
-        }
-        let mut union = mine.clone();
-        for r in (0..n).filter(|&r| r != me && !mine[r]) {
-            let what = || format!("rank {me}: {call}: agreeing on the mask with rank {r}");
-            let got = if self.topo.is_local(r) {
-                let (seq, mask) = self.map.control.agree_slot(parity, r)?;
-                let word = local.word(seq, 0)?;
-                let waited = wait.at_least(word, round, Some(self.peer(r)), &what);
-                match self.unless_lost(r, waited)? {
-                    Some(_) => Some(local.get_vec(mask)?),
-                    None => None,
-                }
-            } else {
-                let net = self.net()?;
-                match self.unless_lost(r, net.recv(ch, r, &wait, &what))? {
-                    Some(landing) => {
-                        let msg = local.get_vec(landing.cast::<u64>().prefix(1 + words)?)?;
-                        if msg[0] != round {
-                            return Err(EpError::internal(format!(
-                                "rank {me}: {call}: rank {r} sent agreement round {}, expected {round}",
-                                msg[0]
-                            )));
-                        }
-                        Some(msg[1..].to_vec())
-                    }
-                    None => None,
-                }
-            };
-            if let Some(words) = got {
-                merge(&mut union, &words);
-            }
-        }
-        if union[me] {
-            let by: Vec<usize> = (0..n).filter(|&r| r != me && !union[r]).collect();
-            return Err(EpError::Excluded { rank: me, by });
-        }
-        let mut e = el.borrow_mut();
-        for (r, &m) in union.iter().enumerate() {
-            if m && !e.masked[r] {
-                e.masked[r] = true;
-                e.why[r] = Some("masked by the other survivors".into());
-            }
-            // Masked during the round (not in the union): this call counts it.
-            e.deferred[r] = e.masked[r] && !m;
-        }
-        Ok(union)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn masks_travel_as_bits() {
-        let mut mask = vec![false; 130];
-        for r in [0, 63, 64, 129] {
-            mask[r] = true;
-        }
-        let w = to_words(&mask, 3);
-        let mut back = vec![false; 130];
-        merge(&mut back, &w);
-        assert_eq!(back, mask);
     }
 }

@@ -1,0 +1,146 @@
+//! `uep bench --elastic --soak STEPS --chaos SEED`: victims, the steps they die at and
+//! the moments inside those steps, all drawn from SEED, so a failure replays with the
+//! same command. A victim is a rank or, sometimes, every rank of a node at once; it
+//! SIGKILLs itself at the start of its step, a drawn time into it (inside a call, or
+//! between calls), or inside one of the step's agreement rounds after a drawn number of
+//! its messages (between two sends of one round, or after its round messages and
+//! before its decision). At most half of the ranks die, so the rest may go on.
+
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use uep_ep::Buffer;
+
+use crate::args::BenchArgs;
+
+/// When, inside its step, a victim dies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Moment {
+    /// As the step begins.
+    Start,
+    /// This long after the step began (a thread SIGKILLs the process).
+    After(Duration),
+    /// In one of the step's agreements, once it has sent some of its messages.
+    Agreement {
+        /// Which (0: the dispatch's, 1: the combine's).
+        nth: u64,
+        /// Messages sent before it dies.
+        sends: usize,
+    },
+}
+
+/// One victim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kill {
+    /// The rank that dies.
+    pub rank: usize,
+    /// The step it dies in.
+    pub step: u64,
+    /// When in that step.
+    pub moment: Moment,
+}
+
+/// The victims of `seed` for `ranks` ranks as `nodes` nodes over `steps` steps.
+pub fn plan(seed: u64, ranks: usize, nodes: usize, steps: u64) -> Vec<Kill> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let per_node = ranks / nodes.max(1);
+    let budget = rng.gen_range(1..=(ranks / 2).max(1));
+    let mut kills: Vec<Kill> = Vec::new();
+    while kills.len() < budget {
+        let left = budget - kills.len();
+        let whole_node = nodes > 1 && per_node <= left && rng.gen_bool(0.3);
+        let who: Vec<usize> = match whole_node {
+            true => {
+                let node = rng.gen_range(0..nodes);
+                (node * per_node..(node + 1) * per_node).collect()
+            }
+            false => vec![rng.gen_range(0..ranks)],
+        };
+        if who.iter().any(|r| kills.iter().any(|k| k.rank == *r)) {
+            continue;
+        }
+        let step = rng.gen_range(2..steps.saturating_sub(2).max(3));
+        let moment = match rng.gen_range(0..3) {
+            0 => Moment::Start,
+            1 => Moment::After(Duration::from_micros(rng.gen_range(0..5_000))),
+            _ => Moment::Agreement {
+                nth: rng.gen_range(0..2),
+                // Each agreement sends a round message and a decision to each peer.
+                sends: rng.gen_range(0..2 * (ranks - 1).max(1)),
+            },
+        };
+        kills.extend(who.into_iter().map(|rank| Kill { rank, step, moment }));
+    }
+    kills
+}
+
+/// The victims `--chaos` asks for (none without it).
+pub fn from_args(args: &BenchArgs) -> Vec<Kill> {
+    match (args.chaos, args.soak) {
+        (Some(seed), Some(steps)) => plan(seed, args.ranks, args.nodes, steps),
+        _ => Vec::new(),
+    }
+}
+
+/// The ranks `plan` makes victims of.
+pub fn victims(kills: &[Kill]) -> Vec<usize> {
+    let mut v: Vec<usize> = kills.iter().map(|k| k.rank).collect();
+    v.sort_unstable();
+    v
+}
+
+/// At the start of `step`: set this rank's death in motion if the plan says so.
+pub fn arm(buffer: &mut Buffer, kills: &[Kill], step: u64) -> anyhow::Result<()> {
+    let rank = buffer.rank();
+    let Some(kill) = kills.iter().find(|k| k.rank == rank && k.step == step) else {
+        return Ok(());
+    };
+    eprintln!(
+        "uep chaos: rank {rank} dies in step {step}: {:?}",
+        kill.moment
+    );
+    match kill.moment {
+        Moment::Start => sigkill_self(),
+        Moment::After(d) => {
+            std::thread::spawn(move || {
+                std::thread::sleep(d);
+                sigkill_self();
+            });
+        }
+        Moment::Agreement { nth, sends } => buffer.die_in_agreement(nth, sends)?,
+    }
+    Ok(())
+}
+
+/// SIGKILL this process (a real kill: no unwinding, no exit handlers).
+pub fn sigkill_self() {
+    let pid = std::process::id().to_string();
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid])
+        .status();
+    // Not reached once the signal lands.
+    std::thread::sleep(Duration::from_secs(3600));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_replay_and_leave_survivors() {
+        for seed in 0..500 {
+            for (ranks, nodes) in [(4, 2), (8, 4), (2, 1)] {
+                let p = plan(seed, ranks, nodes, 24);
+                assert_eq!(p, plan(seed, ranks, nodes, 24));
+                let v = victims(&p);
+                assert!(!v.is_empty() && v.len() <= (ranks / 2).max(1), "{p:?}");
+                assert!(
+                    v.windows(2).all(|w| w[0] < w[1]),
+                    "a rank dies twice: {p:?}"
+                );
+                assert!(p.iter().all(|k| (2..22).contains(&k.step)), "{p:?}");
+            }
+        }
+    }
+}

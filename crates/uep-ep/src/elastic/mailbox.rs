@@ -1,0 +1,445 @@
+//! The agreement's messages on the wire. The protocol is [`crate::agree`]; this
+//! module carries it:
+//!
+//! * to a rank of this node, into its region: round messages in a slot per (round
+//!   parity, sender), decided masks in a slot per sender, each written and then
+//!   published by its first word (a stamp), stored last;
+//! * to a rank on another node, through the network path: round messages in the
+//!   sender's ordered stream (landing in a slot per round parity), decided masks on a
+//!   fenced key, so that a rank reads a peer's decision only when it needs it.
+//!
+//! A rank that decides without reading every round message a peer sent it (it decided
+//! first, or adopted a decision) leaves them in that peer's stream; the peer's decided
+//! mask says how many it sent, and the next agreement counts the rest as received
+//! before its first read ([`Ctx::settle`]). Nothing else reads the stream of an elastic
+//! Buffer in between: only a death causes more than one round, and normal mode refuses
+//! to run with a masked rank.
+//!
+//! Slots are reused safely: a round's slot is written again two rounds later, which no
+//! rank reaches before every rank that awaits the sender has read it; a decided mask
+//! is written again in the next agreement, which no rank decides before every rank it
+//! awaits has settled this one.
+
+use std::sync::atomic::Ordering;
+
+use crate::agree::{bit, Agreement, Bits, Heard, Msg};
+use crate::area::{Area, Mem};
+use crate::ctx::Ctx;
+use crate::error::{EpError, Result};
+use crate::net::NetPath;
+use crate::packet::Channel;
+use crate::wait::{Peer, Wait};
+
+/// The stamp of round `round` of agreement `k`, which its slot holds once written.
+fn stamp(k: u64, round: u32) -> u64 {
+    k << 16 | u64::from(round)
+}
+
+/// One agreement's messages, as seen by one rank.
+pub(super) struct Mailbox<'a> {
+    cx: &'a Ctx,
+    /// The agreement's number (the same on every rank).
+    k: u64,
+    call: &'a str,
+    wait: Wait<'a>,
+    /// Words of a rank set.
+    words: usize,
+    /// `[rank]`: round messages read from its stream (ranks on other nodes).
+    read: Vec<u32>,
+    /// `[rank]`: its decided mask read.
+    decided: Vec<bool>,
+    /// Messages sent (for fault injection).
+    sent: std::cell::Cell<usize>,
+    /// The ranks round 1 awaits: the only ones this agreement sends to (the others
+    /// were found gone, or are out since an earlier agreement masked them).
+    awaited: Bits,
+}
+
+/// A message as words: `[stamp, set, view]` or `[k, rounds, set]`.
+fn encode(k: u64, msg: &Msg) -> Vec<u64> {
+    match msg {
+        Msg::Round { round, set, view } => {
+            let mut w = vec![stamp(k, *round)];
+            w.extend(set);
+            w.extend(view);
+            w
+        }
+        Msg::Decided { set, rounds } => {
+            let mut w = vec![k, u64::from(*rounds)];
+            w.extend(set);
+            w
+        }
+    }
+}
+
+impl<'a> Mailbox<'a> {
+    pub(super) fn new(cx: &'a Ctx, k: u64, call: &'a str, awaited: Bits) -> Mailbox<'a> {
+        let n = cx.topo.num_ranks;
+        Mailbox {
+            cx,
+            k,
+            call,
+            wait: cx.wait().elastic(),
+            words: cx.map.control.mask_words,
+            read: vec![0; n],
+            decided: vec![false; n],
+            sent: std::cell::Cell::new(0),
+            awaited,
+        }
+    }
+
+    /// Send `msgs` to every rank awaited in round 1 and not found gone since.
+    pub(super) fn post(&self, msgs: &[Msg]) -> Result<()> {
+        for msg in msgs {
+            let words = encode(self.k, msg);
+            let to =
+                (0..self.cx.topo.num_ranks).filter(|&r| bit(&self.awaited, r) && !self.cx.gone(r));
+            for r in to {
+                self.cx.fault_point(self.k, self.sent.get());
+                self.sent.set(self.sent.get() + 1);
+                match self.cx.topo.is_local(r) {
+                    true => self.store(r, msg, &words)?,
+                    false => self.send(r, msg, &words)?,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The slot of `msg` from `src` in a region of this node: `(stamp, the rest)`.
+    fn slot(&self, src: usize, msg: &Msg) -> Result<(Area<u64>, Area<u64>)> {
+        let control = &self.cx.map.control;
+        match msg {
+            Msg::Round { round, .. } => control.agree_slot(*round as usize % 2, src),
+            Msg::Decided { .. } => control.decided_slot(src),
+        }
+    }
+
+    fn store(&self, r: usize, msg: &Msg, words: &[u64]) -> Result<()> {
+        let (first, rest) = self.slot(self.cx.topo.rank, msg)?;
+        let region = self.cx.peer_region(r)?;
+        region.put(rest.prefix(words.len() - 1)?, &words[1..])?;
+        region.word(first, 0)?.store(words[0], Ordering::Release);
+        Ok(())
+    }
+
+    fn send(&self, r: usize, msg: &Msg, words: &[u64]) -> Result<()> {
+        let net = self.cx.net()?;
+        let ch = match msg {
+            Msg::Round { round, .. } => Channel::agree(*round as usize),
+            Msg::Decided { .. } => Channel::Decided,
+        };
+        let staged = net.stage(ch, r, &self.wait)?;
+        let len = 8 * words.len();
+        let part = staged.area.prefix(len)?;
+        self.cx.symm.local().put(part.cast::<u64>(), words)?;
+        match msg {
+            Msg::Round { .. } => net.send(staged, len, &[]),
+            Msg::Decided { .. } => {
+                let write = staged.write_of(part)?;
+                net.send_fenced(staged, &[vec![write]]).map(drop)
+            }
+        }
+    }
+
+    /// Wait for `q`'s message of `round` or its decided mask, whichever comes; `q` found
+    /// gone is masked ([`Ctx::unless_lost`]).
+    pub(super) fn hear(&mut self, q: usize, round: u32) -> Result<Heard> {
+        let (me, call) = (self.cx.topo.rank, self.call);
+        let what =
+            || format!("rank {me}: {call}: agreeing on the mask with rank {q} (round {round})");
+        let got = match self.cx.topo.is_local(q) {
+            true => self.hear_local(q, round, &what),
+            false => self.hear_remote(q, round, &what),
+        };
+        Ok(match self.cx.unless_lost(q, got)? {
+            Some(msg) => Heard::Msg(msg),
+            None => Heard::Gone,
+        })
+    }
+
+    fn hear_local(&self, q: usize, round: u32, what: &dyn Fn() -> String) -> Result<Msg> {
+        let local = self.cx.symm.local();
+        let control = &self.cx.map.control;
+        let (r_first, r_rest) = control.agree_slot(round as usize % 2, q)?;
+        let (d_first, d_rest) = control.decided_slot(q)?;
+        let (r_word, d_word) = (local.word(r_first, 0)?, local.word(d_first, 0)?);
+        let want = stamp(self.k, round);
+        let seen = || {
+            format!(
+                "round slot {}, decided slot {}",
+                r_word.load(Ordering::Acquire),
+                d_word.load(Ordering::Acquire)
+            )
+        };
+        let decided = self.wait.until(Some(self.cx.peer(q)), what, &seen, || {
+            match (
+                d_word.load(Ordering::Acquire),
+                r_word.load(Ordering::Acquire),
+            ) {
+                (d, _) if d == self.k => Some(true),
+                (_, r) if r == want => Some(false),
+                _ => None,
+            }
+        })?;
+        match decided {
+            true => self.decode_decided(q, self.k, &local.get_vec(d_rest)?),
+            false => self.decode_round(q, round, want, &local.get_vec(r_rest)?),
+        }
+    }
+
+    fn hear_remote(&mut self, q: usize, round: u32, what: &dyn Fn() -> String) -> Result<Msg> {
+        let net = self.cx.net()?;
+        let _watch = net.watch_arrivals();
+        let ch = Channel::agree(round as usize);
+        let peer = Peer {
+            rank: q,
+            region: None,
+        };
+        let seen = || "neither its round message nor its decided mask has landed".to_string();
+        let landed = self.wait.until(Some(peer), what, &seen, || {
+            match net.fenced_landed(Channel::Decided, q, self.k) {
+                Ok(true) => return Some(Ok(None)),
+                Err(e) => return Some(Err(e)),
+                Ok(false) => {}
+            }
+            net.try_recv(ch, q).map(|a| a.map(Some)).transpose()
+        })??;
+        let local = self.cx.symm.local();
+        let Some(area) = landed else {
+            let area = net.landing(Channel::Decided, q)?.cast::<u64>();
+            let all = local.get_vec(area.prefix(2 + self.words)?)?;
+            let msg = self.decode_decided(q, all[0], &all[1..])?;
+            if let Msg::Decided { rounds, .. } = &msg {
+                skip_unread(net, q, *rounds, self.read[q], &self.wait)?;
+            }
+            self.decided[q] = true;
+            return Ok(msg);
+        };
+        let all = local.get_vec(area.cast::<u64>().prefix(1 + 2 * self.words)?)?;
+        self.read[q] += 1;
+        self.decode_round(q, round, all[0], &all[1..])
+    }
+
+    /// `q`'s round message from its stamp and the rest, checked against the round.
+    fn decode_round(&self, q: usize, round: u32, first: u64, rest: &[u64]) -> Result<Msg> {
+        self.expect(q, first, stamp(self.k, round))?;
+        let w = self.words;
+        Ok(Msg::Round {
+            round,
+            set: rest[..w].to_vec(),
+            view: rest[w..2 * w].to_vec(),
+        })
+    }
+
+    /// `q`'s decided mask from its first word and the rest, checked against this
+    /// agreement.
+    fn decode_decided(&self, q: usize, first: u64, rest: &[u64]) -> Result<Msg> {
+        self.expect(q, first, self.k)?;
+        Ok(Msg::Decided {
+            rounds: u32::try_from(rest[0]).unwrap_or(u32::MAX),
+            set: rest[1..1 + self.words].to_vec(),
+        })
+    }
+
+    fn expect(&self, q: usize, first: u64, want: u64) -> Result<()> {
+        if first == want {
+            return Ok(());
+        }
+        Err(EpError::Protocol(format!(
+            "rank {}: {}: agreement {}: rank {q} sent a message stamped {first:#x}, expected {want:#x}",
+            self.cx.topo.rank, self.call, self.k
+        )))
+    }
+
+    /// The ranks on other nodes whose decided mask was not read, with the round
+    /// messages read from each ([`Ctx::settle`] accounts for the rest next time).
+    pub(super) fn unsettled(&self) -> Vec<Option<u32>> {
+        (0..self.cx.topo.num_ranks)
+            .map(|r| {
+                let open = bit(&self.awaited, r)
+                    && !self.cx.topo.is_local(r)
+                    && !self.decided[r]
+                    && !self.cx.gone(r);
+                open.then_some(self.read[r])
+            })
+            .collect()
+    }
+}
+
+/// `q`'s stream holds `rounds` round messages of an agreement, `read` of them read:
+/// count the others as received (once landed).
+fn skip_unread(net: &NetPath, q: usize, rounds: u32, read: u32, wait: &Wait<'_>) -> Result<()> {
+    let unread = rounds.checked_sub(read).ok_or_else(|| {
+        EpError::Protocol(format!(
+            "rank {q} says it sent {rounds} round messages, but {read} were read"
+        ))
+    })?;
+    let what = || format!("waiting for rank {q}'s last {unread} round messages to land");
+    net.skip(q, u64::from(unread), wait, &what)
+}
+
+impl Ctx {
+    /// The agreement round (module docs of `elastic` and `agree`): returns the mask
+    /// this call uses, the same on every survivor; ranks found gone meanwhile that no
+    /// survivor proposed are masked from the next call.
+    pub(crate) fn agree(&self, call: &str) -> Result<Vec<bool>> {
+        let el = self.elastic_state()?;
+        self.ll_call_begins();
+        let (me, n) = (self.topo.rank, self.topo.num_ranks);
+        let k = {
+            let mut e = el.borrow_mut();
+            e.round += 1;
+            e.round
+        };
+        self.settle(k - 1, call)?;
+        let (mine, awaited) = {
+            let e = el.borrow();
+            let words = self.map.control.mask_words;
+            // Not awaited: ranks found gone, and ranks still masked since the last
+            // agreement (those masked since by a caller are, so that they learn it).
+            let awaited = |r: usize| r != me && !e.gone[r] && !(e.agreed[r] && e.masked[r]);
+            (
+                to_bits(&e.masked, words),
+                to_bits(&(0..n).map(awaited).collect::<Vec<_>>(), words),
+            )
+        };
+        let mut mail = Mailbox::new(self, k, call, awaited.clone());
+        let (mut a, out) = Agreement::start(me, mine.clone(), awaited);
+        mail.post(&out)?;
+        while let Some(q) = a.next_awaited() {
+            let heard = mail.hear(q, a.round())?;
+            mail.post(&a.hear(q, heard)?)?;
+        }
+        let decided = a.decided().cloned().unwrap_or(mine.clone());
+        el.borrow_mut().unsettled = mail.unsettled();
+        self.adopt(call, &mine, &decided)
+    }
+
+    /// Before the network path closes: wait for what peers on other nodes still send
+    /// this rank from the last agreement (their decided masks), so that their proxies
+    /// are not left holding writes to a closed endpoint.
+    pub(crate) fn settle_last(&self) -> Result<()> {
+        let k = self.elastic_state()?.borrow().round;
+        self.settle(k, "closing the Buffer")
+    }
+
+    /// Count the round messages peers on other nodes sent in agreement `k` that were
+    /// not read as received, from their decided masks (module docs).
+    fn settle(&self, k: u64, call: &str) -> Result<()> {
+        let el = self.elastic_state()?;
+        let open = std::mem::take(&mut el.borrow_mut().unsettled);
+        let me = self.topo.rank;
+        let wait = self.wait().elastic();
+        for (q, read) in open.into_iter().enumerate() {
+            let Some(read) = read.filter(|_| !self.gone(q)) else {
+                continue;
+            };
+            let net = self.net()?;
+            let _watch = net.watch_arrivals();
+            let what = || {
+                format!("rank {me}: {call}: waiting for rank {q}'s decided mask of agreement {k}")
+            };
+            let peer = Peer {
+                rank: q,
+                region: None,
+            };
+            let seen = || "not landed".to_string();
+            let landed = wait.until(Some(peer), &what, &seen, || {
+                net.fenced_landed(Channel::Decided, q, k)
+                    .map_or_else(|e| Some(Err(e)), |l| l.then_some(Ok(())))
+            });
+            if self.unless_lost(q, landed.and_then(|r| r))?.is_none() {
+                continue;
+            }
+            let words = net.landing(Channel::Decided, q)?.cast::<u64>().prefix(2)?;
+            let head = self.symm.local().get_vec(words)?;
+            if head[0] != k {
+                return Err(EpError::Protocol(format!(
+                    "rank {me}: {call}: rank {q}'s decided mask is of agreement {}, expected {k}",
+                    head[0]
+                )));
+            }
+            let rounds = u32::try_from(head[1]).unwrap_or(u32::MAX);
+            let skipped = skip_unread(net, q, rounds, read, &wait);
+            self.unless_lost(q, skipped)?;
+        }
+        Ok(())
+    }
+
+    /// Use the decided set: fail if it masks this rank or lacks what this rank
+    /// proposed; else mask its ranks, and remember it as the agreed mask.
+    fn adopt(&self, call: &str, mine: &Bits, decided: &Bits) -> Result<Vec<bool>> {
+        let (me, n) = (self.topo.rank, self.topo.num_ranks);
+        let union = to_mask(decided, n);
+        let lacks_mine = mine.iter().zip(decided).any(|(m, d)| m & !d != 0);
+        if union[me] || lacks_mine {
+            if lacks_mine {
+                tracing::warn!(
+                    rank = me,
+                    "{call}: the survivors decided a mask without this rank's"
+                );
+            }
+            let by: Vec<usize> = (0..n).filter(|&r| r != me && !union[r]).collect();
+            return Err(EpError::Excluded { rank: me, by });
+        }
+        let mut e = self.elastic_state()?.borrow_mut();
+        for (r, &m) in union.iter().enumerate() {
+            if m && !e.masked[r] {
+                e.masked[r] = true;
+                e.why[r] = Some("masked by the other survivors".into());
+            }
+            // Masked during the round (not in the union): this call counts it.
+            e.deferred[r] = e.masked[r] && !m;
+        }
+        e.agreed.clone_from(&union);
+        for w in decided {
+            e.digest = (e.digest ^ w).wrapping_mul(0x0100_0000_01b3);
+        }
+        Ok(union)
+    }
+}
+
+/// A mask as bits, one per rank, in `words` words.
+pub(super) fn to_bits(mask: &[bool], words: usize) -> Bits {
+    let mut w = vec![0u64; words];
+    for (r, _) in mask.iter().enumerate().filter(|(_, &m)| m) {
+        w[r / 64] |= 1 << (r % 64);
+    }
+    w
+}
+
+/// The first `n` bits as a mask.
+pub(super) fn to_mask(bits: &[u64], n: usize) -> Vec<bool> {
+    (0..n).map(|r| bit(bits, r)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_travel_as_bits() {
+        let mut mask = vec![false; 130];
+        for r in [0, 63, 64, 129] {
+            mask[r] = true;
+        }
+        assert_eq!(to_mask(&to_bits(&mask, 3), 130), mask);
+    }
+
+    #[test]
+    fn messages_keep_their_fields() {
+        let set = vec![5, 1];
+        let view = vec![7, 0];
+        let round = Msg::Round {
+            round: 3,
+            set: set.clone(),
+            view,
+        };
+        let w = encode(9, &round);
+        assert_eq!(w[0], stamp(9, 3));
+        assert_eq!(w.len(), 5);
+        let decided = encode(9, &Msg::Decided { set, rounds: 2 });
+        assert_eq!(decided, vec![9, 2, 5, 1]);
+    }
+}
