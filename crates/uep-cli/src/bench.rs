@@ -64,7 +64,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
     } else {
         uep_bootstrap::DEFAULT_GRACE
     };
-    let outcome = uep_bootstrap::launch_local_with_grace(&spec, grace)?;
+    // Victims note the moment they die here, for the survivors' death → masked times.
+    let deaths = std::env::temp_dir().join(format!("uep-deaths-{}", std::process::id()));
+    let mut spec = spec;
+    if !victims.is_empty() {
+        std::fs::create_dir_all(&deaths)?;
+        let dir = deaths.to_string_lossy().into_owned();
+        spec.env.push((crate::chaos::DEATHS_VAR.into(), dir));
+    }
+    let outcome = uep_bootstrap::launch_local_with_grace(&spec, grace);
+    let _ = std::fs::remove_dir_all(&deaths);
+    let outcome = outcome?;
     let mut ok = true;
     for (r, s) in outcome.statuses.iter().enumerate() {
         if victims.contains(&r) {

@@ -5,8 +5,13 @@
 //! between calls), or inside one of the step's agreement rounds after a drawn number of
 //! its messages (between two sends of one round, or after its round messages and
 //! before its decision). At most half of the ranks die, so the rest may go on.
+//!
+//! Every victim (of `--kill` and `--kill-node` too) notes the moment it dies in the
+//! directory the launcher names in `UEP_BENCH_DEATHS`, so that survivors can print
+//! how long after each death they masked the rank ([`death_to_masked_ms`]).
 
-use std::time::Duration;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -83,6 +88,24 @@ pub fn from_args(args: &BenchArgs) -> Vec<Kill> {
     }
 }
 
+/// For each masked rank that left a death note: how long after its death this rank
+/// masked it, in ms.
+pub fn death_to_masked_ms(buffer: &Buffer) -> Vec<(usize, f64)> {
+    let masked_at = buffer.low_latency_masked_at();
+    (0..buffer.num_ranks())
+        .filter_map(|r| {
+            let at = masked_at[r]?;
+            let note = std::fs::read_to_string(death_note(r)?).ok()?;
+            let died = SystemTime::UNIX_EPOCH + Duration::from_nanos(note.trim().parse().ok()?);
+            let ms = match at.duration_since(died) {
+                Ok(d) => d.as_secs_f64() * 1e3,
+                Err(e) => -e.duration().as_secs_f64() * 1e3,
+            };
+            Some((r, ms))
+        })
+        .collect()
+}
+
 /// The ranks `plan` makes victims of.
 pub fn victims(kills: &[Kill]) -> Vec<usize> {
     let mut v: Vec<usize> = kills.iter().map(|k| k.rank).collect();
@@ -101,20 +124,36 @@ pub fn arm(buffer: &mut Buffer, kills: &[Kill], step: u64) -> anyhow::Result<()>
         kill.moment
     );
     match kill.moment {
-        Moment::Start => sigkill_self(),
+        Moment::Start => die(rank),
         Moment::After(d) => {
             std::thread::spawn(move || {
                 std::thread::sleep(d);
-                sigkill_self();
+                die(rank);
             });
         }
-        Moment::Agreement { nth, sends } => buffer.die_in_agreement(nth, sends)?,
+        Moment::Agreement { nth, sends } => {
+            buffer.fault_in_agreement(nth, sends, Box::new(move || die(rank)))?
+        }
     }
     Ok(())
 }
 
-/// SIGKILL this process (a real kill: no unwinding, no exit handlers).
-pub fn sigkill_self() {
+/// The environment variable that names the directory of death notes.
+pub const DEATHS_VAR: &str = "UEP_BENCH_DEATHS";
+
+fn death_note(rank: usize) -> Option<PathBuf> {
+    Some(PathBuf::from(std::env::var_os(DEATHS_VAR)?).join(format!("rank{rank}")))
+}
+
+/// Note the moment of death (nanoseconds since the epoch), then SIGKILL this process
+/// (a real kill: no unwinding, no exit handlers).
+pub fn die(rank: usize) {
+    if let Some(path) = death_note(rank) {
+        let ns = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let _ = std::fs::write(path, ns.to_string());
+    }
     let pid = std::process::id().to_string();
     let _ = std::process::Command::new("kill")
         .args(["-KILL", &pid])
@@ -142,5 +181,34 @@ mod tests {
                 assert!(p.iter().all(|k| (2..22).contains(&k.step)), "{p:?}");
             }
         }
+    }
+
+    /// The long tier's seeds (100..150 on 4 ranks as 2 nodes and 8 as 4) meet every
+    /// kind of moment, whole nodes, and several victims in one run.
+    #[test]
+    fn the_long_tiers_seeds_cover_every_moment() {
+        let (mut start, mut after, mut agreement, mut several, mut nodes) = (0, 0, 0, 0, 0);
+        for seed in 100..150 {
+            for (ranks, n) in [(4, 2), (8, 4)] {
+                let p = plan(seed, ranks, n, 24);
+                for k in &p {
+                    match k.moment {
+                        Moment::Start => start += 1,
+                        Moment::After(_) => after += 1,
+                        Moment::Agreement { .. } => agreement += 1,
+                    }
+                }
+                several += usize::from(p.len() > 1);
+                let per_node = ranks / n;
+                nodes += usize::from((0..n).any(|node| {
+                    (node * per_node..(node + 1) * per_node).all(|r| p.iter().any(|k| k.rank == r))
+                }));
+            }
+        }
+        eprintln!(
+            "victims by moment: start {start}, after {after}, in an agreement {agreement}; \
+             runs with several victims {several}, with a whole node {nodes} (of 100)"
+        );
+        assert!(start.min(after).min(agreement) >= 10 && several >= 20 && nodes >= 10);
     }
 }

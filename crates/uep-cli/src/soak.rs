@@ -123,7 +123,7 @@ fn die_if_victim(args: &BenchArgs, shape: &JobShape, rank: usize, step: u64) {
         "uep soak: rank {rank} (node {node}) SIGKILLs itself at step {step} ({} ms since the epoch)",
         unix_ms()
     );
-    chaos::sigkill_self();
+    chaos::die(rank);
 }
 
 fn unix_ms() -> u128 {
@@ -206,6 +206,7 @@ fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Rec
         .collect();
     let recovered_ms = recovery.first.map(|(_, d)| d.as_secs_f64() * 1e3);
     let (agreements, digest) = buffer.low_latency_agreements();
+    let noticed = chaos::death_to_masked_ms(buffer);
     if args.json {
         let summary = serde_json::json!({
             "rank": rank,
@@ -217,6 +218,7 @@ fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Rec
             "masked_at_step": recovery.first.map(|(step, _)| step),
             "recovered_ms": recovered_ms,
             "agreements": agreements,
+            "death_to_masked_ms": noticed.iter().map(|(r, ms)| (r.to_string(), serde_json::json!(ms))).collect::<serde_json::Map<_, _>>(),
             "agreement_digest": format!("{digest:016x}"),
             "rss_start_kib": s.rss_start,
             "rss_end_kib": s.rss.0,
@@ -242,6 +244,9 @@ fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Rec
         s.mismatches,
         s.faults
     );
+    for (r, ms) in &noticed {
+        println!("  death → masked:  rank {r} in {ms:.0} ms");
+    }
     for (r, why) in buffer.low_latency_mask_reasons().into_iter().enumerate() {
         if let Some(why) = why {
             println!("  rank {r}: {why}");

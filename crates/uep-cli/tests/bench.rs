@@ -536,21 +536,18 @@ fn soak_over_faults_stays_exact_with_stable_memory() {
     );
 }
 
-/// An elastic soak with victims: every survivor reports 0 mismatches, the victims'
-/// ranks masked, and a recovery (the step of the kill) under a second.
-fn elastic_soak(nodes: &str, victims: &[&str], masked: &[u64], extra: &[&str]) {
+/// `uep bench --json --mode ll --elastic --soak STEPS` on a small shape with `more`
+/// flags: must succeed; returns the survivors' reports and the output, for messages.
+fn elastic_run(steps: u64, more: &[&str]) -> (Vec<serde_json::Value>, String) {
+    let steps = steps.to_string();
     let mut args = vec![
         "bench",
         "--json",
-        "--ranks",
-        "4",
-        "--nodes",
-        nodes,
         "--mode",
         "ll",
         "--elastic",
         "--soak",
-        "40",
+        &steps,
         "--experts",
         "16",
         "--ll-tokens",
@@ -559,11 +556,8 @@ fn elastic_soak(nodes: &str, victims: &[&str], masked: &[u64], extra: &[&str]) {
         "256",
         "--topk",
         "4",
-        "--timeout",
-        "60",
     ];
-    args.extend(victims);
-    args.extend(extra);
+    args.extend(more);
     let out = Command::new(env!("CARGO_BIN_EXE_uep"))
         .args(&args)
         .output()
@@ -572,26 +566,28 @@ fn elastic_soak(nodes: &str, victims: &[&str], masked: &[u64], extra: &[&str]) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
-    assert!(
-        out.status.success(),
-        "{args:?}: {}\n{stdout}\n{stderr}",
-        out.status
-    );
-    let reports: Vec<serde_json::Value> = stdout
+    let ctx = format!("uep {}\n{stdout}\n{stderr}", args.join(" "));
+    assert!(out.status.success(), "{}: {ctx}", out.status);
+    let reports = stdout
         .lines()
         .filter(|l| l.starts_with('{'))
         .map(|l| serde_json::from_str(l).expect("JSON line"))
         .collect();
-    assert_eq!(reports.len(), 4 - masked.len(), "{stdout}\n{stderr}");
+    (reports, ctx)
+}
+
+/// An elastic soak with victims: every survivor reports 0 mismatches, the victims'
+/// ranks masked, and a recovery (the step of the kill) under a second.
+fn elastic_soak(nodes: &str, victims: &[&str], masked: &[u64], extra: &[&str]) {
+    let mut more = vec!["--ranks", "4", "--nodes", nodes, "--timeout", "60"];
+    more.extend(victims);
+    more.extend(extra);
+    let (reports, ctx) = elastic_run(40, &more);
+    assert_eq!(reports.len(), 4 - masked.len(), "{ctx}");
     for r in &reports {
         assert_eq!(r["mismatches"], 0, "{r}");
         assert_eq!(r["steps"], 40, "{r}");
-        let got: Vec<u64> = r["masked"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap())
-            .collect();
+        let got: Vec<u64> = serde_json::from_value(r["masked"].clone()).unwrap();
         assert_eq!(got, masked, "{r}");
         let ms = r["recovered_ms"].as_f64().expect("a recovery time");
         assert!(ms < 1000.0, "recovery took {ms} ms: {r}");
@@ -622,49 +618,21 @@ fn elastic_ll_goes_on_without_rank_0() {
 /// `uep bench --chaos SEED` on `ranks` ranks as `nodes` nodes: every survivor checks
 /// all 24 steps bit for bit against the reference for that step's mask, and all of
 /// them agreed on the same masks in the same agreements (the digests); every rank that
-/// did not report is masked.
-fn elastic_chaos(ranks: usize, nodes: usize, seed: u64) {
+/// did not report is masked, and was masked by every survivor within a second of its
+/// death. Returns every survivor's death → masked times, ms.
+fn elastic_chaos(ranks: usize, nodes: usize, seed: u64) -> Vec<f64> {
     let (ranks_s, nodes_s, seed_s) = (ranks.to_string(), nodes.to_string(), seed.to_string());
-    let args = [
-        "bench",
-        "--json",
+    let more = [
         "--ranks",
         &ranks_s,
         "--nodes",
         &nodes_s,
-        "--mode",
-        "ll",
-        "--elastic",
-        "--soak",
-        "24",
-        "--experts",
-        "16",
-        "--ll-tokens",
-        "24",
-        "--hidden",
-        "256",
-        "--topk",
-        "4",
         "--timeout",
         "30",
         "--chaos",
         &seed_s,
     ];
-    let out = Command::new(env!("CARGO_BIN_EXE_uep"))
-        .args(args)
-        .output()
-        .expect("run uep");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    let ctx = format!("uep {}\n{stdout}\n{stderr}", args.join(" "));
-    assert!(out.status.success(), "{}: {ctx}", out.status);
-    let reports: Vec<serde_json::Value> = stdout
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).expect("JSON line"))
-        .collect();
+    let (reports, ctx) = elastic_run(24, &more);
     assert!(!reports.is_empty(), "no survivor: {ctx}");
     let first = &reports[0];
     for r in &reports {
@@ -682,6 +650,19 @@ fn elastic_chaos(ranks: usize, nodes: usize, seed: u64) {
             "rank {rank} neither reported nor masked: {ctx}"
         );
     }
+    let mut noticed = Vec::new();
+    for r in &reports {
+        for rank in &masked {
+            let ms = r["death_to_masked_ms"][rank.to_string()].as_f64();
+            let ms = ms.unwrap_or_else(|| panic!("no death → masked time for rank {rank}: {ctx}"));
+            assert!(
+                (0.0..1000.0).contains(&ms),
+                "rank {rank} masked {ms} ms after its death: {ctx}"
+            );
+            noticed.push(ms);
+        }
+    }
+    noticed
 }
 
 #[test]
@@ -696,10 +677,20 @@ fn elastic_chaos_quick() {
 #[test]
 #[ignore = "long tier: ~3 minutes"]
 fn elastic_chaos_fifty_seeds() {
+    let mut noticed = Vec::new();
     for seed in 100..150 {
-        elastic_chaos(4, 2, seed);
-        elastic_chaos(8, 4, seed);
+        noticed.extend(elastic_chaos(4, 2, seed));
+        noticed.extend(elastic_chaos(8, 4, seed));
     }
+    noticed.sort_by(f64::total_cmp);
+    let at = |q: f64| noticed[((noticed.len() - 1) as f64 * q) as usize];
+    eprintln!(
+        "death → masked over {} (survivor, victim) pairs: median {:.0} ms, p90 {:.0} ms, max {:.0} ms",
+        noticed.len(),
+        at(0.5),
+        at(0.9),
+        at(1.0)
+    );
 }
 
 /// The ranks of `uep bench` die with it: SIGKILL the launcher mid-run, and every rank

@@ -141,7 +141,13 @@ impl Agreement {
         if self.decided.is_some() {
             return None;
         }
-        (0..64 * self.view.len()).find(|&r| self.awaits(r))
+        let (i, w) = self.awaited().enumerate().find(|&(_, w)| w != 0)?;
+        Some(64 * i + w.trailing_zeros() as usize)
+    }
+
+    /// The ranks this round still awaits, a word at a time.
+    fn awaited(&self) -> impl Iterator<Item = u64> + '_ {
+        (self.view.iter().zip(&self.heard).zip(&self.gone)).map(|((v, h), g)| v & !h & !g)
     }
 
     fn awaits(&self, r: usize) -> bool {
@@ -185,7 +191,7 @@ impl Agreement {
     /// Once nothing is awaited: decide (the rule: nobody new found gone, and every
     /// rank heard had the same view), or begin the next round with the ranks heard.
     fn end_of_round(&mut self) -> Option<Msg> {
-        if (0..64 * self.view.len()).any(|r| self.awaits(r)) {
+        if self.awaited().any(|w| w != 0) {
             return None;
         }
         let alone = count(&self.heard) == 1;

@@ -478,6 +478,12 @@ impl Buffer {
         self.cx.low_latency_mask_reasons()
     }
 
+    /// `[rank]`: when this rank masked it (`None`: not masked); with the time a rank
+    /// died, how long the survivors took to notice.
+    pub fn low_latency_masked_at(&self) -> Vec<Option<std::time::SystemTime>> {
+        self.cx.low_latency_masked_at()
+    }
+
     /// The mask the last low-latency combine used (its agreed mask).
     pub fn low_latency_last_combine_mask(&self) -> Vec<bool> {
         self.cx.low_latency_last_combine_mask()
@@ -502,11 +508,17 @@ impl Buffer {
         self.cx.agreements()
     }
 
-    /// Fault injection for tests: SIGKILL this process in the agreement `after`
-    /// agreements from now (0: the next), once it has sent `sends` of its messages.
+    /// Fault injection for tests: run `fault` (`uep bench --chaos`: SIGKILL this
+    /// process) in the agreement `after` agreements from now (0: the next), once this
+    /// rank has sent `sends` of its messages.
     #[doc(hidden)]
-    pub fn die_in_agreement(&mut self, after: u64, sends: usize) -> Result<()> {
-        self.cx.die_in_agreement(after, sends)
+    pub fn fault_in_agreement(
+        &mut self,
+        after: u64,
+        sends: usize,
+        fault: Box<dyn FnOnce() + Send>,
+    ) -> Result<()> {
+        self.cx.fault_in_agreement(after, sends, fault)
     }
 }
 

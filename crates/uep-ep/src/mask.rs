@@ -1,6 +1,20 @@
 //! The state of elastic mode: which ranks are masked and why (see [`crate::elastic`]
 //! for what masking does and how the survivors agree on it).
 
+/// Fault injection (`Buffer::fault_in_agreement`): run `run` in agreement `k` once
+/// `sends` messages are sent.
+pub(crate) struct Fault {
+    pub(crate) k: u64,
+    pub(crate) sends: usize,
+    pub(crate) run: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl std::fmt::Debug for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fault {{ k: {}, sends: {} }}", self.k, self.sends)
+    }
+}
+
 /// The mask and what led to it.
 #[derive(Debug)]
 pub(crate) struct Elastic {
@@ -8,6 +22,8 @@ pub(crate) struct Elastic {
     pub(crate) masked: Vec<bool>,
     /// `[rank]`: why it was masked.
     pub(crate) why: Vec<Option<String>>,
+    /// `[rank]`: when it was masked (this time).
+    pub(crate) masked_at: Vec<Option<std::time::SystemTime>>,
     /// `[rank]`: found gone (dead or unreachable) rather than masked by the caller:
     /// nothing is sent to it any more, not even agreement messages.
     pub(crate) gone: Vec<bool>,
@@ -24,8 +40,8 @@ pub(crate) struct Elastic {
     pub(crate) agreed: Vec<bool>,
     /// A digest of every decided mask so far (FNV-1a over their bits).
     pub(crate) digest: u64,
-    /// Fault injection: die in agreement `.0` once `.1` messages are sent.
-    pub(crate) die_at: Option<(u64, usize)>,
+    /// Fault injection: where to die.
+    pub(crate) fault: Option<Fault>,
     /// `[rank]`: a rank on another node whose decided mask the last agreement did not
     /// read, and how many of its round messages it read (`elastic::mailbox`).
     pub(crate) unsettled: Vec<Option<u32>>,
@@ -34,10 +50,24 @@ pub(crate) struct Elastic {
 }
 
 impl Elastic {
+    /// Mask `rank` (sticky), noting when if it was not masked.
+    pub(crate) fn mask(&mut self, rank: usize) {
+        self.masked[rank] = true;
+        self.masked_at[rank].get_or_insert_with(std::time::SystemTime::now);
+    }
+
+    /// Unmask `rank`.
+    pub(crate) fn unmask(&mut self, rank: usize) {
+        self.masked[rank] = false;
+        self.masked_at[rank] = None;
+        self.why[rank] = None;
+    }
+
     pub(crate) fn new(num_ranks: usize) -> Elastic {
         Elastic {
             masked: vec![false; num_ranks],
             why: vec![None; num_ranks],
+            masked_at: vec![None; num_ranks],
             gone: vec![false; num_ranks],
             unreachable: vec![false; num_ranks],
             deferred: vec![false; num_ranks],
@@ -45,7 +75,7 @@ impl Elastic {
             agreed: vec![false; num_ranks],
             unsettled: vec![None; num_ranks],
             digest: 0xcbf2_9ce4_8422_2325,
-            die_at: None,
+            fault: None,
             last_combine: vec![false; num_ranks],
         }
     }

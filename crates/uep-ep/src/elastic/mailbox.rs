@@ -99,7 +99,9 @@ impl<'a> Mailbox<'a> {
                 self.sent.set(self.sent.get() + 1);
                 match self.cx.topo.is_local(r) {
                     true => self.store(r, msg, &words)?,
-                    false => self.send(r, msg, &words)?,
+                    // A peer found gone while its last packet is in flight is masked,
+                    // as a wait on it would (its round is then resolved as gone).
+                    false => drop(self.cx.unless_lost(r, self.send(r, msg, &words))?),
                 }
             }
         }
@@ -311,7 +313,10 @@ impl Ctx {
             let heard = mail.hear(q, a.round())?;
             mail.post(&a.hear(q, heard)?)?;
         }
-        let decided = a.decided().cloned().unwrap_or(mine.clone());
+        // Nothing left to await means decided (`Agreement::next_awaited`).
+        let decided = a.decided().cloned().ok_or_else(|| {
+            EpError::internal(format!("rank {me}: {call}: agreement {k} ended undecided"))
+        })?;
         el.borrow_mut().unsettled = mail.unsettled();
         self.adopt(call, &mine, &decided)
     }
@@ -386,7 +391,7 @@ impl Ctx {
         let mut e = self.elastic_state()?.borrow_mut();
         for (r, &m) in union.iter().enumerate() {
             if m && !e.masked[r] {
-                e.masked[r] = true;
+                e.mask(r);
                 e.why[r] = Some("masked by the other survivors".into());
             }
             // Masked during the round (not in the union): this call counts it.

@@ -38,7 +38,7 @@ use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::liveness::Gone;
-use crate::mask::Elastic;
+use crate::mask::{Elastic, Fault};
 
 impl Ctx {
     /// `[rank]`: whether the rank is masked (DeepEP's
@@ -63,6 +63,14 @@ impl Ctx {
     pub(crate) fn ll_call_begins(&self) {
         if let Some(e) = &self.elastic {
             e.borrow_mut().deferred.fill(false);
+        }
+    }
+
+    /// When each masked rank was masked (`None` for the others).
+    pub(crate) fn low_latency_masked_at(&self) -> Vec<Option<std::time::SystemTime>> {
+        match &self.elastic {
+            Some(e) => e.borrow().masked_at.clone(),
+            None => vec![None; self.topo.num_ranks],
         }
     }
 
@@ -95,12 +103,11 @@ impl Ctx {
         }
         let mut e = e.borrow_mut();
         if mask {
-            e.masked[rank] = true;
+            e.mask(rank);
             e.deferred[rank] = false;
             e.why[rank].get_or_insert_with(|| format!("masked by rank {me}'s caller"));
         } else if !e.gone[rank] {
-            e.masked[rank] = false;
-            e.why[rank] = None;
+            e.unmask(rank);
         }
         Ok(())
     }
@@ -111,8 +118,7 @@ impl Ctx {
         let mut e = self.elastic_state()?.borrow_mut();
         for r in 0..e.masked.len() {
             if !e.gone[r] {
-                e.masked[r] = false;
-                e.why[r] = None;
+                e.unmask(r);
             }
         }
         Ok(())
@@ -141,30 +147,31 @@ impl Ctx {
         })
     }
 
-    /// Fault injection (`Buffer::die_in_agreement`).
-    pub(crate) fn die_in_agreement(&self, after: u64, sends: usize) -> Result<()> {
+    /// Fault injection (`Buffer::fault_in_agreement`).
+    pub(crate) fn fault_in_agreement(
+        &self,
+        after: u64,
+        sends: usize,
+        fault: Box<dyn FnOnce() + Send>,
+    ) -> Result<()> {
         let mut e = self.elastic_state()?.borrow_mut();
-        e.die_at = Some((e.round + 1 + after, sends));
+        e.fault = Some(Fault {
+            k: e.round + 1 + after,
+            sends,
+            run: Some(fault),
+        });
         Ok(())
     }
 
-    /// SIGKILL this process if the fault injection says so for the `sent`-th send of
-    /// agreement `k`.
+    /// Run the injected fault if it is due before the `sent`-th send of agreement `k`.
     pub(crate) fn fault_point(&self, k: u64, sent: usize) {
-        let due = self
-            .elastic
-            .as_ref()
-            .is_some_and(|e| e.borrow().die_at == Some((k, sent)));
-        if due {
-            eprintln!(
-                "uep: rank {} SIGKILLs itself in agreement {k} after {sent} sends (fault injection)",
-                self.topo.rank
-            );
-            let pid = std::process::id().to_string();
-            let _ = std::process::Command::new("kill")
-                .args(["-KILL", &pid])
-                .status();
-            std::thread::sleep(std::time::Duration::from_secs(3600));
+        let fault = self.elastic.as_ref().and_then(|e| {
+            let mut e = e.borrow_mut();
+            let f = e.fault.as_mut().filter(|f| (f.k, f.sends) == (k, sent))?;
+            f.run.take()
+        });
+        if let Some(fault) = fault {
+            fault();
         }
     }
 
@@ -223,7 +230,7 @@ impl Ctx {
         );
         {
             let mut e = el.borrow_mut();
-            e.masked[rank] = true;
+            e.mask(rank);
             e.gone[rank] = true;
             e.unreachable[rank] |= unreachable;
             e.why[rank] = why;
