@@ -52,9 +52,10 @@
 //! Integrity (each survivor's own set is in the decision) follows from 2: a decider
 //! heard every survivor. Termination: each round waits only for ranks that either send
 //! or die, and views differ only over dead ranks, so there are at most about two rounds
-//! per death plus one. The module's tests run a million random schedules (crashes
-//! between two sends of one broadcast, messages lost with their sender, late
-//! detection) through this code and check agreement, integrity and termination.
+//! per death plus one. The module's tests run random schedules (crashes between two
+//! sends of one broadcast, messages lost with their sender, late detection) through
+//! this code, 250,000 in the long tier, and check agreement, integrity and
+//! termination.
 //!
 //! A rank found *unreachable* rather than dead breaks the detector's promise; the
 //! partition rule of [`crate::elastic`] handles that, and a rank that learns a decision
@@ -598,9 +599,9 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "long tier: a million schedules, ~2 minutes"]
-    fn survivors_agree_under_a_million_failure_schedules() {
-        survivors_agree(1 << 32, 1_000_000);
+    #[ignore = "long tier: 250,000 schedules, ~25 s"]
+    fn survivors_agree_under_many_failure_schedules() {
+        survivors_agree(1 << 32, 250_000);
     }
 
     /// Without the view check, early decision is not safe here: a rank found gone by
