@@ -536,15 +536,20 @@ fn soak_over_faults_stays_exact_with_stable_memory() {
     );
 }
 
-/// `uep bench --json --mode ll --elastic --soak STEPS` on a small shape with `more`
-/// flags: must succeed; returns the survivors' reports and the output, for messages.
+/// `uep bench --json --elastic --soak STEPS` on a small shape with `more` flags (low-
+/// latency mode unless they say otherwise): must succeed; returns the survivors'
+/// reports and the output, for messages.
 fn elastic_run(steps: u64, more: &[&str]) -> (Vec<serde_json::Value>, String) {
     let steps = steps.to_string();
+    let mode = match more.contains(&"--mode") {
+        true => vec![],
+        false => vec!["--mode", "ll"],
+    };
     let mut args = vec![
         "bench",
         "--json",
-        "--mode",
-        "ll",
+        "--tokens",
+        "64",
         "--elastic",
         "--soak",
         &steps,
@@ -557,6 +562,7 @@ fn elastic_run(steps: u64, more: &[&str]) -> (Vec<serde_json::Value>, String) {
         "--topk",
         "4",
     ];
+    args.extend(mode);
     args.extend(more);
     let out = Command::new(env!("CARGO_BIN_EXE_uep"))
         .args(&args)
@@ -663,6 +669,28 @@ fn elastic_chaos(ranks: usize, nodes: usize, seed: u64) -> Vec<f64> {
         }
     }
     noticed
+}
+
+/// Normal mode on an elastic Buffer across nodes, between agreements: it settles the
+/// agreement's streams first (nobody dies here; every rank reports).
+#[test]
+fn elastic_buffer_runs_normal_mode_between_agreements() {
+    let more = [
+        "--ranks",
+        "4",
+        "--nodes",
+        "2",
+        "--mode",
+        "all",
+        "--timeout",
+        "30",
+    ];
+    let (reports, ctx) = elastic_run(8, &more);
+    assert_eq!(reports.len(), 4, "{ctx}");
+    for r in &reports {
+        assert_eq!(r["mismatches"], 0, "{ctx}");
+        assert_eq!(r["agreements"], 16, "{ctx}");
+    }
 }
 
 #[test]

@@ -11,9 +11,8 @@
 //! A rank that decides without reading every round message a peer sent it (it decided
 //! first, or adopted a decision) leaves them in that peer's stream; the peer's decided
 //! mask says how many it sent, and the next agreement counts the rest as received
-//! before its first read ([`Ctx::settle`]). Nothing else reads the stream of an elastic
-//! Buffer in between: only a death causes more than one round, and normal mode refuses
-//! to run with a masked rank.
+//! before its first read ([`Ctx::settle`]), and a normal call on an elastic Buffer
+//! before its own (normal mode reads the same streams).
 //!
 //! Slots are reused safely: a round's slot is written again two rounds later, which no
 //! rank reaches before every rank that awaits the sender has read it; a decided mask
@@ -321,12 +320,12 @@ impl Ctx {
         self.adopt(call, &mine, &decided)
     }
 
-    /// Before the network path closes: wait for what peers on other nodes still send
-    /// this rank from the last agreement (their decided masks), so that their proxies
-    /// are not left holding writes to a closed endpoint.
+    /// Settle the last agreement now (module docs): before a normal call reads the
+    /// streams, and before the network path closes, so that peers' proxies are not
+    /// left holding writes (their decisions) to a closed endpoint.
     pub(crate) fn settle_last(&self) -> Result<()> {
         let k = self.elastic_state()?.borrow().round;
-        self.settle(k, "closing the Buffer")
+        self.settle(k, "settling the last agreement")
     }
 
     /// Count the round messages peers on other nodes sent in agreement `k` that were

@@ -187,8 +187,13 @@ impl Ctx {
             .is_some_and(|e| e.borrow().masked[rank])
     }
 
-    /// Normal mode needs every rank.
+    /// Normal mode needs every rank, and the ordered streams it reads settled: round
+    /// messages of the last agreement that were not read are counted first
+    /// ([`mailbox`]).
     pub(crate) fn require_every_rank(&self, call: &str) -> Result<()> {
+        if self.elastic.is_some() {
+            self.settle_last()?;
+        }
         let masked: Vec<usize> = (0..self.topo.num_ranks)
             .filter(|&r| self.masked(r))
             .collect();
