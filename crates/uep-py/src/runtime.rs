@@ -763,25 +763,13 @@ impl Runtime {
             .as_ref()
             .and_then(|b| b.config().normal)
             .map_or(0, |s| s.num_experts);
-        let mut args = DispatchArgs::new(p.tokens())
+        let lanes = match all_weight_lanes {
+            true => WeightLanes::All,
+            false => WeightLanes::Local,
+        };
+        let args = dispatch_args(&p, handle.as_deref(), lanes)
             .expert_alignment(expert_alignment)
-            .num_worst_tokens(num_worst_tokens)
-            .weight_lanes(match all_weight_lanes {
-                true => WeightLanes::All,
-                false => WeightLanes::Local,
-            });
-        if let Some(h) = &handle {
-            args = args.cached(&h.inner);
-        }
-        if let Some(i) = &p.topk_idx {
-            args = args.topk(
-                i.slice::<i64>(),
-                p.topk_weights.as_ref().map(|w| w.slice::<f32>()),
-            );
-        }
-        if let Some(l) = &p.layout {
-            args = args.layout(l);
-        }
+            .num_worst_tokens(num_worst_tokens);
         let (out, counts) = self.dispatch_growing(py, &mut st, args)?;
         let generation = st.generation;
         let buffer = Self::buffer(&mut st)?;
@@ -1366,4 +1354,25 @@ impl LlHandlePy {
     fn num_tokens(&self) -> usize {
         self.inner.num_tokens
     }
+}
+
+/// The normal dispatch's arguments from parsed input: the tokens, their top-k (and
+/// weights), the layout, and the handle of a cached dispatch.
+fn dispatch_args<'a>(
+    p: &'a NormalIn,
+    handle: Option<&'a NormalHandlePy>,
+    lanes: WeightLanes,
+) -> DispatchArgs<'a> {
+    let mut args = DispatchArgs::new(p.tokens()).weight_lanes(lanes);
+    if let Some(h) = handle {
+        args = args.cached(&h.inner);
+    }
+    if let Some(i) = &p.topk_idx {
+        let weights = p.topk_weights.as_ref().map(|w| w.slice::<f32>());
+        args = args.topk(i.slice::<i64>(), weights);
+    }
+    if let Some(l) = &p.layout {
+        args = args.layout(l);
+    }
+    args
 }
