@@ -40,7 +40,7 @@ pub(crate) struct Elastic {
     pub(crate) agreed: Vec<bool>,
     /// A digest of every decided mask so far (FNV-1a over their bits).
     pub(crate) digest: u64,
-    /// Fault injection: where to die.
+    /// Fault injection: what to run, in which agreement, before which send.
     pub(crate) fault: Option<Fault>,
     /// `[rank]`: a rank on another node whose decided mask the last agreement did not
     /// read, and how many of its round messages it read (`elastic::mailbox`).

@@ -184,7 +184,10 @@ impl<'a> Mailbox<'a> {
             }
         })?;
         match decided {
-            true => self.decode_decided(q, self.k, &local.get_vec(d_rest)?),
+            true => {
+                let (rounds, set) = decided_parts(&local.get_vec(d_rest)?, self.words);
+                Ok(Msg::Decided { set, rounds })
+            }
             false => self.decode_round(q, round, want, &local.get_vec(r_rest)?),
         }
     }
@@ -208,14 +211,10 @@ impl<'a> Mailbox<'a> {
         })??;
         let local = self.cx.symm.local();
         let Some(area) = landed else {
-            let area = net.landing(Channel::Decided, q)?.cast::<u64>();
-            let all = local.get_vec(area.prefix(2 + self.words)?)?;
-            let msg = self.decode_decided(q, all[0], &all[1..])?;
-            if let Msg::Decided { rounds, .. } = &msg {
-                skip_unread(net, q, *rounds, self.read[q], &self.wait)?;
-            }
+            let (rounds, set) = self.cx.landed_decision(q, self.k, self.call)?;
+            skip_unread(net, q, rounds, self.read[q], &self.wait)?;
             self.decided[q] = true;
-            return Ok(msg);
+            return Ok(Msg::Decided { set, rounds });
         };
         let all = local.get_vec(area.cast::<u64>().prefix(1 + 2 * self.words)?)?;
         self.read[q] += 1;
@@ -224,33 +223,19 @@ impl<'a> Mailbox<'a> {
 
     /// `q`'s round message from its stamp and the rest, checked against the round.
     fn decode_round(&self, q: usize, round: u32, first: u64, rest: &[u64]) -> Result<Msg> {
-        self.expect(q, first, stamp(self.k, round))?;
+        let want = stamp(self.k, round);
+        if first != want {
+            return Err(EpError::Protocol(format!(
+                "rank {}: {}: agreement {}: rank {q} sent a round message stamped {first:#x}, expected {want:#x}",
+                self.cx.topo.rank, self.call, self.k
+            )));
+        }
         let w = self.words;
         Ok(Msg::Round {
             round,
             set: rest[..w].to_vec(),
             view: rest[w..2 * w].to_vec(),
         })
-    }
-
-    /// `q`'s decided mask from its first word and the rest, checked against this
-    /// agreement.
-    fn decode_decided(&self, q: usize, first: u64, rest: &[u64]) -> Result<Msg> {
-        self.expect(q, first, self.k)?;
-        Ok(Msg::Decided {
-            rounds: u32::try_from(rest[0]).unwrap_or(u32::MAX),
-            set: rest[1..1 + self.words].to_vec(),
-        })
-    }
-
-    fn expect(&self, q: usize, first: u64, want: u64) -> Result<()> {
-        if first == want {
-            return Ok(());
-        }
-        Err(EpError::Protocol(format!(
-            "rank {}: {}: agreement {}: rank {q} sent a message stamped {first:#x}, expected {want:#x}",
-            self.cx.topo.rank, self.call, self.k
-        )))
     }
 
     /// The ranks on other nodes whose decided mask was not read, with the round
@@ -266,6 +251,12 @@ impl<'a> Mailbox<'a> {
             })
             .collect()
     }
+}
+
+/// `(rounds, set)` of a decided mask from its words after the agreement's number.
+fn decided_parts(rest: &[u64], words: usize) -> (u32, Bits) {
+    let rounds = u32::try_from(rest[0]).unwrap_or(u32::MAX);
+    (rounds, rest[1..1 + words].to_vec())
 }
 
 /// `q`'s stream holds `rounds` round messages of an agreement, `read` of them read:
@@ -340,35 +331,33 @@ impl Ctx {
                 continue;
             };
             let net = self.net()?;
-            let _watch = net.watch_arrivals();
             let what = || {
                 format!("rank {me}: {call}: waiting for rank {q}'s decided mask of agreement {k}")
             };
-            let peer = Peer {
-                rank: q,
-                region: None,
-            };
-            let seen = || "not landed".to_string();
-            let landed = wait.until(Some(peer), &what, &seen, || {
-                net.fenced_landed(Channel::Decided, q, k)
-                    .map_or_else(|e| Some(Err(e)), |l| l.then_some(Ok(())))
-            });
-            if self.unless_lost(q, landed.and_then(|r| r))?.is_none() {
+            let landed = net.wait_fenced(Channel::Decided, q, 0, k, &wait, &what);
+            if self.unless_lost(q, landed)?.is_none() {
                 continue;
             }
-            let words = net.landing(Channel::Decided, q)?.cast::<u64>().prefix(2)?;
-            let head = self.symm.local().get_vec(words)?;
-            if head[0] != k {
-                return Err(EpError::Protocol(format!(
-                    "rank {me}: {call}: rank {q}'s decided mask is of agreement {}, expected {k}",
-                    head[0]
-                )));
-            }
-            let rounds = u32::try_from(head[1]).unwrap_or(u32::MAX);
+            let (rounds, _) = self.landed_decision(q, k, call)?;
             let skipped = skip_unread(net, q, rounds, read, &wait);
             self.unless_lost(q, skipped)?;
         }
         Ok(())
+    }
+
+    /// Rank `q`'s decided mask of agreement `k`, landed through the network path:
+    /// `(rounds, set)`.
+    fn landed_decision(&self, q: usize, k: u64, call: &str) -> Result<(u32, Bits)> {
+        let words = 2 + self.map.control.mask_words;
+        let area = self.net()?.landing(Channel::Decided, q)?.cast::<u64>();
+        let all = self.symm.local().get_vec(area.prefix(words)?)?;
+        if all[0] != k {
+            return Err(EpError::Protocol(format!(
+                "rank {}: {call}: rank {q}'s decided mask is of agreement {}, expected {k}",
+                self.topo.rank, all[0]
+            )));
+        }
+        Ok(decided_parts(&all[1..], words - 2))
     }
 
     /// Use the decided set: fail if it masks this rank or lacks what this rank

@@ -496,7 +496,7 @@ impl NetPath {
             Channel::LlCombine(b) => (1, b),
             // The key after every LL buffer's (`map::fence_keys`).
             Channel::Decided if le == 0 => {
-                return Ok((1, (LL_BUFFERS * self.areas.fence_experts) as u16))
+                return Ok((1, (fence_keys(self.areas.fence_experts) - 1) as u16))
             }
             _ => return Err(EpError::internal(format!("{ch:?} has no fence key {le}"))),
         };
@@ -649,20 +649,21 @@ impl NetPath {
         wait: &Wait<'_>,
         what: &dyn Fn() -> String,
     ) -> Result<Area<u8>> {
-        if ch.is_fenced() {
-            return Err(EpError::internal(format!("{ch:?} is fenced, not streamed")));
+        if let Some(landing) = self.try_recv(ch, src)? {
+            return Ok(landing);
         }
-        let received = &self.received[src];
-        let target = received.get() + 1;
         let tail = self.region.word(self.areas.tails, src)?;
-        self.wait_landed(tail, target, src, wait, what)?;
-        received.set(target);
-        self.areas.landing(ch, src)
+        self.wait_landed(tail, self.received[src].get() + 1, src, wait, what)?;
+        self.try_recv(ch, src)?
+            .ok_or_else(|| EpError::internal(format!("rank {src}'s packet landed and is gone")))
     }
 
     /// The next packet from `src` in the stream of `ch`, if it has landed (as
     /// [`NetPath::recv`], without waiting).
     pub fn try_recv(&self, ch: Channel, src: usize) -> Result<Option<Area<u8>>> {
+        if ch.is_fenced() {
+            return Err(EpError::internal(format!("{ch:?} is fenced, not streamed")));
+        }
         let received = &self.received[src];
         let tail = self.region.word(self.areas.tails, src)?;
         if tail.load(Ordering::Acquire) <= received.get() {
