@@ -1,6 +1,6 @@
-"""Elastic low-latency mode (``enable_shrink=True``): ranks SIGKILLed mid-run are
-masked on every survivor, the survivors go on, and every step stays exact against the
-reference without them; normal mode refuses to run without every rank."""
+"""Elastic mode (``enable_shrink=True``): ranks SIGKILLed mid-run are masked on every
+survivor, the survivors go on, and every step of either mode stays exact against the
+reference without them."""
 
 import pytest
 
@@ -35,6 +35,20 @@ def test_a_killed_node_is_masked_and_the_other_goes_on():
     results = launch("elastic", 4, env=env, killed=(2, 3), victims=(2, 3), kill_step=5)
     for r in range(2):
         assert results[r]["masked"] == [2, 3], results[r]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("after_dispatch", [False, True])
+def test_normal_mode_goes_on_without_a_killed_rank(nodes, after_dispatch):
+    # Across nodes rank 3 relays rank 1's tokens into node 1; killed after its dispatch,
+    # the combine needs a substitute that never saw rank 1's dispatch packet.
+    env = {"UEP_RANKS_PER_NODE": str(4 // nodes), "UEP_TIMEOUT_S": "60"}
+    results = launch("elastic_normal", 4, env=env, killed=(3,), victims=(3,), kill_step=4,
+                     die_after_dispatch=after_dispatch)
+    for r in range(3):
+        assert results[r]["masked"] == [3], results[r]
+        assert results[r]["first_masked"] == 4 + after_dispatch, results[r]
+        assert results[r]["refused"] is True, results[r]
 
 
 def test_the_mask_api_needs_enable_shrink():

@@ -874,6 +874,86 @@ def elastic(ctx: Ctx, victims: Tuple[int, ...], kill_step: int, steps: int = 12,
     return {"masked": sorted(masked), "first_masked": first_masked, "steps": steps, "reasons": reasons}
 
 
+def elastic_normal(ctx: Ctx, victims: Tuple[int, ...], kill_step: int, steps: int = 10,
+                   num_tokens: int = 32, hidden: int = 256, num_experts: int = 16, num_topk: int = 4,
+                   die_after_dispatch: bool = False) -> Dict[str, Any]:
+    """Elastic normal mode: ``victims`` SIGKILL themselves at ``kill_step`` (with
+    ``die_after_dispatch``, once that step's dispatch returned: the survivors' combine
+    loses their rows, and across nodes a relay); every survivor checks each dispatch and
+    combine exactly against a torch reference without the ranks the mask read right
+    after the call names; a cached dispatch through a handle made before the death is
+    refused, and the Buffer goes on."""
+    import signal
+    rank, R = ctx.rank, ctx.world
+    E, K, epr = num_experts, num_topk, num_experts // R
+    buffer = ctx.buffer(int(2e9), int(1e9), enable_shrink=True)
+
+    def inputs(r: int, step: int):
+        g = torch.Generator().manual_seed(1000 * step + r)
+        x = torch.randn((num_tokens, hidden), generator=g).to(torch.bfloat16)
+        scores = torch.rand((num_tokens, E), generator=g)
+        idx = torch.topk(scores, K, dim=-1, sorted=False)[1].to(deep_ep.topk_idx_t)
+        idx[torch.rand((num_tokens, K), generator=g) < 0.1] = -1
+        w = torch.rand((num_tokens, K), generator=g)
+        return x, idx, w
+
+    def masked_now() -> set:
+        status = torch.zeros(R, dtype=torch.int32)
+        buffer.low_latency_query_mask_buffer(status)
+        return {r for r in range(R) if status[r]}
+
+    def ranks_of(idx: torch.Tensor, r: int) -> torch.Tensor:
+        """[T] whether each token has an expert on rank ``r``."""
+        return ((idx >= 0) & (idx // epr == r)).any(dim=1)
+
+    first_masked, refused, masked, handle = None, None, set(), None
+    for step in range(steps):
+        dies = rank in victims and step == kill_step
+        if dies and not die_after_dispatch:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, idx, w = inputs(rank, step)
+        per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+        before = handle
+        recv_x, _, recv_w, recv_list, handle, _ = buffer.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert)
+        masked = masked_now()
+        # Rows from every source not masked, by source rank then token; per local
+        # expert, their (token, slot) pairs.
+        want_x, want_list = [], [0] * epr
+        for s in (s for s in range(R) if s not in masked):
+            xs, idxs, _ = inputs(s, step)
+            want_x.append(xs[ranks_of(idxs, rank)])
+            for le in range(epr):
+                want_list[le] += int((idxs == rank * epr + le).sum())
+        assert torch.equal(recv_x, torch.cat(want_x)), (step, masked)
+        assert recv_list == want_list, (step, recv_list, want_list, masked)
+        if dies:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if masked and first_masked is None:
+            first_masked = step
+            # The last step's handle still routes to the masked ranks: refused, alike
+            # on every survivor, and the Buffer stays usable.
+            try:
+                buffer.dispatch(x, handle=before)
+                refused = False
+            except deep_ep.UepError as e:
+                refused = "masked" in str(e) and "cached" in str(e)
+        combined_x, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+        masked = masked_now()
+        # Identity experts: each live rank that got a token returns it once. With at
+        # most four ranks, and node partials of at most two, every sum is exact in f32
+        # until the one rounding to bf16, so the order of the sum does not matter.
+        live = [r for r in range(R) if r not in masked]
+        count = sum(ranks_of(idx, r).to(torch.float32) for r in live)
+        assert torch.equal(combined_x, (x.float() * count.unsqueeze(1)).to(torch.bfloat16)), (step, masked)
+        kept = (idx >= 0) & torch.tensor([[int(e) // epr in live for e in row] for row in idx])
+        assert torch.equal(combined_w, torch.where(kept, w, torch.zeros(()))), (step, masked)
+    buffer.destroy()
+    return {"masked": sorted(masked), "first_masked": first_masked, "refused": refused}
+
+
 def mask_without_shrink(ctx: Ctx) -> Dict[str, Any]:
     buffer = ctx.buffer(int(2e9), int(1e9))
     try:

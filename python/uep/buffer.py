@@ -228,11 +228,13 @@ class Buffer:
         allow_mnnvl, use_fabric: accepted for compatibility (one uep Buffer serves
             normal and low-latency calls alike; the rest concern NVSHMEM and NVLink).
         explicitly_destroy: whether ``destroy()`` must be called (collectively).
-        enable_shrink: elastic low-latency mode (DeepEP's shrink mode): a rank found dead
-            or unreachable is masked on every survivor and low-latency calls go on without
-            it (its tokens count 0, its experts contribute nothing); see the three
-            ``low_latency_*_mask_buffer`` methods and the ``active_ranks`` keyword of the
-            low-latency calls. Normal mode still needs every rank.
+        enable_shrink: elastic mode (DeepEP's shrink mode): a rank found dead or
+            unreachable is masked on every survivor and the calls of both modes go on
+            without it (its tokens count 0, its experts contribute nothing; a normal call
+            that loses a rank runs again without it, and a cached dispatch through a
+            handle made before the loss is refused); see the three
+            ``low_latency_*_mask_buffer`` methods (the mask read right after a call is
+            the one it used) and the ``active_ranks`` keyword of the low-latency calls.
         comm: an mpi4py communicator to bootstrap over instead of ``group``.
 
     Environment: ``UEP_TIMEOUT_S`` (deadline of every wait, default 100 s),

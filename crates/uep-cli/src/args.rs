@@ -131,9 +131,9 @@ pub struct BenchArgs {
     /// injected and memory.
     #[arg(long, value_name = "STEPS", conflicts_with_all = ["cached", "inputs"])]
     pub soak: Option<u64>,
-    /// Elastic low-latency mode (with victims, needs --mode ll): a rank found dead or
-    /// unreachable is masked and the others go on; with --soak, each step is checked
-    /// against the reference without the masked ranks.
+    /// Elastic mode (both modes): a rank found dead or unreachable is masked and the
+    /// others go on; with --soak, each step is checked against the reference without
+    /// the masked ranks.
     #[arg(long)]
     pub elastic: bool,
     /// With --soak: SIGKILL rank RANK at the start of step STEP (repeatable).
@@ -232,14 +232,6 @@ pub(crate) fn validate(args: &BenchArgs) -> anyhow::Result<()> {
     }
     if args.iters == 0 {
         return bad("--iters must be at least 1".into());
-    }
-    let victims = !args.kill.is_empty() || !args.kill_node.is_empty() || args.chaos.is_some();
-    if args.elastic && victims && args.mode != Modes::Ll {
-        return bad(
-            "--elastic with victims runs low-latency mode only (normal mode needs every rank): \
-             add --mode ll"
-                .into(),
-        );
     }
     for k in &args.kill {
         if k.who >= args.ranks {

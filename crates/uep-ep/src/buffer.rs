@@ -321,7 +321,7 @@ impl Buffer {
     /// If any rank dispatches more tokens than the Buffer's `max_tokens`, every rank
     /// returns [`EpError::Capacity`] and the Buffer stays usable.
     pub fn dispatch(&mut self, args: DispatchArgs<'_>) -> Result<DispatchOutput<'_>> {
-        self.cx.require_every_rank("dispatch")?;
+        self.cx.normal_call_begins()?;
         let st = &mut self.normal;
         let dispatched = self.cx.collective(|cx| cx.dispatch_call(st, &args))?;
         self.cx.dispatch_output(dispatched)
@@ -364,7 +364,7 @@ impl Buffer {
         combined_x: &mut [bf16],
         combined_topk_weights: Option<&mut [f32]>,
     ) -> Result<()> {
-        self.cx.require_every_rank("combine")?;
+        self.cx.normal_call_begins()?;
         let st = &mut self.normal;
         self.cx.collective(|cx| {
             cx.combine_call(st, x, &args, handle, combined_x, combined_topk_weights)
@@ -484,9 +484,10 @@ impl Buffer {
         self.cx.low_latency_masked_at()
     }
 
-    /// The mask the last low-latency combine used (its agreed mask).
-    pub fn low_latency_last_combine_mask(&self) -> Vec<bool> {
-        self.cx.low_latency_last_combine_mask()
+    /// The mask the last combine (low-latency or normal) used: its agreed mask, which
+    /// may have grown since its dispatch (that dispatch's mask is in its handle).
+    pub fn last_combine_mask(&self) -> Vec<bool> {
+        self.cx.last_combine_mask()
     }
 
     /// Mask (`mask = true`) or unmask `rank` (DeepEP's

@@ -91,19 +91,22 @@ impl Ctx {
 
     /// Wait until every rank of this node (this one among them) stored call `seq`'s
     /// epoch into its slot of `words` here, and return what the waits acquired. `what(r)`
-    /// names the wait on rank `r`.
+    /// names the wait on rank `r`. Ranks `masked` are not waited for; in elastic mode a
+    /// rank lost meanwhile is masked ([`Ctx::unless_lost`]).
     pub(crate) fn node_published(
         &self,
         words: Area<u64>,
         seq: u32,
+        masked: &[bool],
         wait: &Wait<'_>,
         what: &dyn Fn(usize) -> String,
     ) -> Result<Seen> {
         let (topo, local) = (self.topo, self.symm.local());
         let mut seen = None;
-        for r in topo.node_ranks(topo.node) {
+        for r in topo.node_ranks(topo.node).filter(|&r| !masked[r]) {
             let word = local.word(words, r)?;
-            seen = Some(wait.at_least(word, seq as u64, Some(self.peer(r)), &|| what(r))?);
+            let got = wait.at_least(word, seq as u64, Some(self.peer(r)), &|| what(r));
+            seen = self.unless_lost(r, got)?.or(seen);
         }
         seen.ok_or_else(|| {
             EpError::internal(format!("rank {}: call {seq} waited for no rank", topo.rank))
@@ -116,7 +119,12 @@ impl Ctx {
     pub(crate) fn collective<T>(&self, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
         self.ensure_usable()?;
         f(self).map_err(|e| {
-            if !matches!(e, EpError::Capacity { .. } | EpError::Unusable { .. }) {
+            // Every rank found these together: nobody needs telling.
+            let together = matches!(
+                e,
+                EpError::Capacity { .. } | EpError::Unusable { .. } | EpError::StaleHandle(_)
+            );
+            if !together {
                 self.broadcast_failure(&e);
             }
             e

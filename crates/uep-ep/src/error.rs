@@ -76,6 +76,11 @@ pub enum EpError {
         /// The ranks that go on.
         by: Vec<usize>,
     },
+    /// Elastic mode: a cached dispatch handle routes to ranks masked since it was
+    /// made. Every survivor refuses it alike, before sending anything, and the Buffer
+    /// stays usable.
+    #[error("invalid argument: {0}")]
+    StaleHandle(String),
     /// A peer gave up (bad input, a timeout, a dead peer of its own) and said why.
     #[error("peer failure: {what}: rank {peer} aborted: {reason}")]
     PeerAborted {
@@ -200,7 +205,7 @@ impl EpError {
     /// What kind of failure this is.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            EpError::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            EpError::InvalidArgument(_) | EpError::StaleHandle(_) => ErrorKind::InvalidArgument,
             EpError::Capacity { .. } => ErrorKind::Capacity,
             EpError::Timeout { .. } => ErrorKind::Timeout,
             // A proxy stops when an operation to a peer fails.

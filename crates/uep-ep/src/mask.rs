@@ -45,7 +45,7 @@ pub(crate) struct Elastic {
     /// `[rank]`: a rank on another node whose decided mask the last agreement did not
     /// read, and how many of its round messages it read (`elastic::mailbox`).
     pub(crate) unsettled: Vec<Option<u32>>,
-    /// The mask the last low-latency combine used.
+    /// The mask the last combine (either mode) used.
     pub(crate) last_combine: Vec<bool>,
 }
 

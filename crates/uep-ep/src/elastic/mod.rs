@@ -1,5 +1,5 @@
-//! Elastic low-latency mode: a rank found dead or unreachable is masked, and the
-//! low-latency calls go on without it (DeepEP's shrink mode, Mooncake's
+//! Elastic mode: a rank found dead or unreachable is masked, and the calls (low-latency
+//! and normal) go on without it (DeepEP's shrink mode, Mooncake's
 //! `active_ranks`), with every survivor agreeing on the mask before it uses it.
 //!
 //! * **Masking.** A wait on a rank that the liveness checks find gone (its process on
@@ -25,8 +25,9 @@
 //! * **Partitions.** A rank that finds half of the job or more unreachable (not dead:
 //!   unreachable) fails instead of serving alone, so that a cut network does not split
 //!   the job into halves that both go on.
-//! * **Normal mode** needs every rank: on an elastic Buffer with a masked rank it fails
-//!   at once (as DeepEP's does).
+//! * **Normal mode** masks too: a normal call runs under the last agreed mask, the
+//!   survivors agree after it, and run it again without the ranks lost during it
+//!   (`normal::elastic`).
 //!
 //! A masked rank cannot rejoin this Buffer: it missed calls, so its sequence numbers
 //! differ from the survivors'. [`Buffer::low_latency_clean_mask`](crate::Buffer::low_latency_clean_mask) is for ranks masked
@@ -82,8 +83,8 @@ impl Ctx {
         }
     }
 
-    /// The mask the last low-latency combine used (its agreed mask).
-    pub(crate) fn low_latency_last_combine_mask(&self) -> Vec<bool> {
+    /// The mask the last combine (either mode) used (its agreed mask).
+    pub(crate) fn last_combine_mask(&self) -> Vec<bool> {
         match &self.elastic {
             Some(e) => e.borrow().last_combine.clone(),
             None => vec![false; self.topo.num_ranks],
@@ -187,28 +188,13 @@ impl Ctx {
             .is_some_and(|e| e.borrow().masked[rank])
     }
 
-    /// Normal mode needs every rank, and the ordered streams it reads settled: round
-    /// messages of the last agreement that were not read are counted first
-    /// ([`mailbox`]).
-    pub(crate) fn require_every_rank(&self, call: &str) -> Result<()> {
-        if self.elastic.is_some() {
-            self.settle_last()?;
+    /// Before a normal call: the ordered streams it reads settled (round messages of
+    /// the last agreement that were not read are counted first; [`mailbox`]).
+    pub(crate) fn normal_call_begins(&self) -> Result<()> {
+        match self.elastic {
+            Some(_) => self.settle_last(),
+            None => Ok(()),
         }
-        let masked: Vec<usize> = (0..self.topo.num_ranks)
-            .filter(|&r| self.masked(r))
-            .collect();
-        if masked.is_empty() {
-            return Ok(());
-        }
-        Err(invalid!(
-            "{call} is normal mode, which needs every rank, but rank(s) {masked:?} are masked \
-             ({}); use low-latency mode, or a new Buffer",
-            self.low_latency_mask_reasons()
-                .into_iter()
-                .flatten()
-                .collect::<Vec<_>>()
-                .join("; ")
-        ))
     }
 
     /// The outcome of a wait on `rank`: on an elastic Buffer, `rank` found gone is

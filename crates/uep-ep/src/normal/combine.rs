@@ -4,6 +4,7 @@ use std::sync::atomic::Ordering;
 
 use half::bf16;
 
+use super::paths::CallMask;
 use super::{CombineArgs, NormalHandle, NormalState};
 use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::ctx::Ctx;
@@ -44,14 +45,37 @@ impl Ctx {
     ) -> Result<()> {
         let areas = self.normal_areas()?;
         self.check_combine(&areas, x, args, handle, combined_x, combined_w.as_deref())?;
-        st.combine = st.combine.wrapping_add(1);
-        let seq = st.combine;
-        let wait = self.wait();
-        self.send_rows(&areas, x, args, handle)?;
+        let mut mask = self.normal_mask()?;
+        loop {
+            st.combine = st.combine.wrapping_add(1);
+            let seq = st.combine;
+            let gathered = self.combine_attempt(seq, &areas, x, args, handle, &mask)?;
+            if let Some(grown) = self.normal_agree(&format!("combine {seq}"), &mask)? {
+                mask = grown;
+                continue;
+            }
+            self.note_combine_mask(&mask);
+            let g = (&gathered, &mask);
+            return self.reduce(&areas, handle, g, x, args, combined_x, combined_w);
+        }
+    }
+
+    /// One attempt of combine `seq` under `mask`: everything up to the reduction.
+    fn combine_attempt(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        x: &[bf16],
+        args: &CombineArgs<'_>,
+        handle: &NormalHandle,
+        mask: &CallMask,
+    ) -> Result<Gathered<'_>> {
+        let wait = self.normal_wait();
+        self.send_rows(areas, x, args, handle, mask)?;
         self.publish_rows(seq)?;
-        self.relay_combine(seq, &areas, handle, x, args, &wait)?;
-        let gathered = self.gather(seq, &areas, handle, &wait)?;
-        self.reduce(&areas, handle, &gathered, x, args, combined_x, combined_w)
+        let relayed = self.relayed_now(handle, mask, &wait)?;
+        self.relay_combine(seq, areas, (handle, &relayed), x, args, mask, &wait)?;
+        self.gather(seq, areas, handle, mask, &wait)
     }
 
     fn check_combine(
@@ -117,32 +141,28 @@ impl Ctx {
         x: &[bf16],
         args: &CombineArgs<'_>,
         handle: &NormalHandle,
+        mask: &CallMask,
     ) -> Result<()> {
         let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
-        let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
+        let (h, k) = (areas.shape.hidden, areas.shape.topk);
         let src_rank = handle.recv_src_rank(me);
+        let relay = |s: usize| mask.relays.of(s, topo.node);
         let mut sinks = Vec::with_capacity(r_n);
         for s in 0..r_n {
-            sinks.push(if topo.is_local(s) {
-                (
-                    self.peer_region(s)?,
-                    areas.combine_x.rows(me * t_max..(me + 1) * t_max, h)?,
-                    areas
-                        .combine_weights
-                        .rows(me * t_max..(me + 1) * t_max, k)?,
-                )
-            } else {
-                let slot = topo.node_of(s) * topo.ranks_per_node + topo.local;
-                (
-                    self.peer_region(topo.relay(s, topo.node))?,
-                    areas.relay_x.rows(slot * t_max..(slot + 1) * t_max, h)?,
-                    areas
-                        .relay_weights
-                        .rows(slot * t_max..(slot + 1) * t_max, k)?,
-                )
-            });
+            let (at, slot, relay_area) = match relay(s) {
+                _ if topo.is_local(s) => (s, me, false),
+                Some(r) => (r.rank, relay_slot(topo, s, topo.local), !r.substitute),
+                // Masked: nothing goes back to it.
+                None => (me, me, false),
+            };
+            let (xs, ws) = slot_rows(areas, slot, relay_area)?;
+            sinks.push((self.peer_region(at)?, xs, ws));
         }
-        let stays = |s: usize| s == me || (!topo.is_local(s) && topo.relay(s, topo.node) == me);
+        // Rows this rank reduces itself (its own, those it relays), and rows for masked
+        // sources, go nowhere.
+        let stays = |s: usize| {
+            s == me || mask.is(s) || (!topo.is_local(s) && relay(s).is_some_and(|r| r.rank == me))
+        };
         let out_rows: usize = (0..r_n)
             .filter(|&s| !stays(s))
             .map(|s| handle.rows_from(me, s).len())
@@ -195,6 +215,7 @@ impl Ctx {
         seq: u32,
         areas: &NormalAreas,
         handle: &NormalHandle,
+        mask: &CallMask,
         wait: &Wait<'_>,
     ) -> Result<Gathered<'_>> {
         let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
@@ -202,7 +223,8 @@ impl Ctx {
         let what = |src: usize| {
             format!("rank {me}: combine {seq}: waiting for rank {src}'s rows (combine_done[{src}])")
         };
-        let seen = self.node_published(self.map.control.combine_done, seq, wait, &what)?;
+        let words = self.map.control.combine_done;
+        let seen = self.node_published(words, seq, &mask.masked, wait, &what)?;
         // The node's ranks (this one among them) published their rows (combine_done =
         // this call's epoch) and write them again only in their next combine, which
         // follows this rank's next dispatch; a relay's packet below is announced (the
@@ -214,11 +236,16 @@ impl Ctx {
         let mut partial_x: Vec<Area<u16>> = vec![Area::default(); r_n];
         let mut partial_w: Vec<&[f32]> = vec![&[]; r_n];
         for m in topo.remote_nodes() {
-            let relay = topo.relay(me, m);
+            let Some(relay) = mask.relays.of(me, m).map(|r| r.rank) else {
+                continue;
+            };
             let what = || {
                 format!("rank {me}: combine {seq}: waiting for node {m}'s partial sums from rank {relay}")
             };
-            let landing = self.net()?.recv(Channel::Combine, relay, wait, &what)?;
+            let landing = self.net()?.recv(Channel::Combine, relay, wait, &what);
+            let Some(landing) = self.unless_lost(relay, landing)? else {
+                continue;
+            };
             // (Meaningless for a token that did not go to node m: never read.)
             let mut j = 0;
             packet_row[relay] = (0..handle.num_tokens)
@@ -249,14 +276,14 @@ impl Ctx {
         &self,
         areas: &NormalAreas,
         handle: &NormalHandle,
-        g: &Gathered<'_>,
+        (g, mask): (&Gathered<'_>, &CallMask),
         x: &[bf16],
         args: &CombineArgs<'_>,
         combined_x: &mut [bf16],
         combined_w: Option<&mut [f32]>,
     ) -> Result<()> {
         let me = self.topo.rank;
-        let from = Contributions::new(self.topo, handle, g, areas.shape.max_tokens);
+        let from = Contributions::new(self.topo, handle, g, mask, areas.shape.max_tokens);
         // The sources: `x`, the node's combine rows, each relay's packet, the biases.
         let mut sources = vec![
             Rows::Tensor(x),
@@ -312,6 +339,33 @@ impl Ctx {
     }
 }
 
+/// The slot of the rows local rank `l` returns for source `src` on another node, at
+/// the rank that relays them: `[source node][local rank]`.
+pub(super) fn relay_slot(topo: Topology, src: usize, l: usize) -> usize {
+    topo.node_of(src) * topo.ranks_per_node + l
+}
+
+/// Slot `slot`'s rows and weights (`[T, H]`, `[T, K]`): in the relay area, or in the
+/// combine area (a same-node rank's slot, or a substitute relay's: `paths`).
+pub(super) fn slot_rows(
+    areas: &NormalAreas,
+    slot: usize,
+    relay_area: bool,
+) -> Result<(Area<u16>, Area<f32>)> {
+    let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
+    let rows = slot * t_max..(slot + 1) * t_max;
+    Ok(match relay_area {
+        true => (
+            areas.relay_x.rows(rows.clone(), h)?,
+            areas.relay_weights.rows(rows, k)?,
+        ),
+        false => (
+            areas.combine_x.rows(rows.clone(), h)?,
+            areas.combine_weights.rows(rows, k)?,
+        ),
+    })
+}
+
 /// Where a rank's row (or weights) for one of this rank's tokens came back.
 #[derive(Clone, Copy, Debug)]
 enum Place {
@@ -327,6 +381,7 @@ enum Place {
 struct Contributions<'a> {
     topo: Topology,
     handle: &'a NormalHandle,
+    mask: &'a CallMask,
     packet_row: &'a [Vec<usize>],
     /// Where this rank's own row for each token is in the combine's input.
     own_row: Vec<usize>,
@@ -334,7 +389,13 @@ struct Contributions<'a> {
 }
 
 impl<'a> Contributions<'a> {
-    fn new(topo: Topology, handle: &'a NormalHandle, g: &'a Gathered<'_>, t_max: usize) -> Self {
+    fn new(
+        topo: Topology,
+        handle: &'a NormalHandle,
+        g: &'a Gathered<'_>,
+        mask: &'a CallMask,
+        t_max: usize,
+    ) -> Self {
         let mut own_row = vec![usize::MAX; handle.num_tokens];
         for i in handle.rows_from(topo.rank, topo.rank) {
             own_row[handle.recv_src_idx[i] as usize] = i;
@@ -342,23 +403,27 @@ impl<'a> Contributions<'a> {
         Contributions {
             topo,
             handle,
+            mask,
             packet_row: &g.packet_row,
             own_row,
             t_max,
         }
     }
 
-    /// Token `t`'s contributions in rank order: a same-node rank that got it, and for
-    /// each other node it went to, the rank that relayed that node's partial sum.
+    /// Token `t`'s contributions in rank order: a live same-node rank that got it, and
+    /// for each other node where a live rank got it, the rank that relayed that node's
+    /// partial sum.
     fn of(&self, t: usize) -> impl Iterator<Item = Place> + '_ {
-        let (topo, r_n) = (self.topo, self.topo.num_ranks);
+        let (topo, r_n, mask) = (self.topo, self.topo.num_ranks, self.mask);
         let in_rank = self.handle.is_token_in_rank.row(t, r_n);
+        let got = move |r: usize| in_rank[r] && !mask.is(r);
         let contributes = move |r: usize| {
             let m = topo.node_of(r);
             match topo.is_local(r) {
-                true => in_rank[r],
+                true => got(r),
                 false => {
-                    r == topo.relay(topo.rank, m) && in_rank[topo.node_ranks(m)].contains(&true)
+                    mask.relays.of(topo.rank, m).is_some_and(|x| x.rank == r)
+                        && topo.node_ranks(m).any(got)
                 }
             }
         };

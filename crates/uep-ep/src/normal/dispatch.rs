@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 
 use uep_shm::Region;
 
+use super::paths::CallMask;
 use super::{
     column_sum, localize, DispatchArgs, DispatchOutput, NormalHandle, NormalState, Relayed,
     WeightLanes,
@@ -47,6 +48,35 @@ impl<'a> Routing<'a> {
     }
 }
 
+impl Routing<'_> {
+    /// The routing without the masked ranks: a token no longer goes to them, and
+    /// counts nothing there (`epr` experts a rank).
+    fn without(&self, mask: &CallMask, epr: usize) -> Routing<'_> {
+        let r_n = self.per_rank.len();
+        let mut r = Routing {
+            in_rank: Cow::Borrowed(&self.in_rank),
+            per_rank: Cow::Borrowed(&self.per_rank),
+            per_expert: Cow::Borrowed(&self.per_expert),
+        };
+        for dead in (0..r_n).filter(|&d| mask.is(d)) {
+            for row in r.in_rank.to_mut().chunks_exact_mut(r_n) {
+                row[dead] = false;
+            }
+            r.per_rank.to_mut()[dead] = 0;
+            r.per_expert.to_mut()[dead * epr..(dead + 1) * epr].fill(0);
+        }
+        r
+    }
+}
+
+/// What a dispatch's finish needs besides the plan: every rank's counts, what this
+/// rank relayed, and the mask.
+struct Done<'m> {
+    counts: Counts,
+    relay: Vec<Relayed>,
+    mask: &'m CallMask,
+}
+
 /// What the notify phase gathered: every rank's counts.
 struct Counts {
     /// `[R, R]`: tokens rank `s` sends to rank `r`.
@@ -65,11 +95,11 @@ impl Counts {
 }
 
 /// Where dispatch sends a token: a rank of this node, or another node (through the rank
-/// there that relays for this one).
+/// there that relays for this one, the second field).
 #[derive(Clone, Copy, Debug)]
 enum Dest {
     Rank(usize),
-    Node(usize),
+    Node(usize, usize),
 }
 
 /// Where one destination's rows go: a same-node rank's output areas (from this
@@ -345,7 +375,7 @@ impl PackKernel<'_, '_> {
                 sink.direct_x.row(j_direct, rb)?,
                 sink.direct_scales.row(j_direct, groups)?,
             )
-        } else if matches!(dest, Dest::Node(_)) {
+        } else if matches!(dest, Dest::Node(..)) {
             (
                 sink.x.row(j - j_direct, rb)?,
                 sink.scales.row(j - j_direct, groups)?,
@@ -384,7 +414,7 @@ impl PackKernel<'_, '_> {
                 }
             }
             Dest::Rank(_) => {}
-            Dest::Node(m) => {
+            Dest::Node(m, _) => {
                 // Global ids and all weights: the relaying rank localises them.
                 if plan.with_topk {
                     sink.region.put(sink.topk.row(j, k)?, idx)?;
@@ -439,7 +469,10 @@ impl Ctx {
         })
     }
 
-    /// One normal dispatch (see [`crate::Buffer::dispatch`]), numbered in `st`.
+    /// One normal dispatch (see [`crate::Buffer::dispatch`]), numbered in `st`. In
+    /// elastic mode the survivors then agree on the mask; if it grew (a rank was lost
+    /// during the call), they run the dispatch again without the lost ranks, in the
+    /// same bank (`elastic`).
     pub(crate) fn dispatch_call(
         &self,
         st: &mut NormalState,
@@ -449,21 +482,51 @@ impl Ctx {
         let routing = self.check_dispatch(args, areas.shape)?;
         let t_n = args.x.num_tokens(areas.shape.hidden)?;
         st.dispatch = st.dispatch.wrapping_add(1);
-        let seq = st.dispatch;
         // Peers write this call's bank once they have its notify: outputs of the call
         // before the last that someone still holds must leave it first.
         if let Some(banks) = &mut st.banks {
-            banks[(seq % 2) as usize].reclaim()?;
+            banks[(st.dispatch % 2) as usize].reclaim()?;
         }
-        let wait = self.wait();
-        let counts = self.notify(seq, &areas, &routing, t_n, &wait)?;
-        self.check_room(&counts, &areas, args)?;
-        let mut plan = self.plan(seq, &areas, &counts, &routing, args, t_n, &wait)?;
+        let mut mask = self.normal_mask()?;
+        loop {
+            self.refuse_stale_handle(args.handle, &mask)?;
+            let seq = st.dispatch;
+            let routing = routing.without(&mask, areas.shape.experts_per_rank(self.topo.num_ranks));
+            let out = self.dispatch_attempt(seq, &areas, &routing, args, t_n, &mask)?;
+            match self.normal_agree(&format!("dispatch {seq}"), &mask)? {
+                None => return Ok(out),
+                Some(grown) => mask = grown,
+            }
+            // Two ahead: the same bank and notify slots, which every survivor is done
+            // with (it finished the call before the agreement heard from it).
+            st.dispatch = st.dispatch.wrapping_add(2);
+        }
+    }
+
+    /// One attempt of dispatch `seq` under `mask`.
+    fn dispatch_attempt(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        routing: &Routing<'_>,
+        args: &DispatchArgs<'_>,
+        t_n: usize,
+        mask: &CallMask,
+    ) -> Result<(NormalHandle, Seen)> {
+        let wait = self.normal_wait();
+        let counts = self.notify(seq, areas, routing, t_n, mask, &wait)?;
+        self.check_room(&counts, areas, args)?;
+        let mut plan = self.plan(seq, areas, &counts, routing, args, t_n, mask, &wait)?;
         let _landing = self.net.as_ref().map(|n| n.watch_arrivals());
-        self.pack(&plan, &areas, args, &routing)?;
+        self.pack(&plan, areas, args, routing)?;
         self.publish(seq, &mut plan)?;
-        let relay = self.relay_dispatch(seq, &areas, &counts.matrix, &wait)?;
-        self.finish(seq, &areas, counts, routing, relay, &plan, args, t_n, &wait)
+        let relay = self.relay_dispatch(seq, areas, &counts.matrix, mask, &wait)?;
+        let done = Done {
+            counts,
+            relay,
+            mask,
+        };
+        self.finish(seq, areas, done, routing, &plan, args, t_n, &wait)
     }
 
     /// Validate a dispatch before anything is sent.
@@ -576,6 +639,7 @@ impl Ctx {
         areas: &NormalAreas,
         routing: &Routing<'_>,
         t_n: usize,
+        mask: &CallMask,
         wait: &Wait<'_>,
     ) -> Result<Counts> {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
@@ -589,7 +653,7 @@ impl Ctx {
             flags: 0,
         };
         let local = self.symm.local();
-        for peer in 0..r_n {
+        for peer in (0..r_n).filter(|&p| !mask.is(p)) {
             if self.topo.is_local(peer) {
                 let slot = areas.notify_slot(parity, me, r_n)?;
                 let region = self.peer_region(peer)?;
@@ -600,12 +664,14 @@ impl Ctx {
                     .store(seq as u64, Ordering::Release);
             } else {
                 let net = self.net()?;
-                let staged = net.stage(Channel::Notify, peer, wait)?;
+                let Some(staged) = self.stage_unless_lost(Channel::Notify, peer, wait)? else {
+                    continue;
+                };
                 let p = NotifyPacket::layout(r_n, e_n);
                 let at = p.head.at_base(staged.area.offset());
                 local.put(at, &[head])?;
                 local.put(p.counts.at_base(staged.area.offset()), &mine)?;
-                net.send(staged, p.len, &[])?;
+                self.unless_lost(peer, net.send(staged, p.len, &[]))?;
             }
         }
         let mut counts = Counts {
@@ -615,26 +681,25 @@ impl Ctx {
         };
         let mut row = vec![0u32; r_n + e_n];
         let mut head = [NotifyHead::default()];
-        for src in 0..r_n {
+        // A masked source counts nothing; one lost now too (the call runs again).
+        for src in (0..r_n).filter(|&s| !mask.is(s)) {
             let what = || {
                 format!("rank {me}: dispatch {seq}: waiting for rank {src}'s token counts (notify[{parity}][{src}])")
             };
-            let (head_at, counts_at) = if self.topo.is_local(src) {
+            let at = if self.topo.is_local(src) {
                 let slot = areas.notify_slot(parity, src, r_n)?;
-                wait.at_least(
-                    local.word(slot.epoch, 0)?,
-                    seq as u64,
-                    Some(self.peer(src)),
-                    &what,
-                )?;
-                (slot.head, slot.counts)
+                let word = local.word(slot.epoch, 0)?;
+                let seen = wait.at_least(word, seq as u64, Some(self.peer(src)), &what);
+                self.unless_lost(src, seen)?
+                    .map(|_| (slot.head, slot.counts))
             } else {
-                let landing = self.net()?.recv(Channel::Notify, src, wait, &what)?;
+                let landing = self.net()?.recv(Channel::Notify, src, wait, &what);
                 let p = NotifyPacket::layout(r_n, e_n);
-                (
-                    p.head.at_base(landing.offset()),
-                    p.counts.at_base(landing.offset()),
-                )
+                (self.unless_lost(src, landing)?)
+                    .map(|l| (p.head.at_base(l.offset()), p.counts.at_base(l.offset())))
+            };
+            let Some((head_at, counts_at)) = at else {
+                continue;
             };
             local.get(head_at, &mut head)?;
             local.get(counts_at, &mut row)?;
@@ -693,6 +758,7 @@ impl Ctx {
         routing: &Routing<'_>,
         args: &DispatchArgs<'_>,
         t_n: usize,
+        mask: &CallMask,
         wait: &Wait<'_>,
     ) -> Result<Plan<'_>> {
         let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
@@ -709,10 +775,15 @@ impl Ctx {
         };
         let out_base: Vec<usize> = (0..r_n).map(|r| counts.column_sum(me, r)).collect();
         let in_rank = &routing.in_rank;
+        let node_staged = self.stage_nodes(mask, wait)?;
         let dests: Vec<Dest> = (0..r_n)
-            .filter(|&r| topo.is_local(r))
+            .filter(|&r| topo.is_local(r) && !mask.is(r))
             .map(Dest::Rank)
-            .chain(topo.remote_nodes().map(Dest::Node))
+            .chain(
+                node_staged
+                    .iter()
+                    .map(|&(m, relay, _)| Dest::Node(m, relay)),
+            )
             .collect();
         let nd = dests.len();
         let hit: Vec<bool> = (0..t_n)
@@ -720,7 +791,7 @@ impl Ctx {
                 let row = in_rank.row(t, r_n);
                 dests.iter().map(move |d| match *d {
                     Dest::Rank(r) => row[r],
-                    Dest::Node(m) => row[topo.node_ranks(m)].contains(&true),
+                    Dest::Node(m, _) => row[topo.node_ranks(m)].contains(&true),
                 })
             })
             .collect();
@@ -733,16 +804,14 @@ impl Ctx {
             .flat_map(|t| {
                 dests.iter().map(move |d| match *d {
                     Dest::Rank(_) => false,
-                    Dest::Node(m) => {
-                        let relay = topo.relay(me, m);
-                        in_rank[t * r_n + relay] && direct_ok(relay)
-                    }
+                    Dest::Node(_, relay) => in_rank[t * r_n + relay] && direct_ok(relay),
                 })
             })
             .collect();
         let (block_start, totals) = block_starts(&hit, &direct, nd, self.device.split(t_n));
+        let staged = node_staged.into_iter().map(|(_, _, s)| s).collect();
         let (sinks, staged) =
-            self.open_row_sinks(seq, areas, &dests, &totals, &out_base, fmt, wait)?;
+            self.open_row_sinks(seq, areas, &dests, &totals, &out_base, fmt, staged)?;
         let node_rows: usize = (dests.iter().zip(&totals))
             .filter(|(d, _)| matches!(d, Dest::Rank(r) if *r != me))
             .map(|(_, &(n, _))| n)
@@ -765,6 +834,22 @@ impl Ctx {
         })
     }
 
+    /// The packet for each other node a dispatch sends to, staged: `(node, relay,
+    /// staging)`. A node is left out where it has no relay (every rank there is masked)
+    /// or its relay was lost.
+    fn stage_nodes(&self, mask: &CallMask, wait: &Wait<'_>) -> Result<Vec<(usize, usize, Staged)>> {
+        let mut staged = Vec::new();
+        for m in self.topo.remote_nodes() {
+            let Some(relay) = mask.relays.of(self.topo.rank, m) else {
+                continue;
+            };
+            if let Some(s) = self.stage_unless_lost(Channel::Dispatch, relay.rank, wait)? {
+                staged.push((m, relay.rank, s));
+            }
+        }
+        Ok(staged)
+    }
+
     /// Where each destination's rows go: a same-node rank's output rows from this
     /// rank's first row there, or the packet staged for another node's relay.
     #[allow(clippy::too_many_arguments)]
@@ -776,9 +861,10 @@ impl Ctx {
         totals: &[(usize, usize)],
         out_base: &[usize],
         fmt: RowFormat,
-        wait: &Wait<'_>,
+        node_staged: Vec<Staged>,
     ) -> Result<(Vec<RowSink<'_>>, Vec<Option<Staged>>)> {
-        let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
+        let r_n = self.topo.num_ranks;
+        let mut node_staged = node_staged.into_iter();
         let (h, k) = (areas.shape.hidden, areas.shape.topk);
         let groups = h / 128;
         let bank = areas.bank(seq);
@@ -804,9 +890,10 @@ impl Ctx {
                     });
                     staged.push(None);
                 }
-                Dest::Node(m) => {
-                    let relay = topo.relay(me, m);
-                    let s = self.net()?.stage(Channel::Dispatch, relay, wait)?;
+                Dest::Node(_, relay) => {
+                    let s = node_staged
+                        .next()
+                        .ok_or_else(|| EpError::internal("a node packet was not staged".into()))?;
                     let (n, n_direct) = totals[d];
                     let p = DispatchPacket::layout(n, n_direct, fmt).at_base(s.area.offset());
                     if p.staged_len > s.area.len() {
@@ -872,7 +959,7 @@ impl Ctx {
     /// packet to each other node, after the direct rows no kernel thread pushed,
     /// announcing it and every direct row.
     fn publish(&self, seq: u32, plan: &mut Plan<'_>) -> Result<()> {
-        let (me, topo) = (self.topo.rank, self.topo);
+        let me = self.topo.rank;
         let total = self.symm.local().len();
         for (d, dest) in plan.dests.iter().enumerate() {
             match *dest {
@@ -880,8 +967,7 @@ impl Ctx {
                     .region
                     .word(self.map.control.dispatch_done, me)?
                     .store(seq as u64, Ordering::Release),
-                Dest::Node(m) => {
-                    let relay = topo.relay(me, m);
+                Dest::Node(_, relay) => {
                     let (n, n_direct) = plan.totals[d];
                     let staged = plan.staged[d]
                         .take()
@@ -904,7 +990,8 @@ impl Ctx {
                     for rows in plan.unpushed_direct(d) {
                         direct.extend(plan.sinks[d].direct_writes(rows, plan.fmt, total)?);
                     }
-                    self.net()?.send(staged, p.len, &direct)?;
+                    let sent = self.net()?.send(staged, p.len, &direct);
+                    self.unless_lost(relay, sent)?;
                 }
             }
         }
@@ -914,26 +1001,25 @@ impl Ctx {
     /// Waits until every source published its rows of dispatch `seq` (a same-node
     /// source publishes itself, one on another node is published by the rank of this
     /// node that relays it): what the waits acquired.
-    fn wait_sources(&self, seq: u32, counts: &Counts, wait: &Wait<'_>) -> Result<Seen> {
+    fn wait_sources(&self, seq: u32, done: &Done<'_>, wait: &Wait<'_>) -> Result<Seen> {
         let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
         let local = self.symm.local();
         let mut seen = None;
-        for src in 0..r_n {
-            let n = counts.matrix[src * r_n + me] as usize;
-            let publisher = if topo.is_local(src) {
-                src
-            } else {
-                topo.relay(src, topo.node)
+        for src in (0..r_n).filter(|&s| !done.mask.is(s)) {
+            let n = done.counts.matrix[src * r_n + me] as usize;
+            let publisher = match topo.is_local(src) {
+                true => Some(src),
+                false => done.mask.relays.of(src, topo.node).map(|r| r.rank),
+            };
+            let Some(publisher) = publisher else {
+                continue;
             };
             let what = || {
                 format!("rank {me}: dispatch {seq}: waiting for rank {src}'s {n} rows (dispatch_done[{src}], published by rank {publisher})")
             };
-            seen = Some(wait.at_least(
-                local.word(self.map.control.dispatch_done, src)?,
-                seq as u64,
-                Some(self.peer(publisher)),
-                &what,
-            )?);
+            let word = local.word(self.map.control.dispatch_done, src)?;
+            let got = wait.at_least(word, seq as u64, Some(self.peer(publisher)), &what);
+            seen = self.unless_lost(publisher, got)?.or(seen);
         }
         // Every source (this rank among them) published its rows.
         seen.ok_or_else(|| {
@@ -949,9 +1035,8 @@ impl Ctx {
         &self,
         seq: u32,
         areas: &NormalAreas,
-        counts: Counts,
-        routing: Routing<'_>,
-        relay: Vec<Relayed>,
+        done: Done<'_>,
+        routing: &Routing<'_>,
         plan: &Plan<'_>,
         args: &DispatchArgs<'_>,
         t_n: usize,
@@ -961,7 +1046,12 @@ impl Ctx {
         let k = areas.shape.topk;
         let local = self.symm.local();
         let bank = areas.bank(seq);
-        let seen = self.wait_sources(seq, &counts, wait)?;
+        let seen = self.wait_sources(seq, &done, wait)?;
+        let Done {
+            counts,
+            relay,
+            mask,
+        } = done;
         let num_recv = counts.column_sum(r_n, me);
         let rows = if args.num_worst_tokens > 0 {
             args.num_worst_tokens
@@ -983,9 +1073,9 @@ impl Ctx {
             NormalHandle {
                 buffer_id: self.id,
                 rank_prefix_matrix: prefix,
-                is_token_in_rank: routing.in_rank.into_owned(),
-                num_tokens_per_rank: routing.per_rank.into_owned(),
-                num_tokens_per_expert: routing.per_expert.into_owned(),
+                is_token_in_rank: routing.in_rank.to_vec(),
+                num_tokens_per_rank: routing.per_rank.to_vec(),
+                num_tokens_per_expert: routing.per_expert.to_vec(),
                 recv_src_idx: local.get_vec(areas.recv_src_idx.prefix(num_recv)?)?,
                 num_recv_tokens_per_expert: counts
                     .recv_per_expert
@@ -1001,6 +1091,7 @@ impl Ctx {
                 with_topk: plan.with_topk,
                 with_weights: plan.with_weights,
                 relay,
+                masked: mask.masked.clone(),
             },
             seen,
         ))

@@ -29,6 +29,8 @@
 
 mod combine;
 mod dispatch;
+mod elastic;
+mod paths;
 mod relay;
 
 use half::bf16;
@@ -166,6 +168,8 @@ pub struct NormalHandle {
     /// Several nodes: the tokens this rank relayed into its node, per source on
     /// another node.
     pub(crate) relay: Vec<Relayed>,
+    /// `[R]`: the ranks this dispatch left out (elastic mode; all `false` otherwise).
+    pub masked: Vec<bool>,
 }
 
 impl NormalHandle {

@@ -12,6 +12,8 @@ use std::sync::atomic::Ordering;
 use half::bf16;
 use uep_shm::Region;
 
+use super::combine::relay_slot;
+use super::paths::CallMask;
 use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed, WeightLanes};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
@@ -20,6 +22,7 @@ use crate::map::{NormalAreas, NormalBank};
 use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
 use crate::protocol;
 use crate::quant::reduce_rows;
+use crate::symm::Published;
 use crate::wait::Wait;
 
 /// A dispatch packet to relay, read and checked.
@@ -83,15 +86,20 @@ impl Ctx {
         seq: u32,
         areas: &NormalAreas,
         matrix: &[u32],
+        mask: &CallMask,
         wait: &Wait<'_>,
     ) -> Result<Vec<Relayed>> {
         let me = self.topo.rank;
         let mut relayed = Vec::new();
-        for m in self.topo.remote_nodes() {
-            let src = self.topo.relay(me, m);
+        for src in mask.relays.sources(me) {
             let landing = self.net()?.recv(Channel::Dispatch, src, wait, &|| {
                 format!("rank {me}: dispatch {seq}: waiting for rank {src}'s tokens to relay")
-            })?;
+            });
+            let Some(landing) = self.unless_lost(src, landing)? else {
+                // Lost: the call runs again; publish, so that nobody waits for it.
+                self.publish_relayed(seq, src, None)?;
+                continue;
+            };
             let packet = self.open_relay_packet(src, landing, areas, matrix)?;
             self.store_relayed(seq, &packet, areas, matrix)?;
             relayed.push(Relayed {
@@ -238,24 +246,32 @@ impl Ctx {
                 n - n_direct
             ));
         }
-        self.publish_relayed(seq, src, matrix, &pos)
+        self.publish_relayed(seq, src, Some((matrix, &pos)))
     }
 
     /// After storing `src`'s packet: check that each rank of this node got as many
     /// tokens as `src`'s counts announced (`pos[l]`: one past its last row), and publish
     /// `src` to each of them.
-    fn publish_relayed(&self, seq: u32, src: usize, matrix: &[u32], pos: &[usize]) -> Result<()> {
+    /// (`None`: `src` was lost, and its rows are not checked.)
+    fn publish_relayed(
+        &self,
+        seq: u32,
+        src: usize,
+        stored: Option<(&[u32], &[usize])>,
+    ) -> Result<()> {
         let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
         for (l, r) in topo.node_ranks(topo.node).enumerate() {
-            let (start, announced) = (
-                column_sum(matrix, r_n, src, r),
-                matrix[src * r_n + r] as usize,
-            );
-            if pos[l] != start + announced {
-                return Err(protocol!(
-                    "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {announced}",
-                    pos[l] - start
-                ));
+            if let Some((matrix, pos)) = stored {
+                let (start, announced) = (
+                    column_sum(matrix, r_n, src, r),
+                    matrix[src * r_n + r] as usize,
+                );
+                if pos[l] != start + announced {
+                    return Err(protocol!(
+                        "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {announced}",
+                        pos[l] - start
+                    ));
+                }
             }
             self.peer_region(r)?
                 .word(self.map.control.dispatch_done, src)?
@@ -264,80 +280,82 @@ impl Ctx {
         Ok(())
     }
 
-    /// Combine phase 3, on the relaying rank: once every rank of this node has written
-    /// its rows for the sources this rank relays, reduce each token's rows (in f32, rank
-    /// order, rounded once to bf16, as [`reduce_rows`]) and send the node's partial sums
-    /// to the source in one packet.
-    /// The rows (and weights) the node's ranks left for this rank to relay in combine
-    /// `seq`, once every one of them published them.
-    fn relay_rows(
-        &self,
-        seq: u32,
-        areas: &NormalAreas,
-        wait: &Wait<'_>,
-    ) -> Result<(&[u16], &[f32])> {
+    /// This rank's memory once every live rank of the node published the rows it left
+    /// here to relay in combine `seq`.
+    fn relay_rows(&self, seq: u32, mask: &CallMask, wait: &Wait<'_>) -> Result<Published<'_>> {
         let me = self.topo.rank;
         let what = |r: usize| {
             format!(
                 "rank {me}: combine {seq}: waiting for rank {r}'s rows to relay (relay_done[{r}])"
             )
         };
-        let seen = self.node_published(self.map.control.relay_done, seq, wait, &what)?;
-        // Every rank of the node (this one among them) published (relay_done = this
+        let words = self.map.control.relay_done;
+        let seen = self.node_published(words, seq, &mask.masked, wait, &what)?;
+        // Every live rank of the node (this one among them) published (relay_done = this
         // call's epoch) that its relay rows are written; they write them again only in
         // their next combine, which needs this rank's next combine packet, sent only
         // after this call.
-        let published = self.symm.published(&seen);
-        Ok((
-            published.view(areas.relay_x)?,
-            published.view(areas.relay_weights)?,
-        ))
+        Ok(self.symm.published(&seen))
     }
 
+    /// Combine phase 3, on the relaying rank: for each source it relays (`relayed`),
+    /// once every live rank of this node has written its rows for it, reduce each
+    /// token's rows of the live ranks (in f32, rank order, rounded once to bf16, as
+    /// [`reduce_rows`]) and send the node's partial sums to the source in one packet.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn relay_combine(
         &self,
         seq: u32,
         areas: &NormalAreas,
-        handle: &NormalHandle,
+        (handle, relayed): (&NormalHandle, &[Relayed]),
         x: &[bf16],
         args: &CombineArgs<'_>,
+        mask: &CallMask,
         wait: &Wait<'_>,
     ) -> Result<()> {
         let topo = self.topo;
         if topo.num_nodes == 1 {
             return Ok(());
         }
-        let me = topo.rank;
+        let (me, rpn) = (topo.rank, topo.ranks_per_node);
         let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
-        let local = self.symm.local();
-        let (rows, wrows) = self.relay_rows(seq, areas, wait)?;
+        let published = self.relay_rows(seq, mask, wait)?;
+        let live: u64 = (topo.node_ranks(topo.node).enumerate())
+            .filter(|&(_, r)| !mask.is(r))
+            .fold(0, |acc, (l, _)| acc | 1 << l);
         let x_bits: &[u16] = bytemuck::cast_slice(x);
         let mut w_out = vec![0f32; k];
-        let mut parts = Vec::with_capacity(topo.ranks_per_node);
+        let mut parts = Vec::with_capacity(rpn);
         let mut mine = vec![usize::MAX; t_max];
-        for relayed in &handle.relay {
+        for relayed in relayed {
             let src = relayed.src;
             // This rank's own row for each of `src`'s tokens, in `x`.
             for i in handle.rows_from(me, src) {
                 mine[handle.recv_src_idx[i] as usize] = i;
             }
-            let net = self.net()?;
-            let mut staged = net.stage(Channel::Combine, src, wait)?;
+            // A substitute relay's slots are in the combine area (`paths`).
+            let substitute = mask.relays.of(src, topo.node).is_some_and(|r| r.substitute);
+            let (rows, wrows) = match substitute {
+                false => (areas.relay_x, areas.relay_weights),
+                true => (areas.combine_x, areas.combine_weights),
+            };
+            let (rows, wrows) = (published.view(rows)?, published.view(wrows)?);
+            let Some(mut staged) = self.stage_unless_lost(Channel::Combine, src, wait)? else {
+                continue;
+            };
             let n = relayed.tokens.len();
             let p = CombinePacket::layout(n, h, k).at_base(staged.area.offset());
             let packet_x: &mut [u16] = staged.view_mut(p.x)?;
             // Slot of (source node, local rank l) for token t.
-            let slot =
-                |l: usize, t: usize| (topo.node_of(src) * topo.ranks_per_node + l) * t_max + t;
-            for (j, (&t, &mask)) in relayed.tokens.iter().zip(&relayed.masks).enumerate() {
+            let slot = |l: usize, t: usize| relay_slot(topo, src, l) * t_max + t;
+            for (j, (&t, &m)) in relayed.tokens.iter().zip(&relayed.masks).enumerate() {
                 let t = t as usize;
-                let ls = (0..topo.ranks_per_node).filter(|&l| mask >> l & 1 != 0);
+                let ls = (0..rpn).filter(|&l| (m & live) >> l & 1 != 0);
                 parts.clear();
                 parts.extend(ls.clone().map(|l| {
-                    let row = if l == topo.local {
-                        x_bits.row(mine[t], h)
-                    } else {
-                        rows.row(slot(l, t), h)
+                    let row = match l == topo.local {
+                        true => x_bits.row(mine[t], h),
+                        false => rows.row(slot(l, t), h),
                     };
                     (row, 1.0)
                 }));
@@ -346,19 +364,19 @@ impl Ctx {
                 if let Some(own_w) = args.topk_weights {
                     w_out.fill(0.0);
                     for l in ls {
-                        let w = if l == topo.local {
-                            own_w.row(mine[t], k)
-                        } else {
-                            wrows.row(slot(l, t), k)
+                        let w = match l == topo.local {
+                            true => own_w.row(mine[t], k),
+                            false => wrows.row(slot(l, t), k),
                         };
                         for (a, &b) in w_out.iter_mut().zip(w) {
                             *a += b;
                         }
                     }
-                    local.put(p.weights.row(j, k)?, &w_out)?;
+                    self.symm.local().put(p.weights.row(j, k)?, &w_out)?;
                 }
             }
-            net.send(staged, p.len, &[])?;
+            let sent = self.net()?.send(staged, p.len, &[]);
+            self.unless_lost(src, sent)?;
         }
         Ok(())
     }
