@@ -106,9 +106,9 @@ pub struct BufferConfig {
     pub ranks_per_node: Option<usize>,
     /// The network path to ranks on other nodes (used only when there are several).
     pub net: NetConfig,
-    /// Elastic low-latency mode (DeepEP's `enable_shrink`): a rank found dead or
-    /// unreachable is masked on every survivor and low-latency calls go on without it
-    /// (see the `elastic` module). Off: any dead rank fails every call.
+    /// Elastic mode (DeepEP's `enable_shrink`): a rank found dead or unreachable is
+    /// masked on every survivor and the calls of both modes go on without it (see the
+    /// `elastic` module). Off: any dead rank fails every call.
     pub elastic: bool,
 }
 
