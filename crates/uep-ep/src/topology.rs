@@ -119,6 +119,14 @@ impl Topology {
         (0..self.num_nodes).filter(move |&m| m != self.node)
     }
 
+    /// Bit `l` set for each local rank `l` of node `m` (rank `m * L + l`) that `pick`
+    /// names: a token's destinations inside a node, as a packet carries them.
+    pub fn local_bits(self, m: usize, pick: impl Fn(usize) -> bool) -> u64 {
+        (self.node_ranks(m).enumerate())
+            .filter(|&(_, r)| pick(r))
+            .fold(0, |acc, (l, _)| acc | 1 << l)
+    }
+
     /// The rank of node `m` with `r`'s local index: it relays `r`'s tokens inside `m`
     /// (and returns `m`'s partial sums to `r`), as DeepEP pairs RDMA peers by local rank.
     pub fn relay(self, r: usize, m: usize) -> usize {

@@ -91,6 +91,14 @@ impl Ctx {
         }
     }
 
+    /// A combine (either mode) on an elastic Buffer records the mask it used, for
+    /// the caller.
+    pub(crate) fn note_combine_mask(&self, masked: &[bool]) {
+        if let Some(e) = &self.elastic {
+            e.borrow_mut().last_combine = masked.to_vec();
+        }
+    }
+
     /// Mask (`mask = true`) or unmask `rank` (DeepEP's
     /// `low_latency_update_mask_buffer`). A rank found gone cannot be unmasked.
     pub(crate) fn low_latency_update_mask(&self, rank: usize, mask: bool) -> Result<()> {
@@ -131,9 +139,9 @@ impl Ctx {
         })
     }
 
-    /// The waits of a low-latency call: on an elastic Buffer, only the awaited rank's
-    /// loss ends a wait (and [`Ctx::unless_lost`] masks it).
-    pub(crate) fn ll_wait(&self) -> crate::wait::Wait<'_> {
+    /// The waits of a call (either mode): on an elastic Buffer, only the awaited
+    /// rank's loss ends a wait (and [`Ctx::unless_lost`] masks it).
+    pub(crate) fn call_wait(&self) -> crate::wait::Wait<'_> {
         match self.elastic {
             Some(_) => self.wait().elastic(),
             None => self.wait(),

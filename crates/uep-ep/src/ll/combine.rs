@@ -171,7 +171,7 @@ impl Ctx {
             return Ok(None);
         }
         let areas = self.ll_areas(c)?;
-        let wait = self.ll_wait();
+        let wait = self.call_wait();
         // Nothing is read for a masked rank any more (its writes may never finish).
         let live = (0..self.topo.num_ranks).filter(|&r| r != self.topo.rank && !self.masked(r));
         // The combine that last used the buffer.
@@ -280,7 +280,7 @@ impl Ctx {
         let c = seq as usize % LL_BUFFERS;
         let areas = self.ll_areas(c)?;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
-        let wait = self.ll_wait();
+        let wait = self.call_wait();
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
         // Enter the combine: same-node peers may now write its area.
@@ -496,9 +496,9 @@ impl Ctx {
         let arrivals = self.ll_combine_arrivals(p, &areas, &per_expert)?;
         // Elastic mode: every survivor leaves out the same experts' outputs.
         let masked = match &self.elastic {
-            Some(el) => {
+            Some(_) => {
                 let m = self.agree(&format!("LL combine {seq}"))?;
-                el.borrow_mut().last_combine = m.clone();
+                self.note_combine_mask(&m);
                 m
             }
             None => vec![false; r_n],
@@ -547,7 +547,7 @@ impl Ctx {
         let (seq, c) = (p.seq, p.seq as usize % LL_BUFFERS);
         let (r_n, me, h) = (self.topo.num_ranks, self.topo.rank, areas.shape.hidden);
         let epr = areas.shape.experts_per_rank(r_n);
-        let wait = self.ll_wait();
+        let wait = self.call_wait();
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
         let mut landed = vec![None; r_n];

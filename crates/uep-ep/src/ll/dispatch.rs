@@ -309,7 +309,7 @@ impl Ctx {
         let s = areas.shape;
         let (row_bytes, words) = (format.row_bytes(s.hidden), format.scale_words(s.hidden));
         let (epr, k) = (s.experts_per_rank(r_n), s.topk);
-        let wait = self.ll_wait();
+        let wait = self.call_wait();
         let ch = Channel::ll_dispatch(b);
         let released = |r: usize| {
             move || {
@@ -558,7 +558,7 @@ impl Ctx {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let epr = areas.shape.experts_per_rank(r_n);
         let local = self.symm.local();
-        let wait = self.ll_wait();
+        let wait = self.call_wait();
         let ch = Channel::ll_dispatch(b);
         let mut counts = vec![0u32; epr * r_n];
         let mut landed: Vec<Option<Landed>> = (0..r_n).map(|_| None).collect();

@@ -54,7 +54,7 @@ impl Ctx {
                 mask = grown;
                 continue;
             }
-            self.note_combine_mask(&mask);
+            self.note_combine_mask(&mask.masked);
             let g = (&gathered, &mask);
             return self.reduce(&areas, handle, g, x, args, combined_x, combined_w);
         }
@@ -70,7 +70,7 @@ impl Ctx {
         handle: &NormalHandle,
         mask: &CallMask,
     ) -> Result<Gathered<'_>> {
-        let wait = self.normal_wait();
+        let wait = self.call_wait();
         self.send_rows(areas, x, args, handle, mask)?;
         self.publish_rows(seq)?;
         let relayed = self.relayed_now(handle, mask, &wait)?;

@@ -423,9 +423,7 @@ impl PackKernel<'_, '_> {
                     sink.region.put(sink.weights.row(j, k)?, w)?;
                 }
                 let r_n = self.topo.num_ranks;
-                let mask = (self.topo.node_ranks(m).enumerate())
-                    .filter(|&(_, r)| self.in_rank[t * r_n + r])
-                    .fold(0u64, |acc, (l, _)| acc | 1 << l);
+                let mask = self.topo.local_bits(m, |r| self.in_rank[t * r_n + r]);
                 sink.region.put(sink.mask.row(j, 1)?, &[mask])?;
             }
         }
@@ -513,7 +511,7 @@ impl Ctx {
         t_n: usize,
         mask: &CallMask,
     ) -> Result<(NormalHandle, Seen)> {
-        let wait = self.normal_wait();
+        let wait = self.call_wait();
         let counts = self.notify(seq, areas, routing, t_n, mask, &wait)?;
         self.check_room(&counts, areas, args)?;
         let mut plan = self.plan(seq, areas, &counts, routing, args, t_n, mask, &wait)?;
@@ -775,15 +773,11 @@ impl Ctx {
         };
         let out_base: Vec<usize> = (0..r_n).map(|r| counts.column_sum(me, r)).collect();
         let in_rank = &routing.in_rank;
-        let node_staged = self.stage_nodes(mask, wait)?;
+        let (nodes, staged) = self.stage_nodes(mask, wait)?;
         let dests: Vec<Dest> = (0..r_n)
             .filter(|&r| topo.is_local(r) && !mask.is(r))
             .map(Dest::Rank)
-            .chain(
-                node_staged
-                    .iter()
-                    .map(|&(m, relay, _)| Dest::Node(m, relay)),
-            )
+            .chain(nodes)
             .collect();
         let nd = dests.len();
         let hit: Vec<bool> = (0..t_n)
@@ -809,7 +803,6 @@ impl Ctx {
             })
             .collect();
         let (block_start, totals) = block_starts(&hit, &direct, nd, self.device.split(t_n));
-        let staged = node_staged.into_iter().map(|(_, _, s)| s).collect();
         let (sinks, staged) =
             self.open_row_sinks(seq, areas, &dests, &totals, &out_base, fmt, staged)?;
         let node_rows: usize = (dests.iter().zip(&totals))
@@ -834,20 +827,21 @@ impl Ctx {
         })
     }
 
-    /// The packet for each other node a dispatch sends to, staged: `(node, relay,
-    /// staging)`. A node is left out where it has no relay (every rank there is masked)
-    /// or its relay was lost.
-    fn stage_nodes(&self, mask: &CallMask, wait: &Wait<'_>) -> Result<Vec<(usize, usize, Staged)>> {
-        let mut staged = Vec::new();
+    /// The other nodes a dispatch sends to, and the packet staged for each, in the
+    /// same order. A node is left out where it has no relay (every rank there is
+    /// masked) or its relay was lost.
+    fn stage_nodes(&self, mask: &CallMask, wait: &Wait<'_>) -> Result<(Vec<Dest>, Vec<Staged>)> {
+        let (mut nodes, mut staged) = (Vec::new(), Vec::new());
         for m in self.topo.remote_nodes() {
             let Some(relay) = mask.relays.of(self.topo.rank, m) else {
                 continue;
             };
             if let Some(s) = self.stage_unless_lost(Channel::Dispatch, relay.rank, wait)? {
-                staged.push((m, relay.rank, s));
+                nodes.push(Dest::Node(m, relay.rank));
+                staged.push(s);
             }
         }
-        Ok(staged)
+        Ok((nodes, staged))
     }
 
     /// Where each destination's rows go: a same-node rank's output rows from this

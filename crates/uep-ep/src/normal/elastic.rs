@@ -16,6 +16,8 @@
 //! of its ranks (a *plan*, the metadata of the dispatch packet the substitute never
 //! got), so the substitute can reduce them.
 
+use std::borrow::Cow;
+
 use super::paths::{CallMask, Relays};
 use super::{NormalHandle, Relayed};
 use crate::area::Mem;
@@ -57,12 +59,6 @@ impl Ctx {
         CallMask::new(self.topo, decided).map(Some)
     }
 
-    /// The waits of a normal call: on an elastic Buffer only the awaited rank's loss
-    /// ends a wait.
-    pub(super) fn normal_wait(&self) -> Wait<'_> {
-        self.ll_wait()
-    }
-
     /// Stage a packet for `peer` unless it was lost (`None`; in elastic mode only).
     pub(super) fn stage_unless_lost(
         &self,
@@ -94,25 +90,19 @@ impl Ctx {
         }
     }
 
-    /// The combine of an elastic Buffer records the mask it used, for the caller.
-    pub(super) fn note_combine_mask(&self, mask: &CallMask) {
-        if let Some(e) = &self.elastic {
-            e.borrow_mut().last_combine.clone_from(&mask.masked);
-        }
-    }
-
     /// What this rank relays in a combine under `mask`: the dispatch's record where
     /// this rank relayed the source then too, else the source's plan. First sends this
-    /// rank's own plans to the substitutes relaying for it since its dispatch.
-    pub(super) fn relayed_now(
+    /// rank's own plans to the substitutes relaying for it since its dispatch. Under
+    /// the dispatch's own mask that is the dispatch's record, as it is.
+    pub(super) fn relayed_now<'h>(
         &self,
-        handle: &NormalHandle,
+        handle: &'h NormalHandle,
         mask: &CallMask,
         wait: &Wait<'_>,
-    ) -> Result<Vec<Relayed>> {
+    ) -> Result<Cow<'h, [Relayed]>> {
         let topo = self.topo;
-        if topo.num_nodes == 1 {
-            return Ok(Vec::new());
+        if handle.masked == mask.masked {
+            return Ok(Cow::Borrowed(&handle.relay));
         }
         let then = Relays::new(topo, &handle.masked)?;
         for m in topo.remote_nodes() {
@@ -128,7 +118,7 @@ impl Ctx {
                 None => relayed.extend(self.recv_plan(src, wait)?),
             }
         }
-        Ok(relayed)
+        Ok(Cow::Owned(relayed))
     }
 
     /// Tell `relay` which of this rank's tokens went to node `m`, and to which of its
@@ -143,12 +133,10 @@ impl Ctx {
         let Some(staged) = self.stage_unless_lost(Channel::Dispatch, relay, wait)? else {
             return Ok(());
         };
-        let (r_n, ranks) = (self.topo.num_ranks, self.topo.node_ranks(m));
+        let r_n = self.topo.num_ranks;
         let (mut tokens, mut masks) = (Vec::new(), Vec::new());
         for (t, row) in handle.is_token_in_rank.chunks_exact(r_n).enumerate() {
-            let bits = (row[ranks.clone()].iter().enumerate())
-                .filter(|(_, &got)| got)
-                .fold(0u64, |acc, (l, _)| acc | 1 << l);
+            let bits = self.topo.local_bits(m, |r| row[r]);
             if bits != 0 {
                 tokens.push(t as i32);
                 masks.push(bits);

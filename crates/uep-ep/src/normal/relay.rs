@@ -320,9 +320,7 @@ impl Ctx {
         let (me, rpn) = (topo.rank, topo.ranks_per_node);
         let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
         let published = self.relay_rows(seq, mask, wait)?;
-        let live: u64 = (topo.node_ranks(topo.node).enumerate())
-            .filter(|&(_, r)| !mask.is(r))
-            .fold(0, |acc, (l, _)| acc | 1 << l);
+        let live = topo.local_bits(topo.node, |r| !mask.is(r));
         let x_bits: &[u16] = bytemuck::cast_slice(x);
         let mut w_out = vec![0f32; k];
         let mut parts = Vec::with_capacity(rpn);
