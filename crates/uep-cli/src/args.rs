@@ -142,6 +142,10 @@ pub struct BenchArgs {
     /// With --soak: SIGKILL every rank of node NODE at the start of step STEP.
     #[arg(long, value_name = "NODE@STEP", requires = "soak")]
     pub kill_node: Vec<At>,
+    /// With --elastic --soak: start a replacement of killed rank RANK at step STEP; it
+    /// joins the running job and checks every step from there (repeatable; one node).
+    #[arg(long, value_name = "RANK@STEP", requires_all = ["soak", "elastic"])]
+    pub rejoin: Vec<At>,
     /// With --elastic --soak: victims, steps and moments (inside calls and agreement
     /// rounds) drawn from SEED; every survivor checks every step and reports a digest
     /// of every mask it agreed on, which must be the same on all of them.
@@ -239,6 +243,17 @@ pub(crate) fn validate(args: &BenchArgs) -> anyhow::Result<()> {
                 "--kill {}@{}: there are {} ranks",
                 k.who, k.step, args.ranks
             ));
+        }
+    }
+    for j in &args.rejoin {
+        if !args.kill.iter().any(|k| k.who == j.who && k.step < j.step) {
+            return bad(format!(
+                "--rejoin {}@{}: rank {} is not killed (--kill) before step {}",
+                j.who, j.step, j.who, j.step
+            ));
+        }
+        if args.nodes > 1 {
+            return bad("--rejoin works on one node for now (--nodes 1)".into());
         }
     }
     for k in &args.kill_node {

@@ -12,7 +12,8 @@ use half::bf16;
 use uep_bootstrap::{EnvSource, Group, LaunchSpec, WorldInfo};
 use uep_ep::device::{Device, HostDevice};
 use uep_ep::{
-    Buffer, BufferConfig, Cast, CombineArgs, DispatchArgs, LlCombineInput, LlDispatchArgs,
+    Buffer, BufferConfig, Cast, CombineArgs, DispatchArgs, JoinPoint, LlCombineInput,
+    LlDispatchArgs,
 };
 use uep_harness::case::{identity_expert, LlCase, NormalCase, ScaleLayout};
 use uep_harness::check::Mismatches;
@@ -128,8 +129,19 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         .timeout
         .map(Duration::from_secs_f64)
         .or_else(uep_ep::timeout_from_env);
-    let group = Group::connect(&info, timeout.unwrap_or(Duration::from_secs(60)))?;
-    let world = group.world_size();
+    // A replacement of a killed rank (`--rejoin`) finds the job at its door instead:
+    // the rendezvous is over.
+    let group = match crate::rejoin::started_as_replacement() {
+        None => Some(Group::connect(
+            &info,
+            timeout.unwrap_or(Duration::from_secs(60)),
+        )?),
+        Some(_) => {
+            crate::rejoin::arm_own_death(info.rank);
+            None
+        }
+    };
+    let world = info.world_size;
     // uep's own launcher runs every rank on this host and says how many form a node
     // (`--nodes`); under another launcher the Buffer finds the nodes from the hosts.
     let emulated = (info.source == EnvSource::Uep).then_some(info.local_world_size);
@@ -153,11 +165,11 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     };
     let max_tokens = |inputs: &[RankInput]| inputs.iter().map(|i| i.num_tokens).max().unwrap_or(0);
     let (max_normal, max_ll) = (max_tokens(&normal_inputs), max_tokens(&ll_inputs));
-    let (mut buffer, setup) =
+    let (mut buffer, setup, joined) =
         open_buffer(args, &info, group, emulated, timeout, max_normal, max_ll)?;
     shape.ranks_per_node = buffer.topology().ranks_per_node;
     if let Some(steps) = args.soak {
-        return crate::soak::run(&mut buffer, args, &shape, max_ll, steps);
+        return crate::soak::run(&mut buffer, args, &shape, max_ll, steps, joined);
     }
     let rank = buffer.rank();
     let steps = (args.warmup + args.iters) as u64;
@@ -196,16 +208,17 @@ struct Setup {
     device: String,
 }
 
-/// The Buffer of this rank, configured from the flags and the launcher.
+/// The Buffer of this rank, configured from the flags and the launcher; without a
+/// group, a replacement's, and where it joined.
 fn open_buffer(
     args: &BenchArgs,
     info: &WorldInfo,
-    group: Group,
+    group: Option<Group>,
     emulated: Option<usize>,
     timeout: Option<Duration>,
     max_normal: usize,
     max_ll: usize,
-) -> anyhow::Result<(Buffer, Setup)> {
+) -> anyhow::Result<(Buffer, Setup, Option<JoinPoint>)> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = if args.threads > 0 {
         args.threads
@@ -245,17 +258,27 @@ fn open_buffer(
         cfg.timeout = t;
     }
     cfg.elastic = args.elastic;
+    if !crate::rejoin::planned(args).is_empty() {
+        cfg.door = Some(crate::rejoin::door_name(info));
+        cfg.auto_admit = true;
+    }
     let provider = cfg.net.fabric.provider.clone();
     uep_ep::set_spin_only(args.spin_waits);
     let device = open_device(args.device, threads)?;
     let device_name = device.name().to_string();
-    let buffer = Buffer::with_device(Arc::new(group), cfg, device)?;
+    let (buffer, joined) = match group {
+        Some(group) => (Buffer::with_device(Arc::new(group), cfg, device)?, None),
+        None => {
+            let (buffer, at) = Buffer::join(cfg, info.rank, info.world_size)?;
+            (buffer, Some(at))
+        }
+    };
     let setup = Setup {
         threads,
         provider,
         device: device_name,
     };
-    Ok((buffer, setup))
+    Ok((buffer, setup, joined))
 }
 
 /// The device `--device` names, with `threads` kernel threads for what runs on the host.

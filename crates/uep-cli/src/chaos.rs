@@ -6,6 +6,9 @@
 //! its messages (between two sends of one round, or after its round messages and
 //! before its decision). At most half of the ranks die, so the rest may go on.
 //!
+//! On one node, some victims are replaced: a new process takes the rank's place a few
+//! steps after its death ([`rejoins`], `crate::rejoin`).
+//!
 //! Every victim (of `--kill` and `--kill-node` too) notes the moment it dies in the
 //! directory the launcher names in `UEP_BENCH_DEATHS`, so that survivors can print
 //! how long after each death they masked the rank ([`death_to_masked_ms`]).
@@ -17,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use uep_ep::Buffer;
 
-use crate::args::BenchArgs;
+use crate::args::{At, BenchArgs};
 
 /// When, inside its step, a victim dies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,6 +81,53 @@ pub fn plan(seed: u64, ranks: usize, nodes: usize, steps: u64) -> Vec<Kill> {
         kills.extend(who.into_iter().map(|rank| Kill { rank, step, moment }));
     }
     kills
+}
+
+/// A replacement of a killed rank (`crate::rejoin`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rejoin {
+    /// The rank it takes the place of.
+    pub rank: usize,
+    /// The step it is started at.
+    pub step: u64,
+    /// It dies this long after it started (while it starts, asks at the door, or
+    /// after it was let in), if it does.
+    pub dies_after: Option<Duration>,
+}
+
+impl From<At> for Rejoin {
+    fn from(at: At) -> Rejoin {
+        Rejoin {
+            rank: at.who,
+            step: at.step,
+            dies_after: None,
+        }
+    }
+}
+
+/// On one node (where ranks can rejoin): which victims of `kills` a replacement takes
+/// the place of, at which step it is started, and whether it dies too (one in four,
+/// 150 to 400 ms after it started: the process takes about 200 ms to start here), also
+/// drawn from `seed` (from a stream of its own, so the victims of a seed stay what
+/// they were).
+pub fn rejoins(seed: u64, kills: &[Kill], nodes: usize, steps: u64) -> Vec<Rejoin> {
+    if nodes > 1 {
+        return Vec::new();
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x7265_6a6f_696e);
+    kills
+        .iter()
+        .filter_map(|k| {
+            let step = k.step + rng.gen_range(2..=6);
+            let dies = rng.gen_bool(0.25);
+            let after = Duration::from_millis(rng.gen_range(150..400));
+            (rng.gen_bool(0.5) && step < steps).then_some(Rejoin {
+                rank: k.rank,
+                step,
+                dies_after: dies.then_some(after),
+            })
+        })
+        .collect()
 }
 
 /// The victims `--chaos` asks for (none without it).

@@ -6,6 +6,7 @@ pub mod dump;
 pub mod gpu;
 pub mod info;
 pub mod peers;
+pub mod rejoin;
 pub mod report;
 pub mod soak;
 pub mod sweep;

@@ -8,16 +8,17 @@
 //! against the reference without the ranks masked in it, and report how long the step
 //! of the kill took them (the recovery).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use half::bf16;
-use uep_ep::Buffer;
+use uep_ep::{Buffer, FirstCall, JoinPoint};
 use uep_harness::check::Mismatches;
 use uep_harness::step::{ll_step, normal_step, StepOpts};
 use uep_harness::workload::JobShape;
 
 use crate::args::{make_inputs, step_salt, BenchArgs, Modes};
-use crate::chaos;
+use crate::chaos::{self, Rejoin};
+use crate::rejoin::{started_as_replacement, Replacements};
 use crate::report::Progress;
 
 /// Resident and peak resident memory of this process, in KiB (`/proc/self/status`).
@@ -33,54 +34,148 @@ pub fn rss_kib() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-/// What a survivor saw of the masking.
+/// What a survivor saw of the masking, and of ranks coming back.
 #[derive(Debug, Default)]
 struct Recovery {
     /// The first step that masked a rank, and how long it took this rank.
-    first: Option<(u64, std::time::Duration)>,
+    first: Option<(u64, Duration)>,
+    /// `--rejoin`: a replacement of each rank started, not back yet: since which step,
+    /// and the longest step since.
+    joining: Vec<(usize, u64, Duration)>,
+    /// Ranks back: (rank, the first step it took part in, the longest step while it
+    /// joined).
+    back: Vec<(usize, u64, Duration)>,
+    /// This rank is a replacement: where and how fast it came back.
+    joined: Option<Joined>,
 }
 
-/// Run the soak on this rank; rank 0 prints the summary. Returns whether every step matched.
+/// How a replacement came back.
+#[derive(Debug)]
+struct Joined {
+    at: JoinPoint,
+    /// Its process started → its Buffer is let in (returned from `Buffer::join`).
+    let_in: Duration,
+    /// Its process started → its first step with everyone done.
+    served: Option<Duration>,
+}
+
+impl Joined {
+    fn new(at: JoinPoint) -> Option<Joined> {
+        let since = started_as_replacement()?.elapsed().unwrap_or_default();
+        Some(Joined {
+            at,
+            let_in: since,
+            served: None,
+        })
+    }
+}
+
+fn ms(d: &Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+impl Recovery {
+    /// The ranks back, and how this rank came back (if it is a replacement), for the
+    /// JSON report.
+    fn rejoins_json(&self) -> (serde_json::Value, serde_json::Value) {
+        let back: Vec<serde_json::Value> = (self.back.iter())
+            .map(|(r, step, longest)| {
+                serde_json::json!({"rank": r, "back_at_step": step, "longest_step_ms": ms(longest)})
+            })
+            .collect();
+        let joined = self.joined.as_ref().map(|j| {
+            serde_json::json!({
+                "at_step": j.at.step,
+                "waited_at_door_ms": ms(&j.at.waited),
+                "started_to_let_in_ms": ms(&j.let_in),
+                "started_to_first_step_ms": j.served.as_ref().map(ms),
+            })
+        });
+        (back.into(), joined.into())
+    }
+
+    /// The same, as text.
+    fn print_rejoins(&self) {
+        for (r, step, longest) in &self.back {
+            println!(
+                "  rejoined:        rank {r} back from step {step}; longest step while it joined {:.0} ms",
+                ms(longest)
+            );
+        }
+        if let Some(j) = &self.joined {
+            println!(
+                "  joined:          at step {}: process started → let in {:.0} ms (waited at \
+                 the door {:.1} ms), → first step served {:.0} ms",
+                j.at.step,
+                ms(&j.let_in),
+                ms(&j.at.waited),
+                j.served.as_ref().map_or(f64::NAN, ms)
+            );
+        }
+    }
+
+    /// After `step`, which took `took` and started the replacements of `started`:
+    /// replacements are back once unmasked.
+    fn note_step(&mut self, buffer: &Buffer, started: &[Rejoin], step: u64, took: Duration) {
+        for j in started {
+            self.joining.push((j.rank, step, Duration::ZERO));
+        }
+        let mask = buffer.low_latency_mask();
+        for (r, since, longest) in std::mem::take(&mut self.joining) {
+            let longest = longest.max(took);
+            match mask[r] {
+                true => self.joining.push((r, since, longest)),
+                false => self.back.push((r, step, longest)),
+            }
+        }
+    }
+}
+
+/// Run the soak on this rank (a replacement from where it `joined`); rank 0 prints the
+/// summary. Returns whether every step matched.
 pub fn run(
     buffer: &mut Buffer,
     args: &BenchArgs,
     shape: &JobShape,
     max_ll: usize,
     steps: u64,
+    joined: Option<JoinPoint>,
 ) -> anyhow::Result<bool> {
-    let (rank, h) = (buffer.rank(), args.hidden);
-    let progress = Progress::new(steps, "uep soak", rank == 0 && !args.json);
-    let mut bad = Mismatches::new(rank);
+    let rank = buffer.rank();
+    let first = joined.map_or(0, |j| j.step);
+    // Let in at a low-latency dispatch: that step's normal half ran without it.
+    let skip_normal = joined.is_some_and(|j| j.first == FirstCall::LowLatencyDispatch);
+    let progress = Progress::new(
+        steps - first.min(steps),
+        "uep soak",
+        rank == 0 && !args.json,
+    );
+    let mut verified = Verified::new(args, shape, max_ll, rank);
     let started = Instant::now();
-    let mut y: Vec<bf16> = Vec::new();
-    let mut ll_y = vec![bf16::ZERO; shape.experts_per_rank() * shape.num_ranks * max_ll * h];
     let mut rss_start = 0;
-    let mut recovery = Recovery::default();
+    let mut recovery = Recovery {
+        joined: joined.and_then(Joined::new),
+        ..Recovery::default()
+    };
     let kills = chaos::from_args(args);
-    for step in 0..steps {
+    let mut replacements = Replacements::default();
+    let plan = crate::rejoin::planned(args);
+    for step in first..steps {
         die_if_victim(args, shape, rank, step);
         chaos::arm(buffer, &kills, step)?;
+        let due = crate::rejoin::due(buffer, &plan, step);
+        replacements.start(buffer, &due, args)?;
+        buffer.set_step(step);
         let step_start = Instant::now();
         let masked_before = buffer.low_latency_mask().iter().filter(|&&m| m).count();
-        let opts = StepOpts {
-            fp8: args.fp8,
-            round_scale: args.round_scale,
-            expert_alignment: args.expert_alignment,
-            // Every other step the experts write into the combine buffer and the
-            // combine sends from there (zero copy), so faults meet both paths.
-            zero_copy: step % 2 == 1,
-        };
-        if args.mode != Modes::Ll {
-            let inputs = make_inputs(args, shape, args.tokens, step_salt(0, step))?;
-            normal_step(buffer, inputs, shape, opts, &mut bad, &mut y)?;
-        }
-        if args.mode != Modes::Normal {
-            let inputs = make_inputs(args, shape, args.ll_tokens, step_salt(0x11, step))?;
-            ll_step(buffer, &inputs, shape, max_ll, opts, &mut bad, &mut ll_y)?;
-        }
+        verified.step(buffer, step, !(skip_normal && step == first))?;
         let masked_now = buffer.low_latency_mask().iter().filter(|&&m| m).count();
         if masked_now > masked_before && recovery.first.is_none() {
             recovery.first = Some((step, step_start.elapsed()));
+        }
+        recovery.note_step(buffer, &due, step, step_start.elapsed());
+        if let Some(j) = recovery.joined.as_mut().filter(|j| j.served.is_none()) {
+            j.served = started_as_replacement().and_then(|t| t.elapsed().ok());
         }
         if step == 0 {
             // After the first step every buffer has been touched: growth from here is a leak.
@@ -89,8 +184,12 @@ pub fn run(
         progress.inc(1);
     }
     progress.finish();
+    if !plan.is_empty() {
+        drain(buffer, &plan, &mut recovery, steps)?;
+    }
+    let bad = verified.bad;
     let summary = Summary {
-        steps,
+        steps: steps - first.min(steps),
         mismatches: bad.count() as u64,
         faults: buffer.faults_injected(),
         rss_start,
@@ -98,6 +197,7 @@ pub fn run(
         seconds: started.elapsed().as_secs_f64(),
     };
     bad.print();
+    let replaced = replacements.wait()?;
     if buffer.is_elastic() {
         // Ranks may be gone, and the control plane with them: each survivor reports
         // for itself (and exits non-zero on a mismatch).
@@ -105,7 +205,88 @@ pub fn run(
     } else {
         report_all(buffer, args, &summary)?;
     }
-    Ok(bad.count() == 0)
+    Ok(bad.count() == 0 && replaced)
+}
+
+/// One rank's verified steps: the outputs a step reuses, and the mismatches so far.
+struct Verified<'a> {
+    args: &'a BenchArgs,
+    shape: &'a JobShape,
+    max_ll: usize,
+    bad: Mismatches,
+    y: Vec<bf16>,
+    ll_y: Vec<bf16>,
+}
+
+impl<'a> Verified<'a> {
+    fn new(args: &'a BenchArgs, shape: &'a JobShape, max_ll: usize, rank: usize) -> Self {
+        let ll_rows = shape.experts_per_rank() * shape.num_ranks * max_ll;
+        Verified {
+            args,
+            shape,
+            max_ll,
+            bad: Mismatches::new(rank),
+            y: Vec::new(),
+            ll_y: vec![bf16::ZERO; ll_rows * args.hidden],
+        }
+    }
+
+    /// Step `step` of the modes `--mode` names (normal mode only if `normal`), each
+    /// output checked against the reference.
+    fn step(&mut self, buffer: &mut Buffer, step: u64, normal: bool) -> anyhow::Result<()> {
+        let (args, shape) = (self.args, self.shape);
+        let opts = StepOpts {
+            fp8: args.fp8,
+            round_scale: args.round_scale,
+            expert_alignment: args.expert_alignment,
+            // Every other step the experts write into the combine buffer and the
+            // combine sends from there (zero copy), so faults meet both paths.
+            zero_copy: step % 2 == 1,
+        };
+        if args.mode != Modes::Ll && normal {
+            let inputs = make_inputs(args, shape, args.tokens, step_salt(0, step))?;
+            normal_step(buffer, inputs, shape, opts, &mut self.bad, &mut self.y)?;
+        }
+        if args.mode != Modes::Normal {
+            let inputs = make_inputs(args, shape, args.ll_tokens, step_salt(0x11, step))?;
+            let (bad, ll_y) = (&mut self.bad, &mut self.ll_y);
+            ll_step(buffer, &inputs, shape, self.max_ll, opts, bad, ll_y)?;
+        }
+        Ok(())
+    }
+}
+
+/// After the last step: barriers (agreements, where replacements are let in) until the
+/// ranks of every replacement planned (and not planned to die) are unmasked, or the
+/// Buffer's timeout. The survivors leave together: they read the same mask after each
+/// barrier. A replacement let in here made its first call a barrier, and drains with
+/// them after it.
+fn drain(
+    buffer: &mut Buffer,
+    plan: &[Rejoin],
+    recovery: &mut Recovery,
+    steps: u64,
+) -> anyhow::Result<()> {
+    buffer.set_step(steps);
+    if recovery
+        .joined
+        .as_ref()
+        .is_some_and(|j| j.at.first == FirstCall::Barrier)
+    {
+        buffer.barrier()?;
+    }
+    let deadline = Instant::now() + buffer.config().timeout;
+    let waiting = |b: &Buffer| {
+        let mask = b.low_latency_mask();
+        plan.iter().any(|j| j.dies_after.is_none() && mask[j.rank])
+    };
+    while waiting(buffer) && Instant::now() < deadline {
+        let start = Instant::now();
+        buffer.barrier()?;
+        recovery.note_step(buffer, &[], steps, start.elapsed());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
 }
 
 /// SIGKILLs this process at the start of `step` if `--kill` or `--kill-node` says so.
@@ -208,6 +389,7 @@ fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Rec
     let (agreements, digest) = buffer.low_latency_agreements();
     let noticed = chaos::death_to_masked_ms(buffer);
     if args.json {
+        let (back, joined) = recovery.rejoins_json();
         let summary = serde_json::json!({
             "rank": rank,
             "steps": s.steps,
@@ -220,6 +402,8 @@ fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Rec
             "agreements": agreements,
             "death_to_masked_ms": noticed.iter().map(|(r, ms)| (r.to_string(), serde_json::json!(ms))).collect::<serde_json::Map<_, _>>(),
             "agreement_digest": format!("{digest:016x}"),
+            "rejoined": back,
+            "joined": joined,
             "rss_start_kib": s.rss_start,
             "rss_end_kib": s.rss.0,
             "seconds": s.seconds,
@@ -247,6 +431,7 @@ fn report_elastic(buffer: &Buffer, args: &BenchArgs, s: &Summary, recovery: &Rec
     for (r, ms) in &noticed {
         println!("  death → masked:  rank {r} in {ms:.0} ms");
     }
+    recovery.print_rejoins();
     for (r, why) in buffer.low_latency_mask_reasons().into_iter().enumerate() {
         if let Some(why) = why {
             println!("  rank {r}: {why}");

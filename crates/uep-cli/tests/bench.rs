@@ -642,6 +642,132 @@ fn elastic_normal_goes_on_without_a_killed_node_and_with_faults() {
     );
 }
 
+/// Rank 2 is SIGKILLed at step 5 and a replacement process started at step 8 takes its
+/// place: every rank (the three survivors and the replacement) checks every step it
+/// ran against the reference for that step's mask with 0 mismatches, all agreed on the
+/// same masks (digests), nobody is masked at the end, and the times are printed: the
+/// replacement's wait at the door and the survivors' longest step while it joined.
+fn elastic_rejoin(mode: &str) {
+    let more = [
+        "--ranks",
+        "4",
+        "--nodes",
+        "1",
+        "--timeout",
+        "60",
+        "--mode",
+        mode,
+        "--kill",
+        "2@5",
+        "--rejoin",
+        "2@8",
+    ];
+    let (reports, ctx) = elastic_run(300, &more);
+    assert_eq!(reports.len(), 4, "{ctx}");
+    let joiner = reports.iter().find(|r| !r["joined"].is_null()).expect(&ctx);
+    assert_eq!(joiner["rank"], 2, "{ctx}");
+    for r in &reports {
+        assert_eq!(r["mismatches"], 0, "{ctx}");
+        assert_eq!(r["masked"], serde_json::json!([]), "{ctx}");
+        for key in ["agreements", "agreement_digest"] {
+            assert_eq!(r[key], joiner[key], "{key} differs: {ctx}");
+        }
+    }
+    let j = &joiner["joined"];
+    let waited = j["waited_at_door_ms"].as_f64().expect(&ctx);
+    assert!(waited < 1000.0, "waited {waited} ms at the door: {ctx}");
+    for r in reports.iter().filter(|r| r["joined"].is_null()) {
+        let back = &r["rejoined"][0];
+        assert_eq!(back["rank"], 2, "{ctx}");
+        assert!(back["back_at_step"].as_u64() >= Some(8), "{ctx}");
+        assert_eq!(r["steps"], 300, "{ctx}");
+    }
+    let longest: Vec<f64> = (reports.iter())
+        .filter_map(|r| r["rejoined"][0]["longest_step_ms"].as_f64())
+        .collect();
+    eprintln!(
+        "{mode}: rank 2 back at step {}: started → let in {:.0} ms, waited at the door \
+         {waited:.1} ms; survivors' longest step meanwhile {longest:.1?} ms",
+        j["at_step"], j["started_to_let_in_ms"]
+    );
+}
+
+#[test]
+fn elastic_ll_killed_rank_rejoins_on_one_node() {
+    elastic_rejoin("ll");
+}
+
+#[test]
+fn elastic_normal_killed_rank_rejoins_on_one_node() {
+    elastic_rejoin("normal");
+}
+
+#[test]
+fn elastic_both_modes_killed_rank_rejoins_on_one_node() {
+    elastic_rejoin("all");
+}
+
+/// `--chaos SEED` on 4 ranks of one node, both modes, 200 steps: some victims are
+/// replaced a few steps after their death. Every rank that reports (survivors and
+/// replacements) has 0 mismatches and the same agreements, digest and final mask;
+/// every rank that does not is masked. Returns the replacements' waits at the door, ms.
+fn elastic_chaos_rejoin(seed: u64) -> Vec<f64> {
+    let seed_s = seed.to_string();
+    let more = [
+        "--ranks",
+        "4",
+        "--nodes",
+        "1",
+        "--mode",
+        "all",
+        "--timeout",
+        "30",
+        "--chaos",
+        &seed_s,
+    ];
+    let (reports, ctx) = elastic_run(200, &more);
+    let first = &reports[0];
+    for r in &reports {
+        assert_eq!(r["mismatches"], 0, "{ctx}");
+        for key in ["agreements", "agreement_digest", "masked"] {
+            assert_eq!(r[key], first[key], "{key} differs between ranks: {ctx}");
+        }
+    }
+    let masked: Vec<u64> = serde_json::from_value(first["masked"].clone()).unwrap();
+    for rank in 0..4u64 {
+        let reported = reports.iter().any(|r| r["rank"] == rank);
+        assert!(reported != masked.contains(&rank), "rank {rank}: {ctx}");
+    }
+    (reports.iter())
+        .filter_map(|r| r["joined"]["waited_at_door_ms"].as_f64())
+        .collect()
+}
+
+#[test]
+fn elastic_chaos_with_rejoins_quick() {
+    for seed in [1, 2] {
+        elastic_chaos_rejoin(seed);
+    }
+}
+
+/// The issue's kill-and-rejoin soak on one node: 50 seeds.
+#[test]
+#[ignore = "long tier: ~2 minutes"]
+fn elastic_chaos_with_rejoins_fifty_seeds() {
+    let mut waited = Vec::new();
+    for seed in 200..250 {
+        waited.extend(elastic_chaos_rejoin(seed));
+    }
+    waited.sort_by(f64::total_cmp);
+    let at = |q: f64| waited[((waited.len() - 1) as f64 * q) as usize];
+    eprintln!(
+        "{} replacements let in; waited at the door: median {:.1} ms, max {:.1} ms",
+        waited.len(),
+        at(0.5),
+        at(1.0)
+    );
+}
+
 /// `uep bench --chaos SEED` on `ranks` ranks as `nodes` nodes, both modes every step:
 /// every survivor checks all 24 steps bit for bit against the reference for that
 /// step's mask, and all of them agreed on the same masks in the same agreements (the

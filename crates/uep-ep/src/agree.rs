@@ -229,6 +229,20 @@ impl Agreement {
     }
 }
 
+/// A mask as bits, one per rank, in `words` words.
+pub(crate) fn to_bits(mask: &[bool], words: usize) -> Bits {
+    let mut w = vec![0u64; words];
+    for (r, _) in mask.iter().enumerate().filter(|(_, &m)| m) {
+        w[r / 64] |= 1 << (r % 64);
+    }
+    w
+}
+
+/// The first `n` bits as a mask.
+pub(crate) fn to_mask(bits: &[u64], n: usize) -> Vec<bool> {
+    (0..n).map(|r| bit(bits, r)).collect()
+}
+
 /// Whether bit `r` of `bits` is set.
 pub(crate) fn bit(bits: &[u64], r: usize) -> bool {
     bits.get(r / 64).is_some_and(|w| w >> (r % 64) & 1 == 1)

@@ -22,6 +22,8 @@ use crate::area::Mem;
 use crate::config::BufferConfig;
 use crate::ctx::{Ctx, ABORT_LINGER};
 use crate::device::{Device, HostDevice};
+use crate::door::{Calls, Door, FirstCall, JoinPoint};
+use crate::elastic::join;
 use crate::error::{EpError, Result};
 use crate::exchange;
 use crate::invalid;
@@ -73,6 +75,7 @@ pub struct Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        self.cx.close_door();
         let Some(net) = &self.cx.net else {
             return;
         };
@@ -133,20 +136,92 @@ impl Buffer {
         device: Arc<dyn Device>,
     ) -> Result<Buffer> {
         let cx = open(cp, cfg, device)?;
+        Ok(Buffer::from_ctx(cx, Calls::default()))
+    }
+
+    /// Take the place of masked rank `rank` of a running elastic job of `world` ranks
+    /// on this host, as a process started to replace it: find the job at the door of
+    /// `cfg` (the founding ranks' config, [`BufferConfig::door`]), ask to be let in,
+    /// and return once the survivors have agreed to (at most `cfg.timeout`), with
+    /// where the job is: the caller's next step, and the call it makes first with them.
+    ///
+    /// ```no_run
+    /// # fn main() -> uep_ep::Result<()> {
+    /// use uep_ep::{Buffer, BufferConfig};
+    /// let mut cfg = BufferConfig::new(16, 256, 2, 64, 16);
+    /// cfg.elastic = true;
+    /// cfg.door = Some("uep-door-myjob".into());
+    /// // Rank 3 of 4 died and was masked; this process replaces it.
+    /// let (mut buffer, at) = Buffer::join(cfg, 3, 4)?;
+    /// println!("serving again from step {} ({:?} first)", at.step, at.first);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn join(cfg: BufferConfig, rank: usize, world: usize) -> Result<(Buffer, JoinPoint)> {
+        let device = Arc::new(HostDevice::new(cfg.device_threads));
+        let (cx, welcome, waited) = join::join(cfg, rank, world, device)?;
+        let at = JoinPoint {
+            step: welcome.step,
+            first: welcome.first,
+            waited,
+        };
+        Ok((Buffer::from_ctx(cx, welcome.calls), at))
+    }
+
+    /// A Buffer over `cx` whose calls so far are `calls`.
+    fn from_ctx(cx: Ctx, calls: Calls) -> Buffer {
         let map = &cx.map;
         let normal = NormalState {
+            dispatch: calls.normal_dispatch,
+            combine: calls.normal_combine,
             banks: map
                 .normal
                 .map(|n| [Bank::new(n.banks[0].area), Bank::new(n.banks[1].area)]),
-            ..NormalState::default()
         };
-        let ll = LlState::new(map.ll.map(|ll| ll.map(|a| Bank::new(a.bank))));
-        Ok(Buffer {
+        let mut ll = LlState::new(map.ll.map(|ll| ll.map(|a| Bank::new(a.bank))));
+        (ll.dispatch, ll.combine) = (calls.ll_dispatch, calls.ll_combine);
+        Buffer {
             cx,
             normal,
             ll,
-            barriers: 0,
-        })
+            barriers: calls.barriers,
+        }
+    }
+
+    /// Elastic mode with a door: let a replacement of masked rank `rank` in once it
+    /// asks (Mooncake's `recover_ranks`). Every survivor must admit it (or let
+    /// everyone in, [`BufferConfig::auto_admit`]); it takes part from the first
+    /// dispatch or barrier after the agreement that follows.
+    pub fn admit(&mut self, rank: usize) -> Result<()> {
+        self.cx.admit(rank)
+    }
+
+    /// The caller's step, told to a replacement let in at the next dispatch or
+    /// barrier ([`JoinPoint::step`]). Survivors set it before each step's calls.
+    pub fn set_step(&mut self, step: u64) {
+        self.cx.set_step(step);
+    }
+
+    /// Replacements let in by the last agreements take part from this call, unless a
+    /// low-latency call still waits for its receive (then from a later one).
+    fn let_in(&mut self, first: FirstCall) -> Result<()> {
+        let ll = &self.ll;
+        if ll
+            .unreceived
+            .iter()
+            .chain(&ll.combine_unreceived)
+            .any(Option::is_some)
+        {
+            return Ok(());
+        }
+        let calls = Calls {
+            ll_dispatch: ll.dispatch,
+            ll_combine: ll.combine,
+            normal_dispatch: self.normal.dispatch,
+            normal_combine: self.normal.combine,
+            barriers: self.barriers,
+        };
+        self.cx.let_in(first, calls)
     }
 
     /// This rank.
@@ -300,10 +375,11 @@ impl Buffer {
     /// On an elastic Buffer it is an agreement round instead (every rank not masked
     /// meets every other), which also spreads the mask.
     pub fn barrier(&mut self) -> Result<()> {
+        self.let_in(FirstCall::Barrier)?;
         let seq = &mut self.barriers;
         self.cx.collective(|cx| {
             if cx.elastic.is_some() {
-                return cx.agree("barrier").map(drop);
+                return cx.agree("barrier", true).map(drop);
             }
             *seq += 1;
             cx.barrier_phases(*seq)
@@ -321,6 +397,7 @@ impl Buffer {
     /// If any rank dispatches more tokens than the Buffer's `max_tokens`, every rank
     /// returns [`EpError::Capacity`] and the Buffer stays usable.
     pub fn dispatch(&mut self, args: DispatchArgs<'_>) -> Result<DispatchOutput<'_>> {
+        self.let_in(FirstCall::Dispatch)?;
         self.cx.normal_call_begins()?;
         let st = &mut self.normal;
         let dispatched = self.cx.collective(|cx| cx.dispatch_call(st, &args))?;
@@ -386,6 +463,7 @@ impl Buffer {
     /// copies are on their way. Receive them with
     /// [`Buffer::low_latency_dispatch_recv`]; at most two dispatches may wait for it.
     pub fn low_latency_dispatch_send(&mut self, args: LlDispatchArgs<'_>) -> Result<LlPending> {
+        self.let_in(FirstCall::LowLatencyDispatch)?;
         let st = &mut self.ll;
         self.cx.collective(|cx| cx.ll_send(st, args))
     }
@@ -531,50 +609,9 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -
         cp.abort(&e.to_string());
         return Err(e);
     }
-    // Hosts (which ranks share memory) and a job id for the segment names (rank 0's
-    // token), in one exchange.
-    let hello = (rand::random::<u64>(), uep_bootstrap::host_id());
-    let hellos = exchange::all_gather(cp.as_ref(), "hello", &hello)?;
-    let job = format!("{:016x}", hellos[0].0);
-    let hosts: Vec<String> = hellos.into_iter().map(|(_, host)| host).collect();
-    let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
-    let map = RegionMap::new(&cfg, num_ranks, topo.num_nodes > 1);
-    // Every rank must agree on the shapes: compare them first, so a mismatch is a
-    // clear error rather than a size mismatch of segments.
-    let fingerprint = cfg.fingerprint(map.total);
-    let all = exchange::all_gather(cp.as_ref(), "config", &fingerprint)?;
-    if let Some((peer, other)) = all.iter().enumerate().find(|(_, f)| **f != fingerprint) {
-        return Err(invalid!(
-            "rank {rank} and rank {peer} were given different Buffer configs: {fingerprint} vs {other}"
-        ));
-    }
-    let name = uep_shm::segment_name(&job, rank, std::process::id());
-    let own = uep_shm::Segment::create(&name, map.total);
-    // Everyone takes part in every exchange, failed or not, so nobody waits.
-    let mine = own.as_ref().ok().map(|_| name.clone());
-    let names = exchange::all_gather(cp.as_ref(), "segment", &mine)?;
-    let own = own?;
-    own.region()
-        .word(map.control.pid, 0)?
-        .store(std::process::id() as u64, Ordering::Release);
-    if let Some(peer) = names.iter().position(Option::is_none) {
-        return Err(EpError::Resource(format!(
-            "rank {peer} could not create its shared memory segment of {} bytes",
-            map.total
-        )));
-    }
-    let names: Vec<String> = names.into_iter().flatten().collect();
-    let local: Vec<usize> = topo.node_ranks(topo.node).collect();
-    let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
-    // Everyone has mapped everything (or failed) past this exchange; then the names go.
-    let verdicts = exchange::all_gather(cp.as_ref(), "mapped", &symm.is_ok())?;
-    let mut symm = symm?;
-    if let Some(peer) = verdicts.iter().position(|&mapped| !mapped) {
-        return Err(EpError::Resource(format!(
-            "rank {peer} could not map the shared memory of its node"
-        )));
-    }
-    symm.unlink()?;
+    let met = meet(cp.as_ref(), &cfg)?;
+    let (symm, door) = share_memory(cp.as_ref(), &cfg, &met)?;
+    let (topo, map) = (met.topo, met.map);
     // An elastic job's proxies outlive a peer's failure.
     let mut net_cfg = cfg.net.clone();
     net_cfg.proxy.elastic |= cfg.elastic;
@@ -589,7 +626,11 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -
         )?),
         _ => None,
     };
-    let elastic = cfg.elastic.then(|| RefCell::new(Elastic::new(num_ranks)));
+    let elastic = cfg.elastic.then(|| {
+        let mut e = Elastic::new(num_ranks);
+        e.doorway.auto = cfg.auto_admit;
+        RefCell::new(e)
+    });
     let cx = Ctx {
         device,
         cp,
@@ -600,6 +641,112 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -
         cfg,
         net,
         elastic,
+        door,
     };
     Ok(cx)
+}
+
+/// What the ranks learn of each other first.
+struct Met {
+    topo: Topology,
+    map: RegionMap,
+    /// The config every rank was given, as text.
+    fingerprint: String,
+    /// Rank 0's token: names the job's segments.
+    job: u64,
+}
+
+/// Hosts (which ranks share memory) and a job id for the segment names (rank 0's
+/// token) in one exchange, then the configs compared. Collective.
+fn meet(cp: &dyn ControlPlane, cfg: &BufferConfig) -> Result<Met> {
+    let (rank, num_ranks) = (cp.rank(), cp.world_size());
+    let hello = (rand::random::<u64>(), uep_bootstrap::host_id());
+    let hellos = exchange::all_gather(cp, "hello", &hello)?;
+    let job = hellos[0].0;
+    let hosts: Vec<String> = hellos.into_iter().map(|(_, host)| host).collect();
+    let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
+    let map = RegionMap::new(cfg, num_ranks, topo.num_nodes > 1);
+    // Every rank must agree on the shapes: compare them first, so a mismatch is a
+    // clear error rather than a size mismatch of segments.
+    let fingerprint = cfg.fingerprint(map.total);
+    let all = exchange::all_gather(cp, "config", &fingerprint)?;
+    if let Some((peer, other)) = all.iter().enumerate().find(|(_, f)| **f != fingerprint) {
+        return Err(invalid!(
+            "rank {rank} and rank {peer} were given different Buffer configs: {fingerprint} vs {other}"
+        ));
+    }
+    Ok(Met {
+        topo,
+        map,
+        fingerprint,
+        job,
+    })
+}
+
+/// Make this rank's segment, map the node's, and open the door (if any). Collective.
+fn share_memory(
+    cp: &dyn ControlPlane,
+    cfg: &BufferConfig,
+    met: &Met,
+) -> Result<(Symmetric, Option<Door>)> {
+    let (rank, num_ranks, map, topo) = (cp.rank(), cp.world_size(), &met.map, &met.topo);
+    let name = uep_shm::segment_name(&format!("{:016x}", met.job), rank, std::process::id());
+    let own = uep_shm::Segment::create(&name, map.total);
+    // Everyone takes part in every exchange, failed or not, so nobody waits.
+    let mine = own.as_ref().ok().map(|_| name.clone());
+    let names = exchange::all_gather(cp, "segment", &mine)?;
+    let own = own?;
+    own.region()
+        .word(map.control.pid, 0)?
+        .store(std::process::id() as u64, Ordering::Release);
+    if let Some(peer) = names.iter().position(Option::is_none) {
+        return Err(EpError::Resource(format!(
+            "rank {peer} could not create its shared memory segment of {} bytes",
+            map.total
+        )));
+    }
+    let names: Vec<String> = names.into_iter().flatten().collect();
+    let local: Vec<usize> = topo.node_ranks(topo.node).collect();
+    let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
+    let door = make_door(cfg, topo, &met.fingerprint, map.total, met.job);
+    // Everyone has mapped everything (or failed) past this exchange; then the names go.
+    let ok = symm.is_ok() && door.as_ref().is_none_or(Result::is_ok);
+    let verdicts = exchange::all_gather(cp, "mapped", &ok)?;
+    let mut symm = symm?;
+    let door = door.transpose()?;
+    if let Some(peer) = verdicts.iter().position(|&mapped| !mapped) {
+        return Err(EpError::Resource(format!(
+            "rank {peer} could not map the shared memory of its node (or make its door)"
+        )));
+    }
+    // With a door the names stay, for replacements to map (each goes with its Buffer).
+    let door = match (door, &cfg.door) {
+        (Some(d), _) => Some(d),
+        (None, Some(name)) => Some(Door::open(name, num_ranks, cfg.timeout)?),
+        (None, None) => None,
+    };
+    match &door {
+        Some(d) => d.set_member(rank, std::process::id(), &name)?,
+        None => symm.unlink()?,
+    }
+    Ok((symm, door))
+}
+
+/// Rank 0 of an elastic job with a door makes it (`door`); one node only, for now.
+fn make_door(
+    cfg: &BufferConfig,
+    topo: &Topology,
+    fingerprint: &str,
+    bytes: usize,
+    job: u64,
+) -> Option<Result<Door>> {
+    let name = cfg.door.as_ref()?;
+    if topo.num_nodes > 1 {
+        return Some(Err(invalid!(
+            "a door (for ranks that rejoin) works on one node for now; this job has {} nodes",
+            topo.num_nodes
+        )));
+    }
+    let digest = join::config_digest(fingerprint);
+    (topo.rank == 0).then(|| Door::create(name, topo.num_ranks, digest, bytes, job))
 }

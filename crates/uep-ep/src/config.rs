@@ -110,6 +110,16 @@ pub struct BufferConfig {
     /// masked on every survivor and the calls of both modes go on without it (see the
     /// `elastic` module). Off: any dead rank fails every call.
     pub elastic: bool,
+    /// Elastic mode: the name of the job's *door* on this host, where a process started
+    /// to replace a masked rank finds the job ([`Buffer::join`](crate::Buffer::join)).
+    /// The same on every rank, and unique to the job (the CLI derives it from the
+    /// launcher's rendezvous address). `None`: a masked rank never comes back. One node
+    /// only, for now.
+    pub door: Option<String>,
+    /// With a door: let in every replacement that asks, at the first agreement after a
+    /// combine (or barrier) once every survivor has mapped its memory. Off: only
+    /// replacements of ranks the caller admits ([`Buffer::admit`](crate::Buffer::admit)).
+    pub auto_admit: bool,
 }
 
 impl BufferConfig {
@@ -138,6 +148,8 @@ impl BufferConfig {
             ranks_per_node: ranks_per_node_from_env(),
             net: NetConfig::default(),
             elastic: false,
+            door: None,
+            auto_admit: false,
         }
     }
 
@@ -151,12 +163,13 @@ impl BufferConfig {
             None => "off".into(),
         };
         format!(
-            "normal: {}; low-latency: {}; ranks per node {:?}; elastic {}; liveness watch {}; \
-             {bytes} bytes",
+            "normal: {}; low-latency: {}; ranks per node {:?}; elastic {}; door {:?}; liveness \
+             watch {}; {bytes} bytes",
             mode(&self.normal),
             mode(&self.ll),
             self.ranks_per_node,
             self.elastic,
+            self.door,
             self.net.liveness.watch
         )
     }
@@ -180,6 +193,11 @@ impl BufferConfig {
             return Err(invalid!(
                 "elastic mode needs the liveness watch (net.liveness.watch is off): without it \
                  a rank on another node that dies is known only at the deadline"
+            ));
+        }
+        if self.door.is_some() && !self.elastic {
+            return Err(invalid!(
+                "a door (for ranks that rejoin) needs elastic mode: without it no rank is masked"
             ));
         }
         if let Some(l) = self.ranks_per_node {

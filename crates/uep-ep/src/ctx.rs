@@ -15,6 +15,7 @@ use uep_shm::Region;
 use crate::area::{Area, Mem};
 use crate::config::BufferConfig;
 use crate::device::Device;
+use crate::door::Door;
 use crate::error::{EpError, Result};
 use crate::map::{RegionMap, ABORT_MSG_BYTES};
 use crate::mask::Elastic;
@@ -47,6 +48,8 @@ pub(crate) struct Ctx {
     pub net: Option<NetPath>,
     /// The mask of an elastic Buffer (see [`crate::elastic`]).
     pub elastic: Option<RefCell<Elastic>>,
+    /// Where replacements find an elastic job ([`crate::door`]).
+    pub door: Option<Door>,
 }
 
 impl Ctx {

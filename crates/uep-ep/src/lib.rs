@@ -37,6 +37,7 @@ mod layout;
 mod packet;
 mod topology;
 
+mod door;
 mod liveness;
 mod map;
 mod mask;
@@ -62,6 +63,7 @@ pub use buffer::Buffer;
 pub use config::{
     ranks_per_node_from_env, timeout_from_env, BufferConfig, Connect, Shape, DEFAULT_TIMEOUT,
 };
+pub use door::{FirstCall, JoinPoint};
 pub use error::{EpError, ErrorKind, Gone, Lost, Result};
 pub use layout::{get_dispatch_layout, DispatchLayout};
 pub use liveness::LivenessConfig;

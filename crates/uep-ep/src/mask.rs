@@ -47,6 +47,43 @@ pub(crate) struct Elastic {
     pub(crate) unsettled: Vec<Option<u32>>,
     /// The mask the last combine (either mode) used.
     pub(crate) last_combine: Vec<bool>,
+    /// Letting replacements in (`elastic::join`).
+    pub(crate) doorway: Doorway,
+}
+
+/// A replacement process asking to take a masked rank's place, its memory mapped here.
+#[derive(Debug)]
+pub(crate) struct Joiner {
+    /// Its request (`elastic::door`).
+    pub(crate) stamp: u64,
+    pub(crate) pid: u32,
+    pub(crate) name: String,
+    pub(crate) region: uep_shm::Region,
+}
+
+/// What the survivors know of replacements (see `elastic::join`).
+#[derive(Debug)]
+pub(crate) struct Doorway {
+    /// Let in every replacement that asks (`BufferConfig::auto_admit`).
+    pub(crate) auto: bool,
+    /// `[rank]`: the caller admits a replacement of this rank (`Buffer::admit`).
+    pub(crate) admit: Vec<bool>,
+    /// `[rank]`: a replacement that asked, whose memory this rank mapped: proposed
+    /// unmasked at the next agreement that may let ranks in.
+    pub(crate) asking: Vec<Option<Joiner>>,
+    /// `[rank]`: let in by an agreement, taking part from the next dispatch or barrier.
+    pub(crate) let_in: Vec<Option<Joiner>>,
+    /// `[rank]`: the stamp of the last request let in (not read again).
+    pub(crate) answered: Vec<u64>,
+    /// The caller's step (`Buffer::set_step`), told to a replacement let in.
+    pub(crate) step: u64,
+}
+
+impl Doorway {
+    /// Ranks let in but not yet taking part.
+    pub(crate) fn waiting(&self) -> bool {
+        self.let_in.iter().any(Option::is_some)
+    }
 }
 
 impl Elastic {
@@ -63,6 +100,16 @@ impl Elastic {
         self.why[rank] = None;
     }
 
+    /// Let `rank` (a replacement) take part: nothing of its predecessor's masking stays.
+    pub(crate) fn readmit(&mut self, rank: usize) {
+        self.unmask(rank);
+        self.gone[rank] = false;
+        self.unreachable[rank] = false;
+        self.deferred[rank] = false;
+        self.agreed[rank] = false;
+        self.unsettled[rank] = None;
+    }
+
     pub(crate) fn new(num_ranks: usize) -> Elastic {
         Elastic {
             masked: vec![false; num_ranks],
@@ -77,6 +124,14 @@ impl Elastic {
             digest: 0xcbf2_9ce4_8422_2325,
             fault: None,
             last_combine: vec![false; num_ranks],
+            doorway: Doorway {
+                auto: false,
+                admit: vec![false; num_ranks],
+                asking: (0..num_ranks).map(|_| None).collect(),
+                let_in: (0..num_ranks).map(|_| None).collect(),
+                answered: vec![0; num_ranks],
+                step: 0,
+            },
         }
     }
 }

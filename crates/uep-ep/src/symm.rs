@@ -56,6 +56,19 @@ impl Symmetric {
         Ok(Symmetric { rank, own, peers })
     }
 
+    /// This rank's segment and the regions `peers[p]` it already mapped (a replacement
+    /// rank's, `elastic::join`).
+    pub fn from_parts(rank: usize, own: Segment, peers: Vec<Option<Region>>) -> Symmetric {
+        Symmetric { rank, own, peers }
+    }
+
+    /// `peer`'s region is now `region` (a replacement took its place).
+    pub fn replace_peer(&mut self, peer: usize, region: Region) {
+        if let Some(slot) = self.peers.get_mut(peer) {
+            *slot = Some(region);
+        }
+    }
+
     /// Remove the name of this rank's segment: every peer has mapped it.
     pub fn unlink(&mut self) -> Result<()> {
         Ok(self.own.unlink()?)

@@ -135,6 +135,10 @@ pub trait Remote {
     fn lost(&self, rank: usize) -> Option<Lost>;
     /// The first rank on another node found gone, if any (one load when none is).
     fn first_lost(&self) -> Option<Lost>;
+    /// After the proxy failed: the first rank on another node found gone, waiting a
+    /// moment for the watch's verdict (a write to a peer that just died fails before
+    /// the watch reads its closed connection, and the verdict names the dead rank).
+    fn lost_behind_failure(&self) -> Option<Lost>;
     /// For a rank on another node: where it is and that only the network reaches it,
     /// for the message of a wait on it that timed out.
     fn remote_note(&self, rank: usize) -> Option<String>;
@@ -273,7 +277,16 @@ impl<'a> Wait<'a> {
                 }
             }
             if let Some(net) = self.net {
-                net.check()?;
+                if let Err(failure) = net.check() {
+                    let lost = self.watch_peers.then(|| net.lost_behind_failure());
+                    return Err(match lost.flatten() {
+                        Some(lost) => EpError::PeerLost {
+                            what: what(),
+                            lost: Box::new(lost),
+                        },
+                        None => failure,
+                    });
+                }
             }
         }
         // A rank that failed says why, which tells more than its exit does: the abort

@@ -21,7 +21,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::agree::{bit, Agreement, Bits, Heard, Msg};
+use crate::agree::{bit, to_bits, to_mask, Agreement, Bits, Heard, Msg};
 use crate::area::{Area, Mem};
 use crate::ctx::Ctx;
 use crate::error::{EpError, Result};
@@ -275,7 +275,7 @@ impl Ctx {
     /// The agreement round (module docs of `elastic` and `agree`): returns the mask
     /// this call uses, the same on every survivor; ranks found gone meanwhile that no
     /// survivor proposed are masked from the next call.
-    pub(crate) fn agree(&self, call: &str) -> Result<Vec<bool>> {
+    pub(crate) fn agree(&self, call: &str, admits: bool) -> Result<Vec<bool>> {
         let el = self.elastic_state()?;
         self.ll_call_begins();
         let (me, n) = (self.topo.rank, self.topo.num_ranks);
@@ -285,14 +285,23 @@ impl Ctx {
             e.round
         };
         self.settle(k - 1, call)?;
+        if admits && el.borrow().agreed.iter().any(|&m| m) {
+            self.read_door()?;
+        }
         let (mine, awaited) = {
             let e = el.borrow();
             let words = self.map.control.mask_words;
             // Not awaited: ranks found gone, and ranks still masked since the last
             // agreement (those masked since by a caller are, so that they learn it).
             let awaited = |r: usize| r != me && !e.gone[r] && !(e.agreed[r] && e.masked[r]);
+            // Proposed unmasked: joiners this rank is ready for (`join`), and those
+            // let in already (they are in this call's mask all the same).
+            let d = &e.doorway;
+            let proposed = |r: usize| {
+                e.masked[r] && d.let_in[r].is_none() && !(admits && d.asking[r].is_some())
+            };
             (
-                to_bits(&e.masked, words),
+                to_bits(&(0..n).map(proposed).collect::<Vec<_>>(), words),
                 to_bits(&(0..n).map(awaited).collect::<Vec<_>>(), words),
             )
         };
@@ -308,7 +317,7 @@ impl Ctx {
             EpError::internal(format!("rank {me}: {call}: agreement {k} ended undecided"))
         })?;
         el.borrow_mut().unsettled = mail.unsettled();
-        self.adopt(call, &mine, &decided)
+        self.adopt(call, &mine, &decided, admits)
     }
 
     /// Settle the last agreement now (module docs): before a normal call reads the
@@ -361,10 +370,12 @@ impl Ctx {
     }
 
     /// Use the decided set: fail if it masks this rank or lacks what this rank
-    /// proposed; else mask its ranks, and remember it as the agreed mask.
-    fn adopt(&self, call: &str, mine: &Bits, decided: &Bits) -> Result<Vec<bool>> {
+    /// proposed; else mask its ranks, let in the joiners it leaves out, and remember
+    /// it as the agreed mask. Returns the call's mask: the set and the joiners let in,
+    /// who take part from the next dispatch or barrier.
+    fn adopt(&self, call: &str, mine: &Bits, decided: &Bits, admits: bool) -> Result<Vec<bool>> {
         let (me, n) = (self.topo.rank, self.topo.num_ranks);
-        let union = to_mask(decided, n);
+        let mut union = to_mask(decided, n);
         let lacks_mine = mine.iter().zip(decided).any(|(m, d)| m & !d != 0);
         if union[me] || lacks_mine {
             if lacks_mine {
@@ -377,6 +388,10 @@ impl Ctx {
             return Err(EpError::Excluded { rank: me, by });
         }
         let mut e = self.elastic_state()?.borrow_mut();
+        Ctx::decide_joiners(&mut e, &union, admits);
+        for (r, m) in union.iter_mut().enumerate() {
+            *m |= e.doorway.let_in[r].is_some();
+        }
         for (r, &m) in union.iter().enumerate() {
             if m && !e.masked[r] {
                 e.mask(r);
@@ -391,20 +406,6 @@ impl Ctx {
         }
         Ok(union)
     }
-}
-
-/// A mask as bits, one per rank, in `words` words.
-pub(super) fn to_bits(mask: &[bool], words: usize) -> Bits {
-    let mut w = vec![0u64; words];
-    for (r, _) in mask.iter().enumerate().filter(|(_, &m)| m) {
-        w[r / 64] |= 1 << (r % 64);
-    }
-    w
-}
-
-/// The first `n` bits as a mask.
-pub(super) fn to_mask(bits: &[u64], n: usize) -> Vec<bool> {
-    (0..n).map(|r| bit(bits, r)).collect()
 }
 
 #[cfg(test)]

@@ -29,10 +29,12 @@
 //!   survivors agree after it, and run it again without the ranks lost during it
 //!   (`normal::elastic`).
 //!
-//! A masked rank cannot rejoin this Buffer: it missed calls, so its sequence numbers
-//! differ from the survivors'. [`Buffer::low_latency_clean_mask`](crate::Buffer::low_latency_clean_mask) is for ranks masked
-//! by the caller that never stopped calling.
+//! * **Rejoin.** A process started to replace a masked rank takes its place at a call
+//!   every survivor agrees on ([`join`], through the job's [`door`](crate::door)); on one node for
+//!   now. [`Buffer::low_latency_clean_mask`](crate::Buffer::low_latency_clean_mask) is
+//!   for ranks masked by the caller that never stopped calling.
 
+pub(crate) mod join;
 mod mailbox;
 
 use crate::ctx::Ctx;
@@ -133,7 +135,7 @@ impl Ctx {
         Ok(())
     }
 
-    fn elastic_state(&self) -> Result<&std::cell::RefCell<Elastic>> {
+    pub(crate) fn elastic_state(&self) -> Result<&std::cell::RefCell<Elastic>> {
         self.elastic.as_ref().ok_or_else(|| {
             invalid!("the mask needs an elastic Buffer (BufferConfig::elastic, enable_shrink=True)")
         })
@@ -244,6 +246,9 @@ impl Ctx {
             if !self.topo.is_local(rank) {
                 net.mark_lost(rank);
             }
+        }
+        if self.topo.is_local(rank) {
+            self.forget_member(rank);
         }
         Ok(None)
     }

@@ -497,7 +497,7 @@ impl Ctx {
         // Elastic mode: every survivor leaves out the same experts' outputs.
         let masked = match &self.elastic {
             Some(_) => {
-                let m = self.agree(&format!("LL combine {seq}"))?;
+                let m = self.agree(&format!("LL combine {seq}"), true)?;
                 self.note_combine_mask(&m);
                 m
             }

@@ -516,7 +516,7 @@ impl Ctx {
         // Every survivor uses the same mask: what arrived from a source masked anywhere
         // is dropped.
         let masked = match &self.elastic {
-            Some(_) => self.agree(&format!("LL dispatch {seq}"))?,
+            Some(_) => self.agree(&format!("LL dispatch {seq}"), false)?,
             None => vec![false; r_n],
         };
         for (i, c) in counts.iter_mut().enumerate() {

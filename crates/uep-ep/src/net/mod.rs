@@ -909,6 +909,20 @@ impl Remote for NetPath {
         }
     }
 
+    fn lost_behind_failure(&self) -> Option<Lost> {
+        // The watch reads every connection each tick; a dead process's closes at once.
+        let until = Instant::now() + 4 * crate::liveness::TICK;
+        loop {
+            if let Some(lost) = self.first_lost() {
+                return Some(lost);
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+
     /// For a rank on another node: which node and host it is on, and that only the
     /// network connects us, for the message of a wait on it that timed out. `None`
     /// for a rank on this node.

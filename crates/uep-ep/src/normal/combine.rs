@@ -50,7 +50,7 @@ impl Ctx {
             st.combine = st.combine.wrapping_add(1);
             let seq = st.combine;
             let gathered = self.combine_attempt(seq, &areas, x, args, handle, &mask)?;
-            if let Some(grown) = self.normal_agree(&format!("combine {seq}"), &mask)? {
+            if let Some(grown) = self.normal_agree(&format!("combine {seq}"), &mask, true)? {
                 mask = grown;
                 continue;
             }

@@ -491,7 +491,7 @@ impl Ctx {
             let seq = st.dispatch;
             let routing = routing.without(&mask, areas.shape.experts_per_rank(self.topo.num_ranks));
             let out = self.dispatch_attempt(seq, &areas, &routing, args, t_n, &mask)?;
-            match self.normal_agree(&format!("dispatch {seq}"), &mask)? {
+            match self.normal_agree(&format!("dispatch {seq}"), &mask, false)? {
                 None => return Ok(out),
                 Some(grown) => mask = grown,
             }

@@ -41,11 +41,17 @@ impl Ctx {
 
     /// After a call ran under `mask`: `None` if it stands (not elastic, or the
     /// survivors decided on `mask` itself), else the decided mask to run it again under.
-    pub(super) fn normal_agree(&self, call: &str, mask: &CallMask) -> Result<Option<CallMask>> {
+    /// `admits`: the agreement may let replacements in (a combine's; `elastic::join`).
+    pub(super) fn normal_agree(
+        &self,
+        call: &str,
+        mask: &CallMask,
+        admits: bool,
+    ) -> Result<Option<CallMask>> {
         if self.elastic.is_none() {
             return Ok(None);
         }
-        let decided = self.agree(call)?;
+        let decided = self.agree(call, admits)?;
         if decided == mask.masked {
             return Ok(None);
         }

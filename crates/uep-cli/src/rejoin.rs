@@ -1,0 +1,151 @@
+//! `uep bench --elastic --soak N --kill R@S --rejoin R@S2`: a killed rank comes back.
+//!
+//! At the start of step `S2`, the lowest rank that is no victim starts a replacement:
+//! this program again, with the victim's rank and [`REJOIN_VAR`] set to the moment it
+//! was started. The replacement opens the job's door ([`door_name`]), is let in by the
+//! survivors at the first step boundary after they all mapped its memory, and from then
+//! on runs and checks every step as they do. `--chaos` on one node draws replacements
+//! too ([`crate::chaos::rejoins`]). The survivor that started it waits for it and fails
+//! if it failed; at the end, survivors hold barriers until every replacement started is
+//! back (`soak`'s drain), so that none is left at the door.
+
+use std::process::{Child, Command};
+use std::time::{Duration, SystemTime};
+
+use uep_bootstrap::{WorldInfo, LISTEN_FD_VAR};
+use uep_ep::Buffer;
+
+use crate::args::BenchArgs;
+use crate::chaos::{self, Rejoin};
+
+/// Every replacement this run starts: `--rejoin`'s and `--chaos`'s.
+pub fn planned(args: &BenchArgs) -> Vec<Rejoin> {
+    let mut all: Vec<Rejoin> = args.rejoin.iter().map(|&at| at.into()).collect();
+    if let (Some(seed), Some(steps)) = (args.chaos, args.soak) {
+        all.extend(chaos::rejoins(
+            seed,
+            &chaos::from_args(args),
+            args.nodes,
+            steps,
+        ));
+    }
+    all
+}
+
+/// The rank that starts replacements: the lowest one no `--kill` or `--chaos` kills.
+fn starter(args: &BenchArgs) -> Option<usize> {
+    let victims = chaos::victims(&chaos::from_args(args));
+    (0..args.ranks).find(|&r| !victims.contains(&r) && !args.kill.iter().any(|k| k.who == r))
+}
+
+/// Set in a replacement's environment: when it was started (ms since the epoch).
+pub const REJOIN_VAR: &str = "UEP_BENCH_REJOIN_MS";
+/// Set in a replacement's environment if it is to die: this many ms after it started.
+pub const DIES_VAR: &str = "UEP_BENCH_REJOIN_DIES_MS";
+
+/// The door of the job `info` describes: the same name on every rank and on a
+/// replacement started with the same environment (the rendezvous address and secret).
+pub fn door_name(info: &WorldInfo) -> String {
+    let key = format!(
+        "{}:{}:{}",
+        info.master_addr,
+        info.rendezvous_port,
+        info.secret.as_deref().unwrap_or("")
+    );
+    let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    format!("uep-door-{h:016x}")
+}
+
+/// When this process was started as a replacement (`None`: it is a founding rank).
+pub fn started_as_replacement() -> Option<SystemTime> {
+    let ms: u64 = std::env::var(REJOIN_VAR).ok()?.parse().ok()?;
+    Some(SystemTime::UNIX_EPOCH + Duration::from_millis(ms))
+}
+
+/// This process is a replacement that is to die (`--chaos`): SIGKILL it then.
+pub fn arm_own_death(rank: usize) {
+    let Some(ms) = std::env::var(DIES_VAR)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    else {
+        return;
+    };
+    let since = started_as_replacement()
+        .and_then(|t| t.elapsed().ok())
+        .unwrap_or_default();
+    let left = Duration::from_millis(ms).saturating_sub(since);
+    std::thread::spawn(move || {
+        std::thread::sleep(left);
+        eprintln!("uep chaos: the replacement of rank {rank} dies {ms} ms after it started");
+        chaos::die(rank);
+    });
+}
+
+/// The replacements this rank started, waited for at the end.
+#[derive(Debug, Default)]
+pub struct Replacements {
+    children: Vec<(Rejoin, Child)>,
+}
+
+impl Replacements {
+    /// Start the replacements `due` ([`due`]), if this rank starts them.
+    pub fn start(
+        &mut self,
+        buffer: &Buffer,
+        due: &[Rejoin],
+        args: &BenchArgs,
+    ) -> anyhow::Result<()> {
+        if starter(args) != Some(buffer.rank()) {
+            return Ok(());
+        }
+        for &j in due {
+            self.children.push((j, spawn(j)?));
+        }
+        Ok(())
+    }
+
+    /// Wait for every replacement; `false` if one failed (other than by the death
+    /// `--chaos` planned for it).
+    pub fn wait(self) -> anyhow::Result<bool> {
+        let mut ok = true;
+        for (j, mut child) in self.children {
+            let status = child.wait()?;
+            let planned = j.dies_after.is_some() && status.code().is_none();
+            if !status.success() && !planned {
+                eprintln!("uep soak: the replacement of rank {} {status}", j.rank);
+                ok = false;
+            }
+        }
+        Ok(ok)
+    }
+}
+
+/// The replacements that start at `step`: due then, of ranks masked (a victim may
+/// outlive its kill: one set in an agreement round that sends fewer messages than
+/// drawn). The same on every survivor: their masks agree.
+pub fn due(buffer: &Buffer, plan: &[Rejoin], step: u64) -> Vec<Rejoin> {
+    let mask = buffer.low_latency_mask();
+    (plan.iter())
+        .filter(|j| j.step == step && mask[j.rank])
+        .copied()
+        .collect()
+}
+
+/// Start this program again as `j`'s rank, with this process's arguments and
+/// environment (so the same rendezvous and door), output to the same places.
+fn spawn(j: Rejoin) -> anyhow::Result<Child> {
+    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH)?;
+    eprintln!("uep soak: starting a replacement of rank {}", j.rank);
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(std::env::args_os().skip(1))
+        .env("RANK", j.rank.to_string())
+        .env("LOCAL_RANK", j.rank.to_string())
+        .env(REJOIN_VAR, now.as_millis().to_string())
+        .env_remove(LISTEN_FD_VAR);
+    if let Some(d) = j.dies_after {
+        cmd.env(DIES_VAR, d.as_millis().to_string());
+    }
+    Ok(cmd.spawn()?)
+}

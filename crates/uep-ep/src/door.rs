@@ -1,0 +1,369 @@
+//! The door of an elastic job on one host: where a process started to replace a masked
+//! rank finds the job, asks to be let in, and is told where the job is.
+//!
+//! A small shared-memory segment whose name the caller gives every rank
+//! ([`BufferConfig::door`](crate::BufferConfig::door)), made by rank 0 when the Buffers
+//! are. Every word is read and written atomically; a record is published by its first
+//! word, stored last (release) and read first (acquire):
+//!
+//! | block | words | what |
+//! |---|---|---|
+//! | header | 5 | magic (stored last), ranks, digest of the config, region bytes, job token |
+//! | `member[R]` | 1 + 8 | the rank's process id, then the name of its segment (64 bytes) |
+//! | `request[R]` | 2 + 8 | a joiner's stamp (a random non-zero word), its process id, its segment's name |
+//! | `welcome[R]` | 7 + W | the stamp of the request it answers, then [`Welcome`] |
+//!
+//! The survivors keep their segments' names while the door is open, so that a joiner
+//! maps them as a founding rank did.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use uep_shm::{Region, Segment};
+
+use crate::error::{EpError, Result};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"uepdoor1");
+const HEADER: usize = 5;
+/// Bytes of a segment name in a record.
+const NAME_BYTES: usize = 64;
+const NAME_WORDS: usize = NAME_BYTES / 8;
+const MEMBER: usize = 1 + NAME_WORDS;
+const REQUEST: usize = 2 + NAME_WORDS;
+const WELCOME: usize = 7;
+
+/// Which call a joiner makes first: the one the survivors let it in at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FirstCall {
+    /// A barrier.
+    Barrier,
+    /// A normal-mode dispatch.
+    Dispatch,
+    /// A low-latency dispatch.
+    LowLatencyDispatch,
+}
+
+/// Where a replacement rank joined a running job ([`Buffer::join`](crate::Buffer::join)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JoinPoint {
+    /// The survivors' step ([`Buffer::set_step`](crate::Buffer::set_step)) at the call
+    /// the joiner makes first.
+    pub step: u64,
+    /// That call.
+    pub first: FirstCall,
+    /// How long the joiner waited at the door: from its request to the survivors'
+    /// welcome.
+    pub waited: std::time::Duration,
+}
+
+/// The call numbers of a Buffer between calls (the same on every rank).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Calls {
+    pub ll_dispatch: u32,
+    pub ll_combine: u32,
+    pub normal_dispatch: u32,
+    pub normal_combine: u32,
+    pub barriers: u64,
+}
+
+/// Where the job is when a joiner is let in: what the survivors tell it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Welcome {
+    /// Agreements so far, and the digest of their decisions.
+    pub round: u64,
+    pub digest: u64,
+    pub calls: Calls,
+    /// The caller's step ([`Buffer::set_step`](crate::Buffer::set_step)).
+    pub step: u64,
+    pub first: FirstCall,
+    /// `[rank]`: masked in the call the joiner makes first (the joiner is not).
+    pub masked: Vec<bool>,
+}
+
+/// A joiner's request, as the survivors read it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Request {
+    pub stamp: u64,
+    pub pid: u32,
+    pub name: String,
+}
+
+/// The door, mapped.
+pub(crate) struct Door {
+    seg: Segment,
+    ranks: usize,
+    words: usize,
+}
+
+impl std::fmt::Debug for Door {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Door({})", self.seg.path().display())
+    }
+}
+
+fn len(ranks: usize, words: usize) -> usize {
+    8 * (HEADER + ranks * (MEMBER + REQUEST + WELCOME + words))
+}
+
+impl Door {
+    /// Make door `name` for `ranks` ranks (rank 0, once), replacing a stale one.
+    pub fn create(name: &str, ranks: usize, digest: u64, bytes: usize, job: u64) -> Result<Door> {
+        let path = std::path::Path::new(uep_shm::SHM_DIR).join(name);
+        // A door left by a job that was killed: its ranks are gone.
+        let _ = std::fs::remove_file(path);
+        let words = crate::map::mask_words(ranks);
+        let door = Door {
+            seg: Segment::create(name, len(ranks, words))?,
+            ranks,
+            words,
+        };
+        for (i, v) in [ranks as u64, digest, bytes as u64, job]
+            .into_iter()
+            .enumerate()
+        {
+            door.word(1 + i)?.store(v, Ordering::Relaxed);
+        }
+        door.word(0)?.store(MAGIC, Ordering::Release);
+        Ok(door)
+    }
+
+    /// Open door `name` of a job of `ranks` ranks, waiting up to `timeout` for it.
+    pub fn open(name: &str, ranks: usize, timeout: Duration) -> Result<Door> {
+        let words = crate::map::mask_words(ranks);
+        let door = Door {
+            seg: Segment::open(name, len(ranks, words), timeout)?,
+            ranks,
+            words,
+        };
+        let (magic, found) = (door.word(0)?, door.word(1)?);
+        if magic.load(Ordering::Acquire) != MAGIC || found.load(Ordering::Relaxed) != ranks as u64 {
+            return Err(EpError::Protocol(format!(
+                "{name} is not the door of a job of {ranks} ranks"
+            )));
+        }
+        Ok(door)
+    }
+
+    /// `(digest of the config, region bytes, job token)` the founding ranks wrote.
+    pub fn header(&self) -> Result<(u64, usize, u64)> {
+        let w = |i| Ok::<_, EpError>(self.word(i)?.load(Ordering::Relaxed));
+        Ok((w(2)?, w(3)? as usize, w(4)?))
+    }
+
+    /// Remove the door's name (the job ends): no joiner finds it any more.
+    pub fn close(&mut self) -> Result<()> {
+        let path = self.seg.path().to_path_buf();
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EpError::Resource(format!(
+                "cannot remove the door {}: {e}",
+                path.display()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Rank `rank` is process `pid` with segment `name`.
+    pub fn set_member(&self, rank: usize, pid: u32, name: &str) -> Result<()> {
+        let at = self.member_at(rank)?;
+        self.put_name(at + 1, name)?;
+        self.word(at)?.store(pid.into(), Ordering::Release);
+        Ok(())
+    }
+
+    /// Rank `rank`'s process and segment, if it ever had one.
+    pub fn member(&self, rank: usize) -> Result<Option<(u32, String)>> {
+        let at = self.member_at(rank)?;
+        match self.word(at)?.load(Ordering::Acquire) {
+            0 => Ok(None),
+            pid => Ok(Some((pid as u32, self.name(at + 1)?))),
+        }
+    }
+
+    /// Ask to be let in as `rank`: returns the stamp the welcome will carry.
+    pub fn post_request(&self, rank: usize, pid: u32, name: &str) -> Result<u64> {
+        let at = self.request_at(rank)?;
+        let stamp = rand::random::<u64>() | 1;
+        self.word(at + 1)?.store(pid.into(), Ordering::Relaxed);
+        self.put_name(at + 2, name)?;
+        self.word(at)?.store(stamp, Ordering::Release);
+        Ok(stamp)
+    }
+
+    /// The request to be let in as `rank`, if any.
+    pub fn request(&self, rank: usize) -> Result<Option<Request>> {
+        let at = self.request_at(rank)?;
+        match self.word(at)?.load(Ordering::Acquire) {
+            0 => Ok(None),
+            stamp => Ok(Some(Request {
+                stamp,
+                pid: self.word(at + 1)?.load(Ordering::Relaxed) as u32,
+                name: self.name(at + 2)?,
+            })),
+        }
+    }
+
+    /// Answer the request `stamp` of `rank`. Every survivor writes the same words.
+    pub fn welcome(&self, rank: usize, stamp: u64, w: &Welcome) -> Result<()> {
+        let at = self.welcome_at(rank)?;
+        let c = &w.calls;
+        let first = match w.first {
+            FirstCall::Barrier => 0,
+            FirstCall::Dispatch => 1,
+            FirstCall::LowLatencyDispatch => 2,
+        };
+        let fields = [
+            w.round,
+            w.digest,
+            u64::from(c.ll_dispatch) | u64::from(c.ll_combine) << 32,
+            u64::from(c.normal_dispatch) | u64::from(c.normal_combine) << 32,
+            c.barriers,
+            w.step << 2 | first,
+        ];
+        let bits = crate::agree::to_bits(&w.masked, self.words);
+        for (i, v) in fields.into_iter().chain(bits).enumerate() {
+            self.word(at + 1 + i)?.store(v, Ordering::Relaxed);
+        }
+        self.word(at)?.store(stamp, Ordering::Release);
+        Ok(())
+    }
+
+    /// The answer to request `stamp` of `rank`, once it is there.
+    pub fn welcomed(&self, rank: usize, stamp: u64) -> Result<Option<Welcome>> {
+        let at = self.welcome_at(rank)?;
+        if self.word(at)?.load(Ordering::Acquire) != stamp {
+            return Ok(None);
+        }
+        let f = |i: usize| Ok::<_, EpError>(self.word(at + 1 + i)?.load(Ordering::Relaxed));
+        let bits = (0..self.words)
+            .map(|i| f(WELCOME - 1 + i))
+            .collect::<Result<Vec<_>>>()?;
+        let (ll, normal, tail) = (f(2)?, f(3)?, f(5)?);
+        Ok(Some(Welcome {
+            round: f(0)?,
+            digest: f(1)?,
+            calls: Calls {
+                ll_dispatch: ll as u32,
+                ll_combine: (ll >> 32) as u32,
+                normal_dispatch: normal as u32,
+                normal_combine: (normal >> 32) as u32,
+                barriers: f(4)?,
+            },
+            step: tail >> 2,
+            first: match tail & 3 {
+                0 => FirstCall::Barrier,
+                1 => FirstCall::Dispatch,
+                _ => FirstCall::LowLatencyDispatch,
+            },
+            masked: crate::agree::to_mask(&bits, self.ranks),
+        }))
+    }
+
+    fn member_at(&self, rank: usize) -> Result<usize> {
+        self.check(rank).map(|r| HEADER + r * MEMBER)
+    }
+
+    fn request_at(&self, rank: usize) -> Result<usize> {
+        self.check(rank)
+            .map(|r| HEADER + self.ranks * MEMBER + r * REQUEST)
+    }
+
+    fn welcome_at(&self, rank: usize) -> Result<usize> {
+        let base = HEADER + self.ranks * (MEMBER + REQUEST);
+        self.check(rank).map(|r| base + r * (WELCOME + self.words))
+    }
+
+    fn check(&self, rank: usize) -> Result<usize> {
+        match rank < self.ranks {
+            true => Ok(rank),
+            false => Err(EpError::internal(format!(
+                "rank {rank} has no place at a door of {} ranks",
+                self.ranks
+            ))),
+        }
+    }
+
+    fn region(&self) -> &Region {
+        self.seg.region()
+    }
+
+    fn word(&self, i: usize) -> Result<&AtomicU64> {
+        Ok(self.region().atomic_u64(8 * i)?)
+    }
+
+    /// A segment name, as words (zero-padded).
+    fn put_name(&self, at: usize, name: &str) -> Result<()> {
+        let bytes = name.as_bytes();
+        if bytes.len() > NAME_BYTES {
+            return Err(EpError::internal(format!(
+                "segment name {name} is longer than {NAME_BYTES} bytes"
+            )));
+        }
+        let mut padded = [0u8; NAME_BYTES];
+        padded[..bytes.len()].copy_from_slice(bytes);
+        for (i, w) in padded.chunks_exact(8).enumerate() {
+            let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+            self.word(at + i)?.store(v, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn name(&self, at: usize) -> Result<String> {
+        let mut bytes = Vec::with_capacity(NAME_BYTES);
+        for i in 0..NAME_WORDS {
+            bytes.extend(self.word(at + i)?.load(Ordering::Relaxed).to_le_bytes());
+        }
+        let end = bytes.iter().position(|&b| b == 0).unwrap_or(NAME_BYTES);
+        String::from_utf8(bytes[..end].to_vec())
+            .map_err(|_| EpError::Protocol("a segment name at the door is not UTF-8".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_keep_their_fields() {
+        let name = format!("uep-test-door-p{}", std::process::id());
+        let mut door = Door::create(&name, 70, 7, 4096, 9).unwrap();
+        let other = Door::open(&name, 70, Duration::ZERO).unwrap();
+        assert_eq!(other.header().unwrap(), (7, 4096, 9));
+        assert!(Door::open(&name, 71, Duration::ZERO).is_err());
+        door.set_member(69, 1234, "uep-abc-r69-p1234").unwrap();
+        assert_eq!(
+            other.member(69).unwrap(),
+            Some((1234, "uep-abc-r69-p1234".into()))
+        );
+        assert_eq!(other.member(3).unwrap(), None);
+        assert_eq!(other.request(5).unwrap(), None);
+        let stamp = other.post_request(5, 77, "uep-abc-r5-p77").unwrap();
+        let req = door.request(5).unwrap().unwrap();
+        assert_eq!(
+            (req.stamp, req.pid, req.name.as_str()),
+            (stamp, 77, "uep-abc-r5-p77")
+        );
+        assert_eq!(other.welcomed(5, stamp).unwrap(), None);
+        let mut masked = vec![false; 70];
+        masked[66] = true;
+        let w = Welcome {
+            round: 12,
+            digest: 0xfeed,
+            calls: Calls {
+                ll_dispatch: 5,
+                ll_combine: 4,
+                normal_dispatch: 8,
+                normal_combine: 7,
+                barriers: 3,
+            },
+            step: 99,
+            first: FirstCall::LowLatencyDispatch,
+            masked,
+        };
+        door.welcome(5, stamp, &w).unwrap();
+        assert_eq!(other.welcomed(5, stamp).unwrap(), Some(w));
+        assert_eq!(other.welcomed(5, stamp ^ 2).unwrap(), None);
+        assert!(door.set_member(1, 1, &"x".repeat(65)).is_err());
+        door.close().unwrap();
+        assert!(Door::open(&name, 70, Duration::ZERO).is_err());
+    }
+}
