@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -16,3 +18,61 @@ def test_torchrun_launches_a_job():
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(4):
         assert f"rank {r}/4 (local {r}): OK" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_torchrun_worker_killed_and_replaced_rejoins(tmp_path, update):
+    """Under a real torchrun, worker 3 SIGKILLs itself mid-serving; the test starts a
+    replacement process (rank 3's variables, ``uep.Buffer.join_group()``), which is let
+    in while the survivors keep serving. No survivor raises; every step of every rank
+    (the replacement's from where it joined) is exact against the torch reference for
+    that step's mask; all stop at the same step with nobody masked. With ``update``,
+    the survivors wait for it in ``update_ep_member()`` (Mooncake's flow), and it is
+    let in at a barrier there.
+
+    torchrun's agent stops every worker once it sees one fail; ``--monitor-interval``
+    is set past the test's end so that it does not look before the job is done (an
+    elastic job needs a launcher that lets the survivors run), and the test stops it."""
+    import json
+    import signal
+    import time
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    job = os.path.join(HERE, "torchrun_rejoin_job.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", UEP_TIMEOUT_S="60", JOB_OUT=str(tmp_path),
+               JOB_UPDATE=str(int(update)))
+    agent = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "4", "--monitor-interval", "3600",
+                              job], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    replacement = None
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "dying").exists():
+            assert time.monotonic() < deadline and agent.poll() is None, "rank 3 never died"
+            time.sleep(0.05)
+        rendezvous = json.loads((tmp_path / "env.json").read_text())
+        joiner_env = dict(env, **rendezvous, RANK="3", LOCAL_RANK="3", WORLD_SIZE="4", LOCAL_WORLD_SIZE="4",
+                          UEP_REJOIN="1", UEP_REJOIN_STARTED=repr(time.time()))
+        replacement = subprocess.Popen([sys.executable, job], env=joiner_env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+        files = [tmp_path / f"result{r}.json" for r in range(4)]
+        while not all(f.exists() for f in files):
+            assert time.monotonic() < deadline, f"results: {[f.name for f in files if f.exists()]}"
+            time.sleep(0.1)
+        assert replacement.wait(timeout=60) == 0, replacement.stdout.read()
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        log = agent.communicate(timeout=60)[0]
+        if replacement is not None and replacement.poll() is None:
+            replacement.kill()
+    results = [json.loads(f.read_text()) for f in files]
+    for r in results:
+        assert "error" not in r, f"{r.get('error')}\n{log}"
+    ends = {(r["last_step"], r["back_since"]) for r in results}
+    assert len(ends) == 1, results
+    assert all(r["masked_at_end"] == [] for r in results), results
+    joined = results[3]
+    assert joined["joined_at"][0] == joined["back_since"], joined
+    assert joined["joined_at"][1] == ("barrier" if update else "low_latency_dispatch"), joined
+    print(f"replacement let in {joined['started_to_let_in_s']:.2f} s after it started (python and torch "
+          f"imports included), at step {joined['back_since']}; survivors' longest step while it joined: "
+          f"{max(r['longest_step_ms_while_joining'] for r in results[:3]):.1f} ms")

@@ -19,8 +19,10 @@ below the surface:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import time
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
@@ -92,6 +94,17 @@ def _f32_to_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     lead = scales.shape[:-1]
     exps = (scales.contiguous().reshape(-1).view(torch.int32) >> 23).to(torch.uint8)
     return exps.view(torch.int32).reshape(*lead, -1)
+
+
+def _door_name() -> Optional[str]:
+    """The door of this job on this host (where a replacement rank finds it): named
+    after the launcher's rendezvous (``MASTER_ADDR``, ``MASTER_PORT``), which a process
+    started to replace a rank is given too. ``None`` without them."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    digest = hashlib.sha256(f"{addr}:{port}".encode()).hexdigest()[:16]
+    return f"uep-door-{digest}"
 
 
 def _all_gather_bytes(group: dist.ProcessGroup, data: bytes) -> List[bytes]:
@@ -237,6 +250,12 @@ class Buffer:
             the one it used) and the ``active_ranks`` keyword of the low-latency calls.
         comm: an mpi4py communicator to bootstrap over instead of ``group``.
 
+    Rejoin (elastic mode on one node, under a launcher that sets ``MASTER_ADDR`` and
+    ``MASTER_PORT``): a process started to replace a dead rank calls
+    :meth:`Buffer.join_group` instead of the constructor; the survivors let it in
+    (:meth:`recover_ranks`, Mooncake's name) at a step boundary they all agree on, and
+    ``active_ranks`` turns back to 1 for it.
+
     Environment: ``UEP_TIMEOUT_S`` (deadline of every wait, default 100 s),
     ``UEP_RANKS_PER_NODE`` (emulate nodes of that many ranks on one host),
     ``UEP_DEVICE_THREADS`` (kernel threads a rank; default: the host's cores over a node's
@@ -280,8 +299,46 @@ class Buffer:
         threads = int(os.environ.get("UEP_DEVICE_THREADS", "0"))
         self.runtime = _uep.Runtime(self.rank, self.group_size, all_gather,
                                     num_nvl_bytes + num_rdma_bytes, timeout, threads,
-                                    int(per_node) if per_node else None, bool(enable_shrink))
+                                    int(per_node) if per_node else None, bool(enable_shrink),
+                                    _door_name() if enable_shrink else None)
         _, _, self._ranks_per_node, self._num_nodes = self.runtime.topology()
+        #: Where this Buffer joined a running job (``join_group``): ``(step, first call)``.
+        self.joined_at: Optional[Tuple[int, str]] = None
+        self._recovering: List[int] = []
+        self._first_barrier = False
+
+    @classmethod
+    def join_group(cls, rank: Optional[int] = None, world_size: Optional[int] = None,
+                   explicitly_destroy: bool = False) -> "Buffer":
+        """Take the place of masked rank ``rank`` (default ``RANK``) of the running
+        elastic job of ``world_size`` ranks (default ``WORLD_SIZE``) on this host, as a
+        process started to replace it (Mooncake's ``join_group``). It finds the job
+        through the launcher's ``MASTER_ADDR``/``MASTER_PORT`` (no process group: the
+        old one died with the rank), waits until the survivors let it in (their
+        ``recover_ranks``; at most ``UEP_TIMEOUT_S``), and returns a Buffer sized as
+        theirs. ``joined_at`` says where the job is: the survivors' step
+        (:meth:`set_step`) and the call to make first with them (``"low_latency_dispatch"``,
+        ``"dispatch"`` or ``"barrier"``, as in :meth:`update_ep_member`)."""
+        rank = int(os.environ["RANK"]) if rank is None else rank
+        world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+        door = _door_name()
+        if door is None:
+            raise InvalidArgumentError("invalid argument: join_group needs MASTER_ADDR and MASTER_PORT "
+                                       "(the launcher's rendezvous) to find the job")
+        timeout = float(os.environ.get("UEP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+        threads = int(os.environ.get("UEP_DEVICE_THREADS", "0"))
+        runtime, step, first = _uep.Runtime.join(rank, world_size, door, timeout, threads)
+        self = cls.__new__(cls)
+        self.rank, self.group_size, self.group, self.comm = rank, world_size, None, None
+        self.num_nvl_bytes = self.num_rdma_bytes = 0
+        self.low_latency_mode, self.num_qps_per_rank = True, 24
+        self.explicitly_destroy, self.enable_shrink = explicitly_destroy, True
+        self.runtime = runtime
+        _, _, self._ranks_per_node, self._num_nodes = runtime.topology()
+        self.joined_at = (step, first)
+        self._recovering = []
+        self._first_barrier = first == "barrier"
+        return self
 
     # ------------------------------------------------------------------ statics
 
@@ -392,6 +449,45 @@ class Buffer:
         """Why each rank is masked (``None`` where it is not): how its loss was known."""
         return self._shrink().mask_reasons()
 
+    def recover_ranks(self, ranks: Union[int, List[int], torch.Tensor]) -> None:
+        """Let replacements of the masked ``ranks`` in once they ask (Mooncake's
+        ``recover_ranks``; every survivor calls it). A replacement takes part from the
+        first dispatch (or barrier) after the survivors have all mapped its memory and
+        agreed; until then the calls go on without it."""
+        if isinstance(ranks, torch.Tensor):
+            ranks = ranks.flatten().tolist()
+        elif isinstance(ranks, int):
+            ranks = [ranks]
+        rt = self._shrink()
+        for r in ranks:
+            rt.admit(int(r))
+            self._recovering.append(int(r))
+
+    #: Mooncake's other name for :meth:`recover_ranks`.
+    activate_ranks = recover_ranks
+
+    def update_ep_member(self) -> List[int]:
+        """Bring the ranks given to :meth:`recover_ranks` back now (Mooncake's name;
+        collective over the survivors and the replacements): barriers, at which
+        replacements are let in, until every one of them takes part (or the deadline).
+        A replacement whose first call is a barrier (``joined_at``) makes it here.
+        Returns the ranks that came back."""
+        rt = self._shrink()
+        if self._first_barrier:
+            self._first_barrier = False
+            rt.barrier()
+        deadline = time.monotonic() + float(os.environ.get("UEP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+        while any(rt.mask_query()[r] for r in self._recovering) and time.monotonic() < deadline:
+            rt.barrier()
+        back = [r for r in self._recovering if not rt.mask_query()[r]]
+        self._recovering = [r for r in self._recovering if r not in back]
+        return back
+
+    def set_step(self, step: int) -> None:
+        """The caller's step number, told to a replacement let in at the next dispatch
+        (its ``joined_at``). uep extension: survivors set it before each step."""
+        self._rt().set_step(int(step))
+
     def _apply_active_ranks(self, active_ranks: Optional[torch.Tensor]) -> None:
         """Mooncake's ``active_ranks`` on the way in: a 0 masks that rank."""
         if active_ranks is None:
@@ -404,10 +500,11 @@ class Buffer:
                 rt.mask_update(r, True)
 
     def _report_active_ranks(self, active_ranks: Optional[torch.Tensor]) -> None:
-        """... and on the way out: 0 for every masked rank."""
+        """... and on the way out: 0 for every masked rank, 1 for the others (a rank
+        that rejoined turns back to 1)."""
         if active_ranks is not None:
             masked = torch.tensor(self._rt().mask_query(), dtype=torch.bool)
-            active_ranks.masked_fill_(masked, 0)
+            active_ranks.copy_((~masked).to(active_ranks.dtype))
 
     def destroy(self) -> None:
         """Free the Buffer; collective (a barrier first). Needs ``explicitly_destroy``."""

@@ -23,6 +23,7 @@ use uep_transport::{FabricOptions, FaultConfig};
 use crate::args::{make_inputs, step_salt, validate, DeviceKind};
 pub use crate::args::{At, BenchArgs, Modes};
 use crate::report::{gbps, render_json, render_table, OpReport, Progress, Samples};
+use crate::soak::Verified;
 
 /// Run `uep bench`: as the launcher (spawning ranks) or as one rank.
 pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
@@ -165,11 +166,13 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     };
     let max_tokens = |inputs: &[RankInput]| inputs.iter().map(|i| i.num_tokens).max().unwrap_or(0);
     let (max_normal, max_ll) = (max_tokens(&normal_inputs), max_tokens(&ll_inputs));
+    // The soak's outputs first: a replacement is ready to serve when it is let in.
+    let verified = (args.soak.is_some()).then(|| Verified::new(args, shape, max_ll, info.rank));
     let (mut buffer, setup, joined) =
         open_buffer(args, &info, group, emulated, timeout, max_normal, max_ll)?;
     shape.ranks_per_node = buffer.topology().ranks_per_node;
-    if let Some(steps) = args.soak {
-        return crate::soak::run(&mut buffer, args, &shape, max_ll, steps, joined);
+    if let (Some(steps), Some(verified)) = (args.soak, verified) {
+        return crate::soak::run(&mut buffer, args, verified, steps, joined);
     }
     let rank = buffer.rank();
     let steps = (args.warmup + args.iters) as u64;

@@ -11,9 +11,11 @@ pub mod report;
 pub mod soak;
 pub mod sweep;
 
-/// `uep clean`: remove shared-memory segments whose creating process is gone.
+/// `uep clean`: remove shared-memory segments whose creating process is gone, and
+/// elastic jobs' doors none of whose ranks lives.
 pub fn clean() -> anyhow::Result<bool> {
-    let removed = uep_shm::clean_stale()?;
+    let mut removed = uep_shm::clean_stale()?;
+    removed.extend(uep_ep::remove_stale_doors()?);
     for p in &removed {
         println!("removed {}", p.display());
     }

@@ -44,9 +44,22 @@ struct Recovery {
     joining: Vec<(usize, u64, Duration)>,
     /// Ranks back: (rank, the first step it took part in, the longest step while it
     /// joined).
-    back: Vec<(usize, u64, Duration)>,
+    back: Vec<Back>,
     /// This rank is a replacement: where and how fast it came back.
     joined: Option<Joined>,
+}
+
+/// A rank a replacement brought back, as a survivor saw it.
+#[derive(Debug)]
+struct Back {
+    rank: usize,
+    /// The first step it took part in.
+    step: u64,
+    /// The longest step from its replacement's start to that step, included (the
+    /// replacement starts on the same cores).
+    longest: Duration,
+    /// That step (the first with it).
+    first: Duration,
 }
 
 /// How a replacement came back.
@@ -79,8 +92,9 @@ impl Recovery {
     /// JSON report.
     fn rejoins_json(&self) -> (serde_json::Value, serde_json::Value) {
         let back: Vec<serde_json::Value> = (self.back.iter())
-            .map(|(r, step, longest)| {
-                serde_json::json!({"rank": r, "back_at_step": step, "longest_step_ms": ms(longest)})
+            .map(|b| {
+                serde_json::json!({"rank": b.rank, "back_at_step": b.step,
+                    "longest_step_ms": ms(&b.longest), "first_step_with_it_ms": ms(&b.first)})
             })
             .collect();
         let joined = self.joined.as_ref().map(|j| {
@@ -96,10 +110,14 @@ impl Recovery {
 
     /// The same, as text.
     fn print_rejoins(&self) {
-        for (r, step, longest) in &self.back {
+        for b in &self.back {
             println!(
-                "  rejoined:        rank {r} back from step {step}; longest step while it joined {:.0} ms",
-                ms(longest)
+                "  rejoined:        rank {} back from step {}; longest step while it joined {:.0} \
+                 ms, the first with it {:.0} ms",
+                b.rank,
+                b.step,
+                ms(&b.longest),
+                ms(&b.first)
             );
         }
         if let Some(j) = &self.joined {
@@ -125,23 +143,30 @@ impl Recovery {
             let longest = longest.max(took);
             match mask[r] {
                 true => self.joining.push((r, since, longest)),
-                false => self.back.push((r, step, longest)),
+                false => self.back.push(Back {
+                    rank: r,
+                    step,
+                    longest,
+                    first: took,
+                }),
             }
         }
     }
 }
 
-/// Run the soak on this rank (a replacement from where it `joined`); rank 0 prints the
-/// summary. Returns whether every step matched.
+/// Run the soak on this rank with `verified`'s outputs (made before the Buffer, so that
+/// a replacement is ready to serve when it is let in), a replacement from where it
+/// `joined`; rank 0 prints the summary. Returns whether every step matched.
 pub fn run(
     buffer: &mut Buffer,
     args: &BenchArgs,
-    shape: &JobShape,
-    max_ll: usize,
+    mut verified: Verified<'_>,
     steps: u64,
     joined: Option<JoinPoint>,
 ) -> anyhow::Result<bool> {
     let rank = buffer.rank();
+    verified.shape.ranks_per_node = buffer.topology().ranks_per_node;
+    let shape = verified.shape;
     let first = joined.map_or(0, |j| j.step);
     // Let in at a low-latency dispatch: that step's normal half ran without it.
     let skip_normal = joined.is_some_and(|j| j.first == FirstCall::LowLatencyDispatch);
@@ -150,7 +175,6 @@ pub fn run(
         "uep soak",
         rank == 0 && !args.json,
     );
-    let mut verified = Verified::new(args, shape, max_ll, rank);
     let started = Instant::now();
     let mut rss_start = 0;
     let mut recovery = Recovery {
@@ -161,7 +185,7 @@ pub fn run(
     let mut replacements = Replacements::default();
     let plan = crate::rejoin::planned(args);
     for step in first..steps {
-        die_if_victim(args, shape, rank, step);
+        die_if_victim(args, &shape, rank, step);
         chaos::arm(buffer, &kills, step)?;
         let due = crate::rejoin::due(buffer, &plan, step);
         replacements.start(buffer, &due, args)?;
@@ -209,9 +233,9 @@ pub fn run(
 }
 
 /// One rank's verified steps: the outputs a step reuses, and the mismatches so far.
-struct Verified<'a> {
+pub struct Verified<'a> {
     args: &'a BenchArgs,
-    shape: &'a JobShape,
+    shape: JobShape,
     max_ll: usize,
     bad: Mismatches,
     y: Vec<bf16>,
@@ -219,7 +243,8 @@ struct Verified<'a> {
 }
 
 impl<'a> Verified<'a> {
-    fn new(args: &'a BenchArgs, shape: &'a JobShape, max_ll: usize, rank: usize) -> Self {
+    /// Outputs for steps of `shape` with up to `max_ll` low-latency tokens a rank.
+    pub fn new(args: &'a BenchArgs, shape: JobShape, max_ll: usize, rank: usize) -> Self {
         let ll_rows = shape.experts_per_rank() * shape.num_ranks * max_ll;
         Verified {
             args,
@@ -234,7 +259,7 @@ impl<'a> Verified<'a> {
     /// Step `step` of the modes `--mode` names (normal mode only if `normal`), each
     /// output checked against the reference.
     fn step(&mut self, buffer: &mut Buffer, step: u64, normal: bool) -> anyhow::Result<()> {
-        let (args, shape) = (self.args, self.shape);
+        let (args, shape) = (self.args, &self.shape);
         let opts = StepOpts {
             fp8: args.fp8,
             round_scale: args.round_scale,

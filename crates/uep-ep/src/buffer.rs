@@ -748,5 +748,5 @@ fn make_door(
         )));
     }
     let digest = join::config_digest(fingerprint);
-    (topo.rank == 0).then(|| Door::create(name, topo.num_ranks, digest, bytes, job))
+    (topo.rank == 0).then(|| Door::create(name, topo.num_ranks, cfg, (digest, bytes, job)))
 }

@@ -8,7 +8,7 @@
 //!
 //! | block | words | what |
 //! |---|---|---|
-//! | header | 5 | magic (stored last), ranks, digest of the config, region bytes, job token |
+//! | header | 5 + 9 | magic (stored last), ranks, digest of the config, region bytes, job token; the shapes (normal, low-latency: experts, hidden, top-k, tokens) and ranks per node, for a joiner that does not know them |
 //! | `member[R]` | 1 + 8 | the rank's process id, then the name of its segment (64 bytes) |
 //! | `request[R]` | 2 + 8 | a joiner's stamp (a random non-zero word), its process id, its segment's name |
 //! | `welcome[R]` | 7 + W | the stamp of the request it answers, then [`Welcome`] |
@@ -21,10 +21,11 @@ use std::time::Duration;
 
 use uep_shm::{Region, Segment};
 
+use crate::config::{BufferConfig, Shape};
 use crate::error::{EpError, Result};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"uepdoor1");
-const HEADER: usize = 5;
+const HEADER: usize = 5 + 9;
 /// Bytes of a segment name in a record.
 const NAME_BYTES: usize = 64;
 const NAME_WORDS: usize = NAME_BYTES / 8;
@@ -106,8 +107,14 @@ fn len(ranks: usize, words: usize) -> usize {
 }
 
 impl Door {
-    /// Make door `name` for `ranks` ranks (rank 0, once), replacing a stale one.
-    pub fn create(name: &str, ranks: usize, digest: u64, bytes: usize, job: u64) -> Result<Door> {
+    /// Make door `name` for `ranks` ranks of a job with config `cfg` (rank 0, once),
+    /// replacing a stale one.
+    pub fn create(
+        name: &str,
+        ranks: usize,
+        cfg: &BufferConfig,
+        (digest, bytes, job): (u64, usize, u64),
+    ) -> Result<Door> {
         let path = std::path::Path::new(uep_shm::SHM_DIR).join(name);
         // A door left by a job that was killed: its ranks are gone.
         let _ = std::fs::remove_file(path);
@@ -117,10 +124,16 @@ impl Door {
             ranks,
             words,
         };
-        for (i, v) in [ranks as u64, digest, bytes as u64, job]
+        let shape = |s: &Option<Shape>| match s {
+            Some(s) => [s.num_experts, s.hidden, s.topk, s.max_tokens].map(|v| v as u64),
+            None => [0; 4],
+        };
+        let header = [ranks as u64, digest, bytes as u64, job]
             .into_iter()
-            .enumerate()
-        {
+            .chain(shape(&cfg.normal))
+            .chain(shape(&cfg.ll))
+            .chain([cfg.ranks_per_node.unwrap_or(0) as u64]);
+        for (i, v) in header.enumerate() {
             door.word(1 + i)?.store(v, Ordering::Relaxed);
         }
         door.word(0)?.store(MAGIC, Ordering::Release);
@@ -148,6 +161,23 @@ impl Door {
     pub fn header(&self) -> Result<(u64, usize, u64)> {
         let w = |i| Ok::<_, EpError>(self.word(i)?.load(Ordering::Relaxed));
         Ok((w(2)?, w(3)? as usize, w(4)?))
+    }
+
+    /// The shapes and ranks per node of the job's config (the rest is each rank's own):
+    /// `(normal, low-latency, ranks per node)`.
+    pub fn shapes(&self) -> Result<(Option<Shape>, Option<Shape>, Option<usize>)> {
+        let w = |i| Ok::<_, EpError>(self.word(i)?.load(Ordering::Relaxed) as usize);
+        let shape = |at: usize| {
+            let s = Shape {
+                num_experts: w(at)?,
+                hidden: w(at + 1)?,
+                topk: w(at + 2)?,
+                max_tokens: w(at + 3)?,
+            };
+            Ok::<_, EpError>((s.num_experts > 0).then_some(s))
+        };
+        let per_node = w(13)?;
+        Ok((shape(5)?, shape(9)?, (per_node > 0).then_some(per_node)))
     }
 
     /// Remove the door's name (the job ends): no joiner finds it any more.
@@ -318,16 +348,59 @@ impl Door {
     }
 }
 
+/// Remove the doors on this host of which no member process lives (left by jobs that
+/// were killed); returns their paths. A door whose job runs is left alone.
+pub fn remove_stale_doors() -> Result<Vec<std::path::PathBuf>> {
+    let dir = std::path::Path::new(uep_shm::SHM_DIR);
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| EpError::Resource(format!("cannot list {}: {e}", dir.display())))?;
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with(uep_shm::DOOR_PREFIX) || door_lives(&name) {
+            continue;
+        }
+        if std::fs::remove_file(entry.path()).is_ok() {
+            removed.push(entry.path());
+        }
+    }
+    Ok(removed)
+}
+
+/// Whether a member of door `name` lives (a door that cannot be read counts as dead).
+fn door_lives(name: &str) -> bool {
+    let Ok(bytes) = std::fs::read(std::path::Path::new(uep_shm::SHM_DIR).join(name)) else {
+        return false;
+    };
+    let word = |i: usize| {
+        let b = bytes.get(8 * i..8 * i + 8)?;
+        Some(u64::from_le_bytes(b.try_into().ok()?))
+    };
+    let ranks = word(1).unwrap_or(0) as usize;
+    (word(0) == Some(MAGIC))
+        && (0..ranks.min(crate::topology::MAX_RANKS_PER_NODE)).any(|r| {
+            let pid = word(HEADER + r * MEMBER).unwrap_or(0) as u32;
+            pid != 0 && !crate::wait::process_gone(pid)
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn door_name(tag: &str) -> String {
+        format!("{}test-{tag}-{}", uep_shm::DOOR_PREFIX, std::process::id())
+    }
+
     #[test]
     fn records_keep_their_fields() {
-        let name = format!("uep-test-door-p{}", std::process::id());
-        let mut door = Door::create(&name, 70, 7, 4096, 9).unwrap();
+        let name = door_name("records");
+        let mut cfg = BufferConfig::new(64, 512, 8, 0, 128);
+        cfg.ranks_per_node = Some(10);
+        let mut door = Door::create(&name, 70, &cfg, (7, 4096, 9)).unwrap();
         let other = Door::open(&name, 70, Duration::ZERO).unwrap();
         assert_eq!(other.header().unwrap(), (7, 4096, 9));
+        assert_eq!(other.shapes().unwrap(), (None, cfg.ll, Some(10)));
         assert!(Door::open(&name, 71, Duration::ZERO).is_err());
         door.set_member(69, 1234, "uep-abc-r69-p1234").unwrap();
         assert_eq!(
@@ -363,6 +436,16 @@ mod tests {
         assert_eq!(other.welcomed(5, stamp).unwrap(), Some(w));
         assert_eq!(other.welcomed(5, stamp ^ 2).unwrap(), None);
         assert!(door.set_member(1, 1, &"x".repeat(65)).is_err());
+        // A door with a live member stays; one whose members are all gone goes.
+        let (a, b) = (door_name("alive"), door_name("dead"));
+        let alive = Door::create(&a, 4, &cfg, (1, 1, 1)).unwrap();
+        alive.set_member(2, std::process::id(), "uep-x").unwrap();
+        let dead = Door::create(&b, 4, &cfg, (1, 1, 1)).unwrap();
+        dead.set_member(1, u32::MAX - 1, "uep-y").unwrap();
+        let removed = remove_stale_doors().unwrap();
+        assert!(removed.iter().any(|p| p.ends_with(&b)), "{removed:?}");
+        assert!(!removed.iter().any(|p| p.ends_with(&a)), "{removed:?}");
+        drop((alive, dead)); // their makers' drop removes their names
         door.close().unwrap();
         assert!(Door::open(&name, 70, Duration::ZERO).is_err());
     }

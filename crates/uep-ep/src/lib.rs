@@ -63,7 +63,7 @@ pub use buffer::Buffer;
 pub use config::{
     ranks_per_node_from_env, timeout_from_env, BufferConfig, Connect, Shape, DEFAULT_TIMEOUT,
 };
-pub use door::{FirstCall, JoinPoint};
+pub use door::{remove_stale_doors, FirstCall, JoinPoint};
 pub use error::{EpError, ErrorKind, Gone, Lost, Result};
 pub use layout::{get_dispatch_layout, DispatchLayout};
 pub use liveness::LivenessConfig;

@@ -53,11 +53,16 @@ fn join_without_a_job_says_so() {
 fn the_door_checks_who_comes() {
     let name = door("job");
     let cfg = config(&name);
+    // Rank 1 leaves first: a joiner in this process would take its segment's name.
+    let left = std::sync::Barrier::new(2);
     let outcomes = run_ranks(2, |group| {
         let mut buffer = Buffer::new(group, cfg.clone()).expect("a Buffer");
         if buffer.rank() == 1 {
+            drop(buffer);
+            left.wait();
             return Vec::new();
         }
+        left.wait();
         let mut other = cfg.clone();
         other.ll.as_mut().unwrap().max_tokens = 16;
         let mut errors = vec![Buffer::join(other, 1, 2).unwrap_err()];

@@ -29,8 +29,8 @@ use uep_bootstrap::Group;
 use uep_ep::quant::Nvfp4;
 use uep_ep::{
     Buffer, BufferConfig, Cast, CombineArgs, DispatchArgs, DispatchLayout, EpError, ErrorKind,
-    Lease, LlCombineInput, LlCombinePending, LlDispatchArgs, LlHandle, LlPending, NormalHandle,
-    Shape, TokenFormat, Tokens, Topology, WeightLanes,
+    FirstCall, Lease, LlCombineInput, LlCombinePending, LlDispatchArgs, LlHandle, LlPending,
+    NormalHandle, Shape, TokenFormat, Tokens, Topology, WeightLanes,
 };
 
 use crate::control::PyControlPlane;
@@ -129,8 +129,9 @@ struct State {
 /// The Rust side of one `uep.Buffer`.
 #[pyclass(module = "uep._uep", frozen)]
 pub struct Runtime {
-    /// uep's own control plane, formed through the caller's group once (see `new`).
-    cp: Arc<Group>,
+    /// uep's own control plane, formed through the caller's group once (see `new`);
+    /// none for a rank that rejoined a running job (`join`).
+    cp: Option<Arc<Group>>,
     topo: Topology,
     /// Bytes the caller allows (`num_nvl_bytes + num_rdma_bytes`).
     capacity: usize,
@@ -139,6 +140,8 @@ pub struct Runtime {
     emulate: Option<usize>,
     /// Elastic low-latency mode (`enable_shrink`).
     elastic: bool,
+    /// Elastic mode on one node: the job's door, where replacements find it.
+    door: Option<String>,
     state: Mutex<State>,
 }
 
@@ -202,7 +205,19 @@ impl Runtime {
         cfg.device_threads = self.threads;
         cfg.ranks_per_node = self.emulate;
         cfg.elastic = self.elastic;
+        cfg.door = self.door.clone();
         cfg
+    }
+
+    /// The control plane; a rank that rejoined a running job has none.
+    fn group(&self) -> PyResult<&Arc<Group>> {
+        self.cp.as_ref().ok_or_else(|| {
+            errors::invalid(
+                "this rank rejoined a running job: its Buffer was sized by the job, and it \
+                 has no control plane to build another (size the Buffer before serving: \
+                 the first call of each mode)",
+            )
+        })
     }
 
     /// (Re)build the Buffer for `want` (or fail every rank with this rank's `bad`
@@ -213,7 +228,7 @@ impl Runtime {
         let cfg = self.sized_config(base.as_ref(), merged)?;
         // The old Buffer goes first: outputs still held keep their own mappings.
         st.buffer = None;
-        let buffer = Buffer::with_control_plane(self.cp.clone(), cfg).map_err(ep_err)?;
+        let buffer = Buffer::with_control_plane(self.group()?.clone(), cfg).map_err(ep_err)?;
         st.buffer = Some(buffer);
         st.generation += 1;
         Ok(())
@@ -228,13 +243,14 @@ impl Runtime {
             Ok(w) => Rebuild::Want(*w),
             Err(msg) => Rebuild::Rejected(msg.clone()),
         };
-        let all = exchange::all_gather(self.cp.as_ref(), "rebuild", &record).map_err(|e| {
-            let why = format!(
-                "rank {me}: {}: not every rank came to build the Buffer for it: {e}",
-                describe(want)
-            );
-            errors::raise(e.kind(), why)
-        })?;
+        let all =
+            exchange::all_gather(self.group()?.as_ref(), "rebuild", &record).map_err(|e| {
+                let why = format!(
+                    "rank {me}: {}: not every rank came to build the Buffer for it: {e}",
+                    describe(want)
+                );
+                errors::raise(e.kind(), why)
+            })?;
         let mut wants = Vec::with_capacity(all.len());
         for (r, t) in all.into_iter().enumerate() {
             match t {
@@ -594,7 +610,7 @@ impl Runtime {
     /// A runtime for rank `rank` of `world_size`, exchanging through `all_gather`
     /// (collective: it finds which ranks share a host).
     #[new]
-    #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None, elastic=false))]
+    #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None, elastic=false, door=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -606,6 +622,7 @@ impl Runtime {
         device_threads: usize,
         ranks_per_node: Option<usize>,
         elastic: bool,
+        door: Option<String>,
     ) -> PyResult<Runtime> {
         if rank >= world_size {
             return Err(errors::invalid(format!(
@@ -634,13 +651,15 @@ impl Runtime {
             n => n,
         };
         Ok(Runtime {
-            cp,
+            cp: Some(cp),
             topo,
             capacity,
             timeout: Mutex::new(Duration::from_secs_f64(timeout_s)),
             threads: device_threads.max(1),
             emulate: ranks_per_node,
             elastic,
+            // Replacements find a job through its door on one node only (for now).
+            door: door.filter(|_| elastic && topo.num_nodes == 1),
             state: Mutex::new(State {
                 buffer: None,
                 outputs: Pool::default(),
@@ -648,6 +667,72 @@ impl Runtime {
                 destroyed: false,
             }),
         })
+    }
+
+    /// Take the place of masked rank `rank` of the running elastic job of
+    /// `world_size` ranks at door `door` on this host (a process started to replace
+    /// it): its Buffer as the job sized it. Returns the runtime, the survivors' step
+    /// (`set_step`) and the call it makes first (`"barrier"`, `"dispatch"` or
+    /// `"low_latency_dispatch"`).
+    #[staticmethod]
+    fn join(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        door: String,
+        timeout_s: f64,
+        device_threads: usize,
+    ) -> PyResult<(Runtime, u64, &'static str)> {
+        let timeout = Duration::from_secs_f64(timeout_s);
+        let (buffer, at) = py
+            .detach(|| {
+                let mut cfg = BufferConfig::from_door(&door, world_size, timeout)?;
+                let per_node = cfg.ranks_per_node.unwrap_or(world_size);
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                cfg.device_threads = match device_threads {
+                    0 => (cores / per_node).max(1),
+                    n => n,
+                };
+                Buffer::join(cfg, rank, world_size)
+            })
+            .map_err(ep_err)?;
+        let first = match at.first {
+            FirstCall::Barrier => "barrier",
+            FirstCall::Dispatch => "dispatch",
+            FirstCall::LowLatencyDispatch => "low_latency_dispatch",
+        };
+        let cfg = buffer.config().clone();
+        let runtime = Runtime {
+            cp: None,
+            topo: buffer.topology(),
+            capacity: usize::MAX,
+            timeout: Mutex::new(timeout),
+            threads: cfg.device_threads,
+            emulate: cfg.ranks_per_node,
+            elastic: true,
+            door: cfg.door.clone(),
+            state: Mutex::new(State {
+                buffer: Some(buffer),
+                outputs: Pool::default(),
+                generation: 1,
+                destroyed: false,
+            }),
+        };
+        Ok((runtime, at.step, first))
+    }
+
+    /// Let a replacement of masked rank `rank` in once it asks (elastic mode with a
+    /// door; Mooncake's `recover_ranks`).
+    fn admit(&self, py: Python<'_>, rank: usize) -> PyResult<()> {
+        let mut st = self.lock(py);
+        Self::buffer(&mut st)?.admit(rank).map_err(ep_err)
+    }
+
+    /// The caller's step, told to a replacement let in at the next dispatch.
+    fn set_step(&self, py: Python<'_>, step: u64) {
+        if let Some(b) = self.lock(py).buffer.as_mut() {
+            b.set_step(step);
+        }
     }
 
     /// `(rank, num_ranks, ranks_per_node, num_nodes)`.
@@ -670,7 +755,9 @@ impl Runtime {
         }
         let d = Duration::from_secs_f64(seconds);
         *self.timeout.lock().unwrap_or_else(|e| e.into_inner()) = d;
-        self.cp.set_timeout(d);
+        if let Some(cp) = &self.cp {
+            cp.set_timeout(d);
+        }
         if let Some(b) = self.lock(py).buffer.as_mut() {
             b.set_timeout(d);
         }
@@ -1162,7 +1249,7 @@ impl Runtime {
         let mut st = self.lock(py);
         match st.buffer.as_mut() {
             Some(b) => py.detach(|| b.barrier()).map_err(ep_err),
-            None => self.cp.barrier().map_err(|e| ep_err(e.into())),
+            None => self.group()?.barrier().map_err(|e| ep_err(e.into())),
         }
     }
 
@@ -1277,7 +1364,7 @@ impl Runtime {
         }
         let r = match st.buffer.as_mut() {
             Some(b) => py.detach(|| b.barrier()).map_err(ep_err),
-            None => self.cp.barrier().map_err(|e| ep_err(e.into())),
+            None => self.group()?.barrier().map_err(|e| ep_err(e.into())),
         };
         st.buffer = None;
         st.destroyed = true;

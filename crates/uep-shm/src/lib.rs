@@ -284,8 +284,14 @@ impl Drop for Segment {
     }
 }
 
+/// Names of elastic jobs' doors start with this (after [`NAME_PREFIX`]); a door is
+/// shared by a job's ranks, not one process's, so [`clean_stale`] leaves it alone.
+pub const DOOR_PREFIX: &str = "uep-door-";
+
 /// Remove `uep-*` segments whose creating process no longer exists; returns their paths.
 /// Segments of live processes are left alone, so this is safe to run beside a job.
+/// Doors ([`DOOR_PREFIX`]) are left too: whether one is stale is for its job's ranks
+/// to say (`uep_ep::remove_stale_doors`).
 pub fn clean_stale() -> Result<Vec<PathBuf>> {
     let dir = Path::new(SHM_DIR);
     let entries = std::fs::read_dir(dir).map_err(|source| ShmError::Io {
@@ -297,7 +303,7 @@ pub fn clean_stale() -> Result<Vec<PathBuf>> {
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(NAME_PREFIX) {
+        if !name.starts_with(NAME_PREFIX) || name.starts_with(DOOR_PREFIX) {
             continue;
         }
         let pid = name

@@ -246,6 +246,25 @@ impl ControlPlane for Detached {
     fn abort(&self, _: &str) {}
 }
 
+impl BufferConfig {
+    /// The config of the elastic job of `world` ranks at door `name` on this host, for
+    /// a replacement that does not know its shapes ([`Buffer::join`](crate::Buffer::join)):
+    /// its shapes and ranks per node, elastic, with that door; the rest (deadline
+    /// `timeout`, kernel threads, admission) as [`BufferConfig::new`] makes them.
+    pub fn from_door(name: &str, world: usize, timeout: Duration) -> Result<BufferConfig> {
+        let door = Door::open(name, world, timeout).map_err(|e| no_job(name, &e))?;
+        let (normal, ll, ranks_per_node) = door.shapes()?;
+        let mut cfg = BufferConfig::new(1, 8, 1, 0, 0);
+        (cfg.normal, cfg.ll, cfg.ranks_per_node) = (normal, ll, ranks_per_node);
+        (cfg.elastic, cfg.door, cfg.timeout) = (true, Some(name.into()), timeout);
+        Ok(cfg)
+    }
+}
+
+fn no_job(name: &str, e: &EpError) -> EpError {
+    EpError::Resource(format!("no running job at door {name} on this host: {e}"))
+}
+
 /// What a joiner needs to know before it asks.
 struct Entry {
     door: Door,
@@ -269,11 +288,7 @@ fn enter(cfg: &BufferConfig, rank: usize, world: usize) -> Result<Entry> {
     if rank >= world {
         return Err(invalid!("rank {rank} cannot join a job of {world} ranks"));
     }
-    let door = Door::open(name, world, cfg.timeout).map_err(|e| {
-        EpError::Resource(format!(
-            "rank {rank} finds no running job at door {name} on this host: {e}"
-        ))
-    })?;
+    let door = Door::open(name, world, cfg.timeout).map_err(|e| no_job(name, &e))?;
     let map = RegionMap::new(cfg, world, false);
     let (digest, bytes, job) = door.header()?;
     if digest != config_digest(&cfg.fingerprint(map.total)) || bytes != map.total {
