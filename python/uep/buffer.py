@@ -19,7 +19,6 @@ below the surface:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import time
@@ -103,8 +102,7 @@ def _door_name() -> Optional[str]:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return None
-    digest = hashlib.sha256(f"{addr}:{port}".encode()).hexdigest()[:16]
-    return f"uep-door-{digest}"
+    return _uep.door_name(f"{addr}:{port}")
 
 
 def _all_gather_bytes(group: dist.ProcessGroup, data: bytes) -> List[bytes]:

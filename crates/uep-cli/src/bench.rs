@@ -50,17 +50,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<bool> {
     };
     // Ranks told to die do; in elastic mode the others must go on, not be stopped by
     // the launcher's grace period after the first death.
-    let chaos = crate::chaos::from_args(args);
-    let victims: Vec<usize> = (0..args.ranks)
-        .filter(|&r| {
-            args.kill.iter().any(|k| k.who == r)
-                || args
-                    .kill_node
-                    .iter()
-                    .any(|k| k.who == r / (args.ranks / args.nodes))
-                || crate::chaos::victims(&chaos).contains(&r)
-        })
-        .collect();
+    let victims = crate::chaos::all_victims(args);
     let grace = if args.elastic && !victims.is_empty() {
         Duration::from_secs(24 * 3600)
     } else {

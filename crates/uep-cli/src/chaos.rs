@@ -156,6 +156,19 @@ pub fn death_to_masked_ms(buffer: &Buffer) -> Vec<(usize, f64)> {
         .collect()
 }
 
+/// Every rank told to die: by `--kill`, `--kill-node` or `--chaos`.
+pub fn all_victims(args: &BenchArgs) -> Vec<usize> {
+    let chaos = victims(&from_args(args));
+    let per_node = args.ranks / args.nodes.max(1);
+    (0..args.ranks)
+        .filter(|&r| {
+            args.kill.iter().any(|k| k.who == r)
+                || args.kill_node.iter().any(|k| k.who == r / per_node)
+                || chaos.contains(&r)
+        })
+        .collect()
+}
+
 /// The ranks `plan` makes victims of.
 pub fn victims(kills: &[Kill]) -> Vec<usize> {
     let mut v: Vec<usize> = kills.iter().map(|k| k.rank).collect();

@@ -32,10 +32,10 @@ pub fn planned(args: &BenchArgs) -> Vec<Rejoin> {
     all
 }
 
-/// The rank that starts replacements: the lowest one no `--kill` or `--chaos` kills.
+/// The rank that starts replacements: the lowest one told to die by nothing.
 fn starter(args: &BenchArgs) -> Option<usize> {
-    let victims = chaos::victims(&chaos::from_args(args));
-    (0..args.ranks).find(|&r| !victims.contains(&r) && !args.kill.iter().any(|k| k.who == r))
+    let victims = chaos::all_victims(args);
+    (0..args.ranks).find(|r| !victims.contains(r))
 }
 
 /// Set in a replacement's environment: when it was started (ms since the epoch).
@@ -46,16 +46,12 @@ pub const DIES_VAR: &str = "UEP_BENCH_REJOIN_DIES_MS";
 /// The door of the job `info` describes: the same name on every rank and on a
 /// replacement started with the same environment (the rendezvous address and secret).
 pub fn door_name(info: &WorldInfo) -> String {
-    let key = format!(
+    uep_ep::door_name(&format!(
         "{}:{}:{}",
         info.master_addr,
         info.rendezvous_port,
         info.secret.as_deref().unwrap_or("")
-    );
-    let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
-    format!("uep-door-{h:016x}")
+    ))
 }
 
 /// When this process was started as a replacement (`None`: it is a founding rank).

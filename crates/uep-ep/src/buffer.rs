@@ -626,11 +626,9 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -
         )?),
         _ => None,
     };
-    let elastic = cfg.elastic.then(|| {
-        let mut e = Elastic::new(num_ranks);
-        e.doorway.auto = cfg.auto_admit;
-        RefCell::new(e)
-    });
+    let elastic = cfg
+        .elastic
+        .then(|| RefCell::new(Elastic::new(num_ranks, cfg.auto_admit)));
     let cx = Ctx {
         device,
         cp,

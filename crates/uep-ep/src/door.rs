@@ -348,6 +348,14 @@ impl Door {
     }
 }
 
+/// The name of the door of the job whose launcher's rendezvous is `rendezvous` (for
+/// example `MASTER_ADDR:MASTER_PORT`): the same on every rank and on a process started
+/// with the same environment to replace one.
+pub fn door_name(rendezvous: &str) -> String {
+    let h = crate::fnv::hash(rendezvous.bytes().map(u64::from));
+    format!("{}{h:016x}", uep_shm::DOOR_PREFIX)
+}
+
 /// Remove the doors on this host of which no member process lives (left by jobs that
 /// were killed); returns their paths. A door whose job runs is left alone.
 pub fn remove_stale_doors() -> Result<Vec<std::path::PathBuf>> {

@@ -33,6 +33,7 @@ mod area;
 mod config;
 mod error;
 pub mod exchange;
+mod fnv;
 mod layout;
 mod packet;
 mod topology;
@@ -63,7 +64,7 @@ pub use buffer::Buffer;
 pub use config::{
     ranks_per_node_from_env, timeout_from_env, BufferConfig, Connect, Shape, DEFAULT_TIMEOUT,
 };
-pub use door::{remove_stale_doors, FirstCall, JoinPoint};
+pub use door::{door_name, remove_stale_doors, FirstCall, JoinPoint};
 pub use error::{EpError, ErrorKind, Gone, Lost, Result};
 pub use layout::{get_dispatch_layout, DispatchLayout};
 pub use liveness::LivenessConfig;

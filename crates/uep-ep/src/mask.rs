@@ -110,7 +110,9 @@ impl Elastic {
         self.unsettled[rank] = None;
     }
 
-    pub(crate) fn new(num_ranks: usize) -> Elastic {
+    /// The state of a job of `num_ranks` with nobody masked; `auto_admit`:
+    /// `BufferConfig::auto_admit`.
+    pub(crate) fn new(num_ranks: usize, auto_admit: bool) -> Elastic {
         Elastic {
             masked: vec![false; num_ranks],
             why: vec![None; num_ranks],
@@ -121,11 +123,11 @@ impl Elastic {
             round: 0,
             agreed: vec![false; num_ranks],
             unsettled: vec![None; num_ranks],
-            digest: 0xcbf2_9ce4_8422_2325,
+            digest: crate::fnv::OFFSET,
             fault: None,
             last_combine: vec![false; num_ranks],
             doorway: Doorway {
-                auto: false,
+                auto: auto_admit,
                 admit: vec![false; num_ranks],
                 asking: (0..num_ranks).map(|_| None).collect(),
                 let_in: (0..num_ranks).map(|_| None).collect(),

@@ -605,6 +605,23 @@ fn export_dispatch<'py>(
     Ok((recv_x, scales, idx, w))
 }
 
+/// Kernel threads a rank: `requested`, or by default (0) its share of the host's cores
+/// among the `per_node` ranks of its node; at least one.
+fn kernel_threads(requested: usize, per_node: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match requested {
+        0 => cores / per_node.max(1),
+        n => n,
+    }
+    .max(1)
+}
+
+/// The name of the door of the job whose rendezvous is `rendezvous` (`uep_ep::door_name`).
+#[pyfunction]
+pub fn door_name(rendezvous: &str) -> String {
+    uep_ep::door_name(rendezvous)
+}
+
 #[pymethods]
 impl Runtime {
     /// A runtime for rank `rank` of `world_size`, exchanging through `all_gather`
@@ -644,18 +661,13 @@ impl Runtime {
             .map_err(|e| ep_err(e.into()))?;
         let cp = Arc::new(cp);
         let topo = Topology::discover(cp.as_ref(), ranks_per_node).map_err(ep_err)?;
-        // By default the node's ranks share the host's cores.
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let device_threads = match device_threads {
-            0 => cores / topo.ranks_per_node,
-            n => n,
-        };
+        let device_threads = kernel_threads(device_threads, topo.ranks_per_node);
         Ok(Runtime {
             cp: Some(cp),
             topo,
             capacity,
             timeout: Mutex::new(Duration::from_secs_f64(timeout_s)),
-            threads: device_threads.max(1),
+            threads: device_threads,
             emulate: ranks_per_node,
             elastic,
             // Replacements find a job through its door on one node only (for now).
@@ -688,11 +700,7 @@ impl Runtime {
             .detach(|| {
                 let mut cfg = BufferConfig::from_door(&door, world_size, timeout)?;
                 let per_node = cfg.ranks_per_node.unwrap_or(world_size);
-                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                cfg.device_threads = match device_threads {
-                    0 => (cores / per_node).max(1),
-                    n => n,
-                };
+                cfg.device_threads = kernel_threads(device_threads, per_node);
                 Buffer::join(cfg, rank, world_size)
             })
             .map_err(ep_err)?;

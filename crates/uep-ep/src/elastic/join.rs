@@ -39,11 +39,9 @@ use crate::symm::Symmetric;
 use crate::topology::Topology;
 use crate::wait::process_gone;
 
-/// FNV-1a of the config every rank must share: the door's check of a joiner.
+/// The digest of the config every rank must share: the door's check of a joiner.
 pub(crate) fn config_digest(fingerprint: &str) -> u64 {
-    fingerprint.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    })
+    crate::fnv::hash(fingerprint.bytes().map(u64::from))
 }
 
 impl Ctx {
@@ -359,14 +357,14 @@ pub(crate) fn join(
     }
     let symm = Symmetric::from_parts(rank, own, peers);
     start_words(&symm, &map, &welcome.calls)?;
-    let mut e = Elastic::new(world);
+    let mut e = Elastic::new(world, cfg.auto_admit);
     for r in (0..world).filter(|&r| welcome.masked[r]) {
         e.mask(r);
         e.gone[r] = true;
         e.agreed[r] = true;
         e.why[r] = Some(format!("masked when rank {rank} rejoined"));
     }
-    (e.round, e.digest, e.doorway.auto) = (welcome.round, welcome.digest, cfg.auto_admit);
+    (e.round, e.digest) = (welcome.round, welcome.digest);
     door.set_member(rank, pid, &name)?;
     let cx = Ctx {
         device,

@@ -402,7 +402,7 @@ impl Ctx {
         }
         e.agreed.clone_from(&union);
         for w in decided {
-            e.digest = (e.digest ^ w).wrapping_mul(0x0100_0000_01b3);
+            e.digest = crate::fnv::step(e.digest, *w);
         }
         Ok(union)
     }

@@ -312,7 +312,5 @@ impl Ctx {
 
 /// FNV-1a of a routing: cheap, and only guards against passing another step's routing.
 pub(crate) fn fingerprint(topk_idx: &[i64]) -> u64 {
-    topk_idx.iter().fold(0xcbf2_9ce4_8422_2325, |h, &v| {
-        (h ^ v as u64).wrapping_mul(0x100_0000_01b3)
-    })
+    crate::fnv::hash(topk_idx.iter().map(|&v| v as u64))
 }
