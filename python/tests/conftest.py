@@ -55,7 +55,9 @@ def launch(case: str, world: int, timeout: float = 240.0, env: Optional[Dict[str
     whatever happens to them."""
     out = tempfile.mkdtemp(prefix="uep-pytest-")
     port = free_port()
-    base_env = {"UEP_TIMEOUT_S": "30", "OMP_NUM_THREADS": "1"}
+    # MASTER_ADDR: uep binds its rendezvous and the fabric to loopback, never another
+    # interface of the test machine.
+    base_env = {"UEP_TIMEOUT_S": "30", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     base_env.update(env or {})
     with environment(base_env):
         ctx = mp.start_processes(workers.entry, args=(world, port, case, kwargs, out, expect_failure),

@@ -10,6 +10,8 @@ subclass of ``UepError`` (a ``RuntimeError``) by kind: ``InvalidArgumentError`` 
 ``ControlPlaneError`` and ``InternalError``.
 """
 
+import os as _os
+
 from ._uep import (
     CapacityError,
     ControlPlaneError,
@@ -22,7 +24,13 @@ from ._uep import (
     UepError,
     UepTimeoutError,
     __version__,
+    fabric_env_defaults as _fabric_env_defaults,
 )
+
+# libfabric reads its settings at its first use in the process, which comes later (a
+# Buffer's first call): uep's preferred ones, where the caller has not set them.
+for _name, _value in _fabric_env_defaults():
+    _os.environ.setdefault(_name, _value)
 from .buffer import Buffer, topk_idx_t
 from .elastic_buffer import EPHandle, ElasticBuffer, get_logical_domain_size, get_physical_domain_size
 from .hybrid_ep_buffer import HybridEPBuffer

@@ -13,6 +13,13 @@ pub fn report() -> anyhow::Result<String> {
         "cores: {}; default provider: {default} (set UEP_FI_PROVIDER or --provider to change)",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     )?;
+    for (k, default) in uep_transport::ENV_DEFAULTS {
+        let now = std::env::var(k).unwrap_or_default();
+        writeln!(
+            out,
+            "{k}={now} (uep's default {default}; set it to override)"
+        )?;
+    }
     writeln!(
         out,
         "libfabric providers ({} entries, distinct ones below):",

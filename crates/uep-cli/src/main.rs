@@ -26,6 +26,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // First, while this is the only thread: libfabric reads these at its first use, and
+    // the ranks the bench starts inherit them.
+    uep_transport::apply_env_defaults();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("UEP_LOG"))
         .with_writer(std::io::stderr)

@@ -41,6 +41,7 @@ fn _uep(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", VERSION)?;
     m.add_function(wrap_pyfunction!(v2::host_id, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::door_name, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::fabric_env_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(v2::nodes, m)?)?;
     m.add_function(wrap_pyfunction!(v2::normal_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(v2::sum_slots, m)?)?;

@@ -622,6 +622,13 @@ pub fn door_name(rendezvous: &str) -> String {
     uep_ep::door_name(rendezvous)
 }
 
+/// The libfabric settings uep prefers (`uep_transport::ENV_DEFAULTS`), as (name, value)
+/// pairs: the package sets those the environment leaves unset, at import.
+#[pyfunction]
+pub fn fabric_env_defaults() -> Vec<(&'static str, &'static str)> {
+    uep_transport::ENV_DEFAULTS.to_vec()
+}
+
 #[pymethods]
 impl Runtime {
     /// A runtime for rank `rank` of `world_size`, exchanging through `all_gather`

@@ -19,6 +19,30 @@ use crate::{
 /// Provider used when neither the options nor `UEP_FI_PROVIDER` name one.
 pub const DEFAULT_PROVIDER: &str = "tcp;ofi_rxm";
 
+/// libfabric settings uep prefers, each applied by [`apply_env_defaults`] only where the
+/// environment leaves it unset.
+///
+/// `FI_OFI_RXM_ENABLE_PASSTHRU=1`: `ofi_rxm` hands every call straight to the `tcp`
+/// provider's own RDM endpoint instead of running its protocol over bounce buffers.
+/// uep posts only RMA writes with immediate data, which rxm forwards either way, but
+/// without passthru every endpoint allocates and zeroes rxm's buffer pools: a rank's
+/// resident memory was 700 MB–1.4 GB instead of 30–60 MB, and its transports took
+/// 0.7–1.2 s longer to open (docs/performance.md, "Opening the tcp transport").
+pub const ENV_DEFAULTS: &[(&str, &str)] = &[("FI_OFI_RXM_ENABLE_PASSTHRU", "1")];
+
+/// Sets each of [`ENV_DEFAULTS`] that the environment leaves unset; returns the ones it
+/// set. libfabric reads them once, at the process's first `fi_getinfo`, so call this
+/// at process start, before other threads run (the `uep` CLI does at the top of
+/// `main`, the Python package at import, through `os.environ`).
+pub fn apply_env_defaults() -> Vec<(&'static str, &'static str)> {
+    ENV_DEFAULTS
+        .iter()
+        .filter(|(k, _)| std::env::var_os(k).is_none())
+        .inspect(|(k, v)| std::env::set_var(k, v))
+        .copied()
+        .collect()
+}
+
 /// How to open a [`LibfabricTransport`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FabricOptions {

@@ -26,7 +26,8 @@ mod region;
 pub mod stream;
 
 pub use fabric::{
-    list_providers, route_source, FabricOptions, LibfabricTransport, ProviderInfo, DEFAULT_PROVIDER,
+    apply_env_defaults, list_providers, route_source, FabricOptions, LibfabricTransport,
+    ProviderInfo, DEFAULT_PROVIDER, ENV_DEFAULTS,
 };
 pub use faulty::{FaultConfig, FaultStats, FaultyTransport};
 pub use region::{HeapRegion, RegionRef};
