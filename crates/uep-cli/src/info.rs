@@ -26,29 +26,7 @@ pub fn report() -> anyhow::Result<String> {
         providers.len()
     )?;
     // libfabric lists one entry per address of an interface: show each kind once.
-    let mut rows: Vec<[String; 7]> = providers
-        .iter()
-        .map(|p| {
-            [
-                p.provider.clone(),
-                p.domain.clone(),
-                p.ep_type.clone(),
-                if p.rma_write && p.remote_write {
-                    "yes"
-                } else {
-                    "no"
-                }
-                .into(),
-                format!("{} B", p.cq_data_size),
-                if p.ordered { "ordered" } else { "unordered" }.into(),
-                if p.fits() {
-                    "fits".into()
-                } else {
-                    "no (needs RDM + RMA write + >= 4 B remote CQ data)".into()
-                },
-            ]
-        })
-        .collect();
+    let mut rows: Vec<[String; 7]> = providers.iter().map(provider_row).collect();
     let mut seen = std::collections::HashSet::new();
     rows.retain(|r| seen.insert(r.clone()));
     let header = [
@@ -84,4 +62,22 @@ pub fn report() -> anyhow::Result<String> {
         if fitting == 1 { "y" } else { "ies" }
     )?;
     Ok(out)
+}
+
+/// One provider entry as a row of the table.
+fn provider_row(p: &uep_transport::ProviderInfo) -> [String; 7] {
+    let yes_no = |b: bool| if b { "yes" } else { "no" }.to_string();
+    [
+        p.provider.clone(),
+        p.domain.clone(),
+        p.ep_type.clone(),
+        yes_no(p.rma_write && p.remote_write),
+        format!("{} B", p.cq_data_size),
+        if p.ordered { "ordered" } else { "unordered" }.into(),
+        if p.fits() {
+            "fits".into()
+        } else {
+            "no (needs RDM + RMA write + >= 4 B remote CQ data)".into()
+        },
+    ]
 }

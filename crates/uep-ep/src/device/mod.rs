@@ -21,7 +21,8 @@
 //! the work. `docs/architecture.md` maps each kernel phase to DeepEP's kernel of the
 //! same job and says what a GPU device must add.
 
-mod host;
+pub(crate) mod host;
+pub(crate) mod pack;
 mod phase;
 
 use std::ops::Range;
@@ -33,6 +34,7 @@ use crate::error::Result;
 use crate::layout::DispatchLayout;
 
 pub use host::{HostDevice, HostFifos};
+pub use pack::{LlPackPhase, LlTokens};
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
 
 /// What runs the EP layer's kernels; see the module docs.
@@ -85,4 +87,12 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// each the sum [`ReducePhase`] describes, bit for bit
     /// [`crate::quant::reduce_rows`]'s.
     fn reduce(&self, phase: &ReducePhase<'_>, out: &mut [bf16]) -> Result<()>;
+
+    /// The pack phase of a low-latency dispatch ([`LlPackPhase`]): stores every copy
+    /// at its same-node rank and every token into its packets, pushing the packets'
+    /// rows to the proxy as they fill. By default the host definition over
+    /// [`Device::launch`].
+    fn ll_pack(&self, phase: &LlPackPhase<'_>) -> Result<()> {
+        host::ll_pack(self, phase)
+    }
 }

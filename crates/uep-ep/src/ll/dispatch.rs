@@ -14,60 +14,16 @@ use super::{
 use crate::area::{Area, Mem, SliceRows};
 use crate::config::Shape;
 use crate::ctx::Ctx;
-use crate::device::{CastPhase, Device};
+use crate::device::host::{kernel_pushes_rows, on_rank};
+use crate::device::pack::{LlSink, LlTokens};
+use crate::device::{CastPhase, Device, LlPackPhase};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
-use crate::net::Staged;
 use crate::packet::{Channel, LlDispatchPacket, LL_BUFFERS};
 use crate::quant::Cast;
 use crate::tokens::{RecvTokens, TokenFormat};
 use crate::wait::{epoch_word, Seen};
-
-/// Whether the kernel pushes a packet's rows itself: where each row is whole 16-byte
-/// words, as one-sided writes of any run of rows need.
-fn kernel_pushes_rows(row_bytes: usize) -> bool {
-    row_bytes % uep_wire::OFFSET_ALIGN as usize == 0
-}
-
-/// Push the packet rows each peer's run holds, once they make a write's size (all of
-/// them when `last`), through the packet's port.
-fn push_runs(
-    sinks: &[Option<LlSink<'_>>],
-    runs: &mut [Option<Range<usize>>],
-    row_bytes: usize,
-    last: bool,
-) -> Result<()> {
-    for (r, run) in runs.iter_mut().enumerate() {
-        let Some(Some(LlSink::Packet { p, staged, .. })) = sinks.get(r) else {
-            continue;
-        };
-        let port = staged.port();
-        match run {
-            Some(rows) if last || rows.len() * row_bytes >= port.write_bytes() => {
-                port.put(staged.write_of(p.rows.rows(rows.clone(), row_bytes)?)?)?;
-                *run = None;
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
-/// Where one rank's copies go.
-enum LlSink<'a> {
-    /// A same-node peer: each copy straight into this source's block of its expert's
-    /// rows there.
-    Peer(&'a Region),
-    /// A peer on another node: each token once into this rank's staged packet, token
-    /// `t` at row `row_of[t]` (`u32::MAX` for a token that goes nowhere there).
-    Packet {
-        p: LlDispatchPacket,
-        row_of: Vec<u32>,
-        staged: Box<Staged>,
-        row_bytes: usize,
-    },
-}
 
 /// Where every packed row came from (the handle's tables).
 struct Packed {
@@ -161,18 +117,17 @@ impl<'a> Rows<'a> {
         })
     }
 
-    /// Token `t`'s bytes as sent.
-    fn row(&self, t: usize) -> &[u8] {
+    /// The rows as the pack phase reads them.
+    fn tokens(&self) -> LlTokens<'_> {
         match &self.cast {
-            Some((q, _)) => q.row(t, self.row_bytes),
-            None => bytemuck::cast_slice(self.x.row(t, self.hidden)),
+            Some((q, scales)) => LlTokens {
+                bytes: q,
+                row_bytes: self.row_bytes,
+                scales,
+                scale_words: self.format.scale_words(self.hidden),
+            },
+            None => LlTokens::bf16(self.x, self.hidden),
         }
-    }
-
-    /// Token `t`'s scale words (none for bf16).
-    fn scales(&self, t: usize) -> Option<&[f32]> {
-        let words = self.format.scale_words(self.hidden);
-        self.cast.as_ref().map(|(_, s)| s.row(t, words))
     }
 }
 
@@ -280,7 +235,7 @@ impl Ctx {
         let place = Placement::of(topk_idx, s.num_experts);
         let sinks = self.ll_open_sinks(seq, &areas, topk_idx, &place, rows.format)?;
         self.ll_pack(&sinks, &areas, &args, &place, &rows)?;
-        let packets = self.ll_signal(sinks, seq, &areas, &place)?;
+        let packets = self.ll_signal(sinks, seq, &areas, &place, rows.row_bytes)?;
         Ok(LlPending {
             buffer_id: self.id,
             seq,
@@ -303,7 +258,7 @@ impl Ctx {
         topk_idx: &[i64],
         place: &Placement,
         format: TokenFormat,
-    ) -> Result<Vec<Option<LlSink<'_>>>> {
+    ) -> Result<Vec<LlSink>> {
         let b = seq as usize % LL_BUFFERS;
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let s = areas.shape;
@@ -321,9 +276,9 @@ impl Ctx {
             // Buffer b of rank r was last used by step seq - 3.
             let entered = self.map.control.ll_entered;
             if self.masked(r) || !self.ll_peer_released(r, seq, entered, ch, &wait, &released(r))? {
-                sinks.push(None);
+                sinks.push(LlSink::Skip);
             } else if self.topo.is_local(r) {
-                sinks.push(Some(LlSink::Peer(self.peer_region(r)?)));
+                sinks.push(LlSink::Peer(r));
             } else {
                 let net = self.net()?;
                 let mut staged = net.stage(ch, r, &wait)?;
@@ -341,94 +296,38 @@ impl Ctx {
                 let local = self.symm.local();
                 local.put(p.counts, place.counts_of(r, epr))?;
                 local.put(p.tokens, &[n])?;
-                sinks.push(Some(LlSink::Packet {
-                    p,
+                sinks.push(LlSink::Packet {
+                    packet: p,
                     row_of,
                     staged: Box::new(staged),
-                    row_bytes,
-                }));
+                });
             }
         }
         Ok(sinks)
     }
 
-    /// The kernel, in parallel over tokens: every (token, slot) copy into its place at a
-    /// same-node peer, and every token once into the packet of each peer on another
-    /// node it goes to.
+    /// The pack phase on this Buffer's device (its descriptor: [`LlPackPhase`]).
     fn ll_pack(
         &self,
-        sinks: &[Option<LlSink<'_>>],
+        sinks: &[LlSink],
         areas: &LlAreas,
         args: &LlDispatchArgs<'_>,
         place: &Placement,
         rows: &Rows<'_>,
     ) -> Result<()> {
-        let topk_idx = args.topk_idx;
-        let weight = |i: usize| args.topk_weights.map_or(0.0, |w| w[i]);
-        let s = areas.shape;
-        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
-        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
-        let (groups, row_bytes) = (rows.format.scale_words(h), rows.row_bytes);
-        let t_n = topk_idx.len() / k.max(1);
-        let local = self.symm.local();
+        let phase = LlPackPhase {
+            tokens: rows.tokens(),
+            topk_idx: args.topk_idx,
+            topk_weights: args.topk_weights,
+            pos: &place.pos,
+            areas,
+            rank: self.topo.rank,
+            num_ranks: self.topo.num_ranks,
+            sinks,
+            memory: &self.symm,
+        };
         let started = Instant::now();
-        let push_rows = kernel_pushes_rows(row_bytes);
-        self.device.launch(t_n, &|range| {
-            let (mut slots, mut weights) = (vec![-1i32; k], vec![0f32; k]);
-            // `[rank]`: packet rows packed but not pushed yet (a thread's are adjacent).
-            let mut runs: Vec<Option<Range<usize>>> = vec![None; r_n];
-            for t in range {
-                let chosen = topk_idx.row(t, k);
-                for (slot, &e) in chosen.iter().enumerate() {
-                    if e < 0 {
-                        continue;
-                    }
-                    let (r, le) = (e as usize / epr, e as usize % epr);
-                    match &sinks[r] {
-                        None => {}
-                        Some(LlSink::Peer(region)) => {
-                            let row = le * r_n * m + me * m + place.pos[t * k + slot] as usize;
-                            region.put(areas.recv_x.row(row, row_bytes)?, rows.row(t))?;
-                            if let Some(scales) = rows.scales(t) {
-                                region.put(areas.recv_scales.row(row, groups)?, scales)?;
-                            }
-                            region.put(areas.recv_src.row(row, 1)?, &[(t * k + slot) as i32])?;
-                            if args.topk_weights.is_some() {
-                                let w = [weight(t * k + slot)];
-                                region.put(areas.recv_weight.row(row, 1)?, &w)?;
-                            }
-                        }
-                        // The first slot naming this peer carries the token there.
-                        Some(LlSink::Packet { p, row_of, .. })
-                            if !chosen[..slot].iter().any(|&f| on_rank(f, r, epr)) =>
-                        {
-                            let i = row_of[t] as usize;
-                            slots_on(chosen, r, epr, &mut slots);
-                            local.put(p.rows.row(i, row_bytes)?, rows.row(t))?;
-                            if let Some(scales) = rows.scales(t) {
-                                local.put(p.scales.row(i, groups)?, scales)?;
-                            }
-                            local.put(p.ids.row(i, 1)?, &[t as i32])?;
-                            local.put(p.slots.row(i, k)?, &slots)?;
-                            for (j, w) in weights.iter_mut().enumerate() {
-                                *w = weight(t * k + j);
-                            }
-                            local.put(p.weights.row(i, k)?, &weights)?;
-                            let run = runs[r].get_or_insert(i..i);
-                            run.end = i + 1;
-                        }
-                        Some(LlSink::Packet { .. }) => {}
-                    }
-                }
-                if push_rows {
-                    push_runs(sinks, &mut runs, row_bytes, false)?;
-                }
-            }
-            if push_rows {
-                push_runs(sinks, &mut runs, row_bytes, true)?;
-            }
-            Ok(())
-        })?;
+        self.device.ll_pack(&phase)?;
         if let Some(net) = &self.net {
             net.time_kernel(started.elapsed());
         }
@@ -441,30 +340,29 @@ impl Ctx {
     /// (0 where none was sent).
     fn ll_signal(
         &self,
-        sinks: Vec<Option<LlSink<'_>>>,
+        sinks: Vec<LlSink>,
         seq: u32,
         areas: &LlAreas,
         place: &Placement,
+        row_bytes: usize,
     ) -> Result<Vec<u64>> {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let epr = areas.shape.experts_per_rank(r_n);
         let mut packets = vec![0; r_n];
         for (r, sink) in sinks.into_iter().enumerate() {
             match sink {
-                None => {}
-                Some(LlSink::Peer(region)) => {
+                LlSink::Skip => {}
+                LlSink::Peer(r) => {
+                    let region = self.peer_region(r)?;
                     for (le, &c) in place.counts_of(r, epr).iter().enumerate() {
                         region
                             .word(areas.count_of(le, me, r_n)?, 0)?
                             .store(epoch_word(seq, c), Ordering::Release);
                     }
                 }
-                Some(LlSink::Packet {
-                    p,
-                    staged,
-                    row_bytes,
-                    ..
-                }) => {
+                LlSink::Packet {
+                    packet: p, staged, ..
+                } => {
                     // One fence key per (buffer, source): the packet carries each token
                     // once for all its experts here, and is unpacked whole. The kernel
                     // pushed the rows; the rest (counts, ids, slots, scales) goes with
@@ -874,23 +772,6 @@ fn put_scale_columns(
     Ok(())
 }
 
-/// Whether expert `e` (`-1` for none) is on rank `r`.
-fn on_rank(e: i64, r: usize, epr: usize) -> bool {
-    e >= 0 && e as usize / epr == r
-}
-
-/// A token's slots as a packet to rank `r` carries them: each slot's local expert there,
-/// or `-1`.
-fn slots_on(chosen: &[i64], r: usize, epr: usize, out: &mut [i32]) {
-    for (l, &e) in out.iter_mut().zip(chosen) {
-        *l = if on_rank(e, r, epr) {
-            (e as usize % epr) as i32
-        } else {
-            -1
-        };
-    }
-}
-
 /// The receiver's reading of a packet's tokens: for each of `header.len()` local experts,
 /// (row in the packet, token * K + slot) of each copy, in (token, slot) order, which is
 /// the order the sender numbered them in. `ids` are the tokens' source indices
@@ -935,6 +816,7 @@ fn copies_by_expert(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::host::slots_on;
     use proptest::prelude::*;
 
     /// `[T, K]` routings over `ranks` ranks of `epr` experts, `-1` slots and repeats

@@ -6,7 +6,12 @@ use std::ops::Range;
 use uep_fifo::{Fifo, FifoAlloc, FifoError, FifoMemory};
 use uep_shm::Region;
 
+mod pack;
 mod phases;
+
+#[cfg(test)]
+pub(crate) use pack::slots_on;
+pub(crate) use pack::{kernel_pushes_rows, ll_pack, on_rank};
 
 use half::bf16;
 

@@ -1,0 +1,130 @@
+//! The host definition of the data-moving phases: CPU threads store rows into mapped
+//! memory and push writes through the staged packets' ports.
+
+use std::ops::Range;
+
+use crate::area::{Mem, SliceRows};
+use crate::device::pack::{LlPackPhase, LlSink};
+use crate::device::Device;
+use crate::error::{EpError, Result};
+
+/// Whether the kernel pushes a packet's rows itself: where each row is whole 16-byte
+/// words, as one-sided writes of any run of rows need.
+pub(crate) fn kernel_pushes_rows(row_bytes: usize) -> bool {
+    row_bytes % uep_wire::OFFSET_ALIGN as usize == 0
+}
+
+/// Whether expert `e` (`-1` for none) is on rank `r`.
+pub(crate) fn on_rank(e: i64, r: usize, epr: usize) -> bool {
+    e >= 0 && e as usize / epr == r
+}
+
+/// A token's slots as a packet to rank `r` carries them: each slot's local expert there,
+/// or `-1`.
+pub(crate) fn slots_on(chosen: &[i64], r: usize, epr: usize, out: &mut [i32]) {
+    for (l, &e) in out.iter_mut().zip(chosen) {
+        *l = if on_rank(e, r, epr) {
+            (e as usize % epr) as i32
+        } else {
+            -1
+        };
+    }
+}
+
+/// Push the packet rows each rank's run holds, once they make a write's size (all of
+/// them when `last`), through the packet's port.
+fn push_runs(
+    sinks: &[LlSink],
+    runs: &mut [Option<Range<usize>>],
+    row_bytes: usize,
+    last: bool,
+) -> Result<()> {
+    for (r, run) in runs.iter_mut().enumerate() {
+        let Some(LlSink::Packet { packet, staged, .. }) = sinks.get(r) else {
+            continue;
+        };
+        let port = staged.port();
+        match run {
+            Some(rows) if last || rows.len() * row_bytes >= port.write_bytes() => {
+                port.put(staged.write_of(packet.rows.rows(rows.clone(), row_bytes)?)?)?;
+                *run = None;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// [`Device::ll_pack`](crate::device::Device::ll_pack) over `device`'s launch, in
+/// parallel over tokens.
+pub(crate) fn ll_pack<D: Device + ?Sized>(device: &D, phase: &LlPackPhase<'_>) -> Result<()> {
+    let (areas, tokens) = (phase.areas, phase.tokens);
+    let s = areas.shape;
+    let (r_n, me) = (phase.num_ranks, phase.rank);
+    let (epr, m, k) = (s.experts_per_rank(r_n), s.max_tokens, s.topk);
+    let (row_bytes, words) = (tokens.row_bytes, tokens.scale_words);
+    let weight = |i: usize| phase.topk_weights.map_or(0.0, |w| w[i]);
+    let local = phase.memory.local();
+    let peer = |r: usize| {
+        (phase.memory.peer(r))
+            .ok_or_else(|| EpError::internal(format!("rank {r} shares no memory with rank {me}")))
+    };
+    let push_rows = kernel_pushes_rows(row_bytes);
+    device.launch(tokens.len(), &|range| {
+        let (mut slots, mut weights) = (vec![-1i32; k], vec![0f32; k]);
+        // `[rank]`: packet rows packed but not pushed yet (a thread's are adjacent).
+        let mut runs: Vec<Option<Range<usize>>> = vec![None; r_n];
+        for t in range {
+            let chosen = phase.topk_idx.row(t, k);
+            for (slot, &e) in chosen.iter().enumerate() {
+                if e < 0 {
+                    continue;
+                }
+                let (r, le) = (e as usize / epr, e as usize % epr);
+                match &phase.sinks[r] {
+                    LlSink::Skip => {}
+                    LlSink::Peer(r) => {
+                        let region = peer(*r)?;
+                        let row = le * r_n * m + me * m + phase.pos[t * k + slot] as usize;
+                        region.put(areas.recv_x.row(row, row_bytes)?, tokens.row(t))?;
+                        if let Some(scales) = tokens.scales(t) {
+                            region.put(areas.recv_scales.row(row, words)?, scales)?;
+                        }
+                        region.put(areas.recv_src.row(row, 1)?, &[(t * k + slot) as i32])?;
+                        if phase.topk_weights.is_some() {
+                            let w = [weight(t * k + slot)];
+                            region.put(areas.recv_weight.row(row, 1)?, &w)?;
+                        }
+                    }
+                    // The first slot naming this rank carries the token there.
+                    LlSink::Packet {
+                        packet: p, row_of, ..
+                    } if !chosen[..slot].iter().any(|&f| on_rank(f, r, epr)) => {
+                        let i = row_of[t] as usize;
+                        slots_on(chosen, r, epr, &mut slots);
+                        local.put(p.rows.row(i, row_bytes)?, tokens.row(t))?;
+                        if let Some(scales) = tokens.scales(t) {
+                            local.put(p.scales.row(i, words)?, scales)?;
+                        }
+                        local.put(p.ids.row(i, 1)?, &[t as i32])?;
+                        local.put(p.slots.row(i, k)?, &slots)?;
+                        for (j, w) in weights.iter_mut().enumerate() {
+                            *w = weight(t * k + j);
+                        }
+                        local.put(p.weights.row(i, k)?, &weights)?;
+                        let run = runs[r].get_or_insert(i..i);
+                        run.end = i + 1;
+                    }
+                    LlSink::Packet { .. } => {}
+                }
+            }
+            if push_rows {
+                push_runs(phase.sinks, &mut runs, row_bytes, false)?;
+            }
+        }
+        if push_rows {
+            push_runs(phase.sinks, &mut runs, row_bytes, true)?;
+        }
+        Ok(())
+    })
+}
