@@ -74,12 +74,7 @@ impl Ctx {
 
     /// The region of `peer` (a rank of this node).
     pub(crate) fn peer_region(&self, peer: usize) -> Result<&Region> {
-        self.symm.peer(peer).ok_or_else(|| {
-            EpError::internal(format!(
-                "rank {peer} shares no memory with rank {}",
-                self.topo.rank
-            ))
-        })
+        self.symm.peer_region(peer)
     }
 
     /// The network path (several nodes only).

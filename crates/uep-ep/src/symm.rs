@@ -16,7 +16,7 @@ use bytemuck::Pod;
 use uep_shm::{Region, Segment, View};
 
 use crate::area::Area;
-use crate::error::Result;
+use crate::error::{EpError, Result};
 use crate::map::BankArea;
 use crate::wait::Seen;
 
@@ -86,6 +86,16 @@ impl Symmetric {
         } else {
             self.peers.get(peer).and_then(Option::as_ref)
         }
+    }
+
+    /// The region of `peer`, or an error naming both ranks where it shares none.
+    pub fn peer_region(&self, peer: usize) -> Result<&Region> {
+        self.peer(peer).ok_or_else(|| {
+            EpError::internal(format!(
+                "rank {peer} shares no memory with rank {}",
+                self.rank
+            ))
+        })
     }
 
     /// This rank's memory as published for the call whose wait acquired `seen`.

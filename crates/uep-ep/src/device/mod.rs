@@ -34,7 +34,7 @@ use crate::error::Result;
 use crate::layout::DispatchLayout;
 
 pub use host::{HostDevice, HostFifos};
-pub use pack::{LlPackPhase, LlTokens};
+pub use pack::{LlCombinePackPhase, LlPackPhase, LlTokens, LlUnpackPhase, LlUnpacked};
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
 
 /// What runs the EP layer's kernels; see the module docs.
@@ -94,5 +94,20 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// [`Device::launch`].
     fn ll_pack(&self, phase: &LlPackPhase<'_>) -> Result<()> {
         host::ll_pack(self, phase)
+    }
+
+    /// The pack phase of a low-latency combine ([`LlCombinePackPhase`]): returns every
+    /// expert output row to its source, same-node ones into their combine rows, the
+    /// others' into packets whose blocks it pushes as each is copied. By default the
+    /// host definition over [`Device::launch`].
+    fn ll_combine_pack(&self, phase: &LlCombinePackPhase<'_>) -> Result<()> {
+        host::ll_combine_pack(self, phase)
+    }
+
+    /// The receive phase of a low-latency dispatch ([`LlUnpackPhase`]): packs every
+    /// local expert's rows to the front and says where each came from. By default the
+    /// host definition, on the calling thread.
+    fn ll_unpack(&self, phase: &LlUnpackPhase<'_>) -> Result<LlUnpacked> {
+        host::ll_unpack(phase)
     }
 }

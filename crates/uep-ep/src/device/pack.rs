@@ -6,9 +6,11 @@
 //! packets): a device outside the crate runs the host definition over its
 //! [`Device::launch`](super::Device::launch), which each phase's default method does.
 
+use std::ops::Range;
+
 use half::bf16;
 
-use crate::area::SliceRows;
+use crate::area::{Area, SliceRows};
 use crate::map::LlAreas;
 use crate::net::Staged;
 use crate::packet::LlDispatchPacket;
@@ -104,4 +106,124 @@ impl LlPackPhase<'_> {
     pub fn tokens(&self) -> usize {
         self.tokens.len()
     }
+}
+
+/// Where the pack phase of a low-latency combine puts the rows it returns to one
+/// source rank.
+#[derive(Debug)]
+pub(crate) enum LlCombineSink {
+    /// Nothing: a masked rank (elastic mode).
+    Skip,
+    /// A same-node rank: each row at its `[token, slot]` row of that rank's combine
+    /// rows.
+    Peer(usize),
+    /// A rank on another node: each expert's block into a staged packet.
+    Packet(Box<CombineRemote>),
+}
+
+/// A combine's packet to a source on another node: where each local expert's rows
+/// start in it, how many there are, and the fence groups of adjacent experts, under
+/// whose keys the kernel pushes each expert's block.
+#[derive(Debug)]
+pub(crate) struct CombineRemote {
+    /// The packet's rows in the staging area.
+    pub(crate) rows: Area<u16>,
+    /// `[local expert]`: its first row in the packet.
+    pub(crate) first: Vec<usize>,
+    /// `[local expert]`: its rows in the packet.
+    pub(crate) counts: Vec<usize>,
+    /// The fence groups, each a run of adjacent local experts.
+    pub(crate) groups: Vec<Range<usize>>,
+    /// `[local expert]`: its group.
+    pub(crate) group_of: Vec<usize>,
+    /// The staging area and its port.
+    pub(crate) staged: crate::net::Staged,
+}
+
+/// The pack phase of a low-latency combine (the send half of DeepEP's
+/// `low_latency_combine` kernel), in parallel over local experts: each expert output
+/// row to its source's `[token, slot]` row on this node, or into the packet for a
+/// source on another node, whose block (the expert's rows) it pushes as soon as it is
+/// copied. This rank's own rows stay where they are: the reduction reads them.
+#[derive(Debug)]
+pub struct LlCombinePackPhase<'a> {
+    /// `[E/R * R * M, hidden]` the expert outputs, in the dispatch's row order.
+    pub(crate) y: &'a [bf16],
+    /// `[E/R, R]` (begin, count) of each source's block among an expert's rows.
+    pub(crate) layout_range: &'a [(i32, i32)],
+    /// `[E/R, R*M]` source token and top-k slot of each row.
+    pub(crate) src_info: &'a [i32],
+    pub(crate) src_slot: &'a [i32],
+    /// The areas of the combine's buffer (the same offsets on every rank).
+    pub(crate) areas: &'a LlAreas,
+    /// This rank and the job's ranks.
+    pub(crate) rank: usize,
+    pub(crate) num_ranks: usize,
+    /// `[rank]` where each source's rows go.
+    pub(crate) sinks: &'a [LlCombineSink],
+    /// This rank's memory (the packets) and its node's ranks' (the combine rows).
+    pub(crate) memory: &'a symm::Symmetric,
+}
+
+impl LlCombinePackPhase<'_> {
+    /// Local experts the phase runs over.
+    pub fn experts(&self) -> usize {
+        self.areas.shape.experts_per_rank(self.num_ranks)
+    }
+}
+
+/// What a rank on another node sent in one low-latency dispatch packet, read and
+/// checked: its rows stay in the landing area until the receive packs them to the
+/// front.
+#[derive(Debug)]
+pub(crate) struct LlLanded {
+    /// The packet's areas in this rank's landing area.
+    pub(crate) packet: LlDispatchPacket,
+    /// `[experts]` (row in the packet, token * K + slot) of each copy, in (token, slot)
+    /// order.
+    pub(crate) by_expert: Vec<Vec<(u32, i32)>>,
+    /// `[n, words]` the tokens' scale words (none for bf16).
+    pub(crate) scales: Vec<f32>,
+    /// `[n, K]` the tokens' gate weights.
+    pub(crate) weights: Vec<f32>,
+}
+
+/// The receive phase of a low-latency dispatch (the receive half of DeepEP's
+/// `low_latency_dispatch` kernel) once every source's rows arrived: each local
+/// expert's rows packed to the front of its block, sources ascending, the scales into
+/// their column-major place, and where every row came from recorded. A same-node
+/// source's rows move down in place (moves only go down); a packet's are copied out of
+/// the landing area, which never overlaps the rows.
+#[derive(Debug)]
+pub struct LlUnpackPhase<'a> {
+    /// The receive areas of the dispatch's buffer.
+    pub(crate) areas: &'a LlAreas,
+    /// The job's ranks.
+    pub(crate) num_ranks: usize,
+    /// `[E/R, R]` rows from each source (0 from a masked one).
+    pub(crate) counts: &'a [u32],
+    /// `[R]` the packet of each source on another node.
+    pub(crate) landed: &'a [Option<LlLanded>],
+    /// Bytes and scale words a row.
+    pub(crate) row_bytes: usize,
+    pub(crate) scale_words: usize,
+    /// Whether the dispatch carried gate weights.
+    pub(crate) weighted: bool,
+    /// This rank's memory, published by every source.
+    pub(crate) memory: &'a symm::Symmetric,
+}
+
+/// Where every row of a received low-latency dispatch came from: the handle's tables,
+/// as [`Device::ll_unpack`](super::Device::ll_unpack) makes them.
+#[derive(Debug)]
+pub struct LlUnpacked {
+    /// `[E/R, R]` (begin, count) of each source's block among an expert's rows.
+    pub(crate) layout_range: Vec<(i32, i32)>,
+    /// `[E/R]` rows a local expert received.
+    pub(crate) recv_count: Vec<i32>,
+    /// `[E/R, R*M]` source token and top-k slot of each row (`-1` past the count).
+    pub(crate) src_info: Vec<i32>,
+    pub(crate) src_slot: Vec<i32>,
+    /// `[E/R, R*M]` each row's gate weight (weighted dispatches; empty otherwise).
+    pub(crate) src_weight: Vec<f32>,
 }

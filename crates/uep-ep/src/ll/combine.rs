@@ -1,7 +1,6 @@
 //! Low-latency combine: send (pack each expert output to its source → publish), then
 //! receive (wait → weighted reduce).
 
-use std::ops::Range;
 use std::sync::atomic::Ordering;
 
 use half::bf16;
@@ -9,17 +8,13 @@ use half::bf16;
 use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle, LlState};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
-use crate::device::{Part, ReducePhase, Rows, Symmetric};
+use crate::device::pack::{CombineRemote, LlCombineSink};
+use crate::device::{LlCombinePackPhase, Part, ReducePhase, Rows, Symmetric};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
-use crate::net::Staged;
 use crate::packet::{ll_combine_groups, Channel, LlCombinePacket, LL_BUFFERS};
 use crate::symm::Exclusive;
-
-/// Where a combine's rows for one source go: a same-node source's combine rows, or the
-/// packet for a source on another node (`None`: a masked source gets nothing).
-type CombineSink<'a> = Option<(&'a uep_shm::Region, Area<u16>, Option<Remote>)>;
 
 /// This rank's own rows of a combine: (token * K + slot, expert row) of each, read
 /// straight from the expert outputs by the reduction.
@@ -49,53 +44,6 @@ struct CombineArrivals {
     landed: Vec<Option<Area<u8>>>,
     in_place: Vec<bool>,
     seen: crate::wait::Seen,
-}
-
-/// Add `block` (an expert's group and packet rows; `None` at a lane's end) to `run`, the
-/// rows packed for `remote` and not pushed yet, and push the run when the block belongs
-/// to another group, the run reached a write's size, or the lane ended: the proxy posts
-/// them while the lane packs on, as few and as large writes as the fence groups allow.
-fn push_run(
-    remote: &Remote,
-    rows: Area<u16>,
-    h: usize,
-    run: &mut Option<(usize, Range<usize>)>,
-    block: Option<(usize, Range<usize>)>,
-) -> Result<()> {
-    let port = remote.staged.port();
-    let flush = |(g, span): (usize, Range<usize>)| -> Result<()> {
-        let write = remote.staged.write_of(rows.rows(span, h)?.cast())?;
-        port.put_in(g, write)
-    };
-    match (run.take(), block) {
-        (Some((g, span)), Some((bg, next))) if g == bg && span.end == next.start => {
-            *run = Some((g, span.start..next.end));
-        }
-        (prev, next) => {
-            if let Some(prev) = prev {
-                flush(prev)?;
-            }
-            *run = next;
-        }
-    }
-    if let Some((g, span)) = run.as_ref() {
-        if span.len() * h * 2 >= port.write_bytes() {
-            flush((*g, span.clone()))?;
-            *run = None;
-        }
-    }
-    Ok(())
-}
-
-/// A combine's packet to a source on another node: where each local expert's rows
-/// start in it, how many there are, and the fence groups of adjacent experts.
-struct Remote {
-    first: Vec<usize>,
-    counts: Vec<usize>,
-    groups: Vec<std::ops::Range<usize>>,
-    /// `[local expert]`: its group.
-    group_of: Vec<usize>,
-    staged: Staged,
 }
 
 impl Ctx {
@@ -292,7 +240,7 @@ impl Ctx {
                 format!("rank {me}: LL combine {seq}: waiting for rank {src} to release combine area {c}")
             }
         };
-        let mut sinks: Vec<CombineSink<'_>> = Vec::with_capacity(r_n);
+        let mut sinks = Vec::with_capacity(r_n);
         for src in 0..r_n {
             // Area c of rank src was last used by combine seq - 3. Elastic mode: nothing
             // goes back to a masked rank.
@@ -300,12 +248,12 @@ impl Ctx {
             if self.masked(src)
                 || !self.ll_peer_released(src, seq, entered, ch, &wait, &what(src))?
             {
-                sinks.push(None);
+                sinks.push(LlCombineSink::Skip);
             } else if self.topo.is_local(src) {
-                sinks.push(Some((self.peer_region(src)?, areas.combine_x, None)));
+                sinks.push(LlCombineSink::Peer(src));
             } else {
-                let (rows, remote) = self.ll_combine_remote(ch, src, handle, &areas, &wait)?;
-                sinks.push(Some((local, rows, Some(remote))));
+                let remote = self.ll_combine_remote(ch, src, handle, &areas, &wait)?;
+                sinks.push(LlCombineSink::Packet(remote));
             }
         }
         // A zero-copy combine moves no row here: the node's sources read theirs from the
@@ -343,7 +291,7 @@ impl Ctx {
         handle: &LlHandle,
         areas: &LlAreas,
         wait: &crate::wait::Wait<'_>,
-    ) -> Result<(Area<u16>, Remote)> {
+    ) -> Result<Box<CombineRemote>> {
         let (r_n, h) = (self.topo.num_ranks, areas.shape.hidden);
         let epr = areas.shape.experts_per_rank(r_n);
         let net = self.net()?;
@@ -361,68 +309,37 @@ impl Ctx {
         }
         net.fence_blocks(&mut staged, groups.len())?;
         let p = LlCombinePacket::layout(counts.iter().sum(), h).at_base(staged.area.offset());
-        let remote = Remote {
+        Ok(Box::new(CombineRemote {
+            rows: p.rows,
             first,
             counts,
             groups,
             group_of,
             staged,
-        };
-        Ok((p.rows, remote))
+        }))
     }
 
-    /// The kernel, in parallel over local experts: each expert output row to its
-    /// source's `[token, slot]` row on this node, or into the packet for a source on
-    /// another node, whose block (the expert's rows) it pushes as soon as it is copied.
+    /// The pack phase on this Buffer's device (its descriptor: [`LlCombinePackPhase`]).
     fn ll_combine_pack(
         &self,
-        sinks: &[CombineSink<'_>],
+        sinks: &[LlCombineSink],
         handle: &LlHandle,
         y: &[bf16],
         areas: &LlAreas,
     ) -> Result<()> {
-        let s = areas.shape;
-        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
-        let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
+        let phase = LlCombinePackPhase {
+            y,
+            layout_range: &handle.layout_range,
+            src_info: &handle.src_info,
+            src_slot: &handle.src_slot,
+            areas,
+            rank: self.topo.rank,
+            num_ranks: self.topo.num_ranks,
+            sinks,
+            memory: &self.symm,
+        };
         let started = std::time::Instant::now();
-        self.device.launch(epr, &|experts| {
-            // `[src]`: rows packed for a packet but not pushed yet (a group, and the
-            // packet rows it covers), so adjacent experts of a group leave as one write.
-            let mut runs: Vec<Option<(usize, Range<usize>)>> = vec![None; r_n];
-            for le in experts {
-                for (src, sink) in sinks.iter().enumerate() {
-                    // Our own rows are read straight from `y` by the reduction.
-                    let (Some((region, rows, remote)), false) = (sink, src == me) else {
-                        continue;
-                    };
-                    let (begin, n) = handle.layout_range[le * r_n + src];
-                    for j in begin as usize..(begin + n) as usize {
-                        let row = le * r_n * m + j;
-                        let at = match remote {
-                            None => {
-                                handle.src_info[row] as usize * k + handle.src_slot[row] as usize
-                            }
-                            Some(remote) => remote.first[le] + j - begin as usize,
-                        };
-                        region.put(rows.row(at, h)?.cast::<bf16>(), y.row(row, h))?;
-                    }
-                    if let (Some(remote), true) = (remote, n > 0) {
-                        let block = (
-                            remote.group_of[le],
-                            remote.first[le]..remote.first[le] + n as usize,
-                        );
-                        push_run(remote, *rows, h, &mut runs[src], Some(block))?;
-                    }
-                }
-            }
-            // The lane's last runs.
-            for (src, sink) in sinks.iter().enumerate() {
-                if let Some((_, rows, Some(remote))) = sink {
-                    push_run(remote, *rows, h, &mut runs[src], None)?;
-                }
-            }
-            Ok(())
-        })?;
+        self.device.ll_combine_pack(&phase)?;
         if let Some(net) = &self.net {
             net.time_kernel(started.elapsed());
         }
@@ -435,7 +352,7 @@ impl Ctx {
     /// sends of its area to that peer (0 where none was sent).
     fn ll_combine_publish(
         &self,
-        sinks: Vec<CombineSink<'_>>,
+        sinks: Vec<LlCombineSink>,
         seq: u32,
         handle: &LlHandle,
         areas: &LlAreas,
@@ -447,11 +364,13 @@ impl Ctx {
         let mut packets = vec![0; r_n];
         for (r, sink) in sinks.into_iter().enumerate() {
             match sink {
-                None => {}
-                Some((region, _, None)) => region
+                LlCombineSink::Skip => {}
+                LlCombineSink::Peer(r) => self
+                    .peer_region(r)?
                     .word(self.map.control.ll_combine_done, c * r_n + me)?
                     .store(seq as u64, Ordering::Release),
-                Some((_, rows, Some(remote))) => {
+                LlCombineSink::Packet(remote) => {
+                    let rows = remote.rows;
                     let mut blocks = vec![Vec::new(); remote.groups.len()];
                     for (g, experts) in remote.groups.iter().enumerate().filter(|_| zero_copy) {
                         for le in experts.clone().filter(|&le| remote.counts[le] > 0) {

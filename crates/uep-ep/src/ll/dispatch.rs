@@ -1,12 +1,10 @@
 //! Low-latency dispatch: send (enter → cast → pack → signal), then receive
-//! (wait → pack to the front).
+//! (wait → agree → unpack: pack to the front).
 
-use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use half::bf16;
-use uep_shm::Region;
 
 use super::{
     check_window, fingerprint, LlDispatchArgs, LlDispatchOutput, LlHandle, LlPending, LlState,
@@ -15,8 +13,8 @@ use crate::area::{Area, Mem, SliceRows};
 use crate::config::Shape;
 use crate::ctx::Ctx;
 use crate::device::host::{kernel_pushes_rows, on_rank};
-use crate::device::pack::{LlSink, LlTokens};
-use crate::device::{CastPhase, Device, LlPackPhase};
+use crate::device::pack::{LlLanded, LlSink, LlTokens};
+use crate::device::{CastPhase, Device, LlPackPhase, LlUnpackPhase};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
@@ -24,28 +22,6 @@ use crate::packet::{Channel, LlDispatchPacket, LL_BUFFERS};
 use crate::quant::Cast;
 use crate::tokens::{RecvTokens, TokenFormat};
 use crate::wait::{epoch_word, Seen};
-
-/// Where every packed row came from (the handle's tables).
-struct Packed {
-    layout_range: Vec<(i32, i32)>,
-    recv_count: Vec<i32>,
-    src_info: Vec<i32>,
-    src_slot: Vec<i32>,
-    src_weight: Vec<f32>,
-}
-
-/// What a peer on another node sent in one packet, read and checked: its rows stay in
-/// the landing area until they are packed to the front.
-struct Landed {
-    p: LlDispatchPacket,
-    /// `[experts]` (row in the packet, token * K + slot) of each copy, in (token, slot)
-    /// order.
-    by_expert: Vec<Vec<(u32, i32)>>,
-    /// `[n, words]` the tokens' scale words (none for bf16).
-    scales: Vec<f32>,
-    /// `[n, K]` the tokens' gate weights.
-    weights: Vec<f32>,
-}
 
 /// Where each copy goes inside its (expert, source) block: copies numbered per expert in
 /// (token, slot) order.
@@ -399,7 +375,8 @@ impl Ctx {
     }
 
     /// The receive half of a step, in phases: wait for every source's counts → agree on
-    /// the mask (elastic mode) → pack each expert's rows to the front.
+    /// the mask (elastic mode) → unpack every expert's rows to the front
+    /// ([`LlUnpackPhase`]).
     fn ll_recv_step(&self, pending: &LlPending) -> Result<Received> {
         let (seq, b) = (pending.seq, pending.buffer);
         let areas = self.ll_areas(b)?;
@@ -429,7 +406,17 @@ impl Ctx {
                 ));
             }
         }
-        let packed = self.ll_pack_front(&areas, &counts, &landed, pending)?;
+        let h = areas.shape.hidden;
+        let packed = self.device.ll_unpack(&LlUnpackPhase {
+            areas: &areas,
+            num_ranks: r_n,
+            counts: &counts,
+            landed: &landed,
+            row_bytes: pending.format.row_bytes(h),
+            scale_words: pending.format.scale_words(h),
+            weighted: pending.weighted,
+            memory: &self.symm,
+        })?;
         Ok((
             LlHandle {
                 buffer_id: self.id,
@@ -459,7 +446,7 @@ impl Ctx {
         let wait = self.call_wait();
         let ch = Channel::ll_dispatch(b);
         let mut counts = vec![0u32; epr * r_n];
-        let mut landed: Vec<Option<Landed>> = (0..r_n).map(|_| None).collect();
+        let mut landed: Vec<Option<LlLanded>> = (0..r_n).map(|_| None).collect();
         let mut wait_ns = vec![0u64; r_n];
         let mut seen = None;
         for src in (0..r_n).filter(|&s| !self.masked(s)) {
@@ -518,7 +505,7 @@ impl Ctx {
         base: usize,
         s: Shape,
         format: TokenFormat,
-    ) -> Result<Landed> {
+    ) -> Result<LlLanded> {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let (epr, m, k, h) = (s.experts_per_rank(r_n), s.max_tokens, s.topk, s.hidden);
         let (groups, row_bytes) = (format.scale_words(h), format.row_bytes(h));
@@ -536,77 +523,12 @@ impl Ctx {
         let (ids, slots) = (local.get_vec(p.ids)?, local.get_vec(p.slots)?);
         let by_expert = copies_by_expert(&header, &ids, &slots, m).map_err(bad)?;
         let (scales, weights) = (local.get_vec(p.scales)?, local.get_vec(p.weights)?);
-        Ok(Landed {
-            p,
+        Ok(LlLanded {
+            packet: p,
             by_expert,
             scales,
             weights,
         })
-    }
-
-    /// Packs each expert's rows to the front, sources ascending, the scales into their
-    /// column-major place, and records where every row came from. A same-node source's
-    /// block moves down (moves only go down); a packet's rows are copied out of the
-    /// landing area, which never overlaps the rows.
-    fn ll_pack_front(
-        &self,
-        areas: &LlAreas,
-        counts: &[u32],
-        landed: &[Option<Landed>],
-        pending: &LlPending,
-    ) -> Result<Packed> {
-        let s = areas.shape;
-        let r_n = self.topo.num_ranks;
-        let (epr, m, h) = (s.experts_per_rank(r_n), s.max_tokens, s.hidden);
-        let g = BlockShape {
-            row_bytes: pending.format.row_bytes(h),
-            groups: pending.format.scale_words(h),
-            k: s.topk,
-            weighted: pending.weighted,
-        };
-        let k = g.k as i32;
-        let local = self.symm.local();
-        let rows_per_expert = r_n * m;
-        let mut out = Packed {
-            layout_range: vec![(0i32, 0i32); epr * r_n],
-            recv_count: vec![0i32; epr],
-            src_info: vec![-1i32; epr * rows_per_expert],
-            src_slot: vec![-1i32; epr * rows_per_expert],
-            // Only a weighted dispatch's receive reads the weights.
-            src_weight: match g.weighted {
-                true => vec![0f32; epr * rows_per_expert],
-                false => Vec::new(),
-            },
-        };
-        let (mut block, mut column) = (Block::default(), Vec::new());
-        for le in 0..epr {
-            let mut base = 0usize;
-            for src in 0..r_n {
-                let n = counts[le * r_n + src] as usize;
-                let (from, to) = (le * rows_per_expert + src * m, le * rows_per_expert + base);
-                block.clear();
-                match &landed[src] {
-                    _ if n == 0 => {}
-                    Some(l) => block.unpack(local, areas, l, le, to, g)?,
-                    None => block.move_down(local, areas, from..from + n, to, g)?,
-                }
-                if g.groups > 0 && n > 0 {
-                    let at = (le, base, n, rows_per_expert, g.groups);
-                    put_scale_columns(local, areas, at, &block.scales, &mut column)?;
-                }
-                for (i, &code) in block.codes.iter().enumerate() {
-                    out.src_info[to + i] = code / k;
-                    out.src_slot[to + i] = code % k;
-                }
-                if g.weighted {
-                    out.src_weight[to..to + block.weights.len()].copy_from_slice(&block.weights);
-                }
-                out.layout_range[le * r_n + src] = (base as i32, n as i32);
-                base += n;
-            }
-            out.recv_count[le] = base as i32;
-        }
-        Ok(out)
     }
 
     /// The output areas of the LL dispatch `handle` describes: all rows, and the
@@ -655,121 +577,20 @@ impl Ctx {
     }
 }
 
-/// What an LL receive's first phase found.
 /// A received dispatch: its handle, how long each source was waited for, and what the
 /// waits acquired (to read the outputs with).
 pub(crate) type Received = (LlHandle, Vec<u64>, Seen);
 
+/// What an LL receive's first phase found.
 struct Arrivals {
     /// `[E/R, R]` rows from each source (zero from one found gone here).
     counts: Vec<u32>,
     /// `[R]` the packet of each source on another node.
-    landed: Vec<Option<Landed>>,
+    landed: Vec<Option<LlLanded>>,
     /// `[R]` how long the wait for each source took.
     wait_ns: Vec<u64>,
     /// What the waits acquired: every source published its rows.
     seen: Seen,
-}
-
-/// The sizes of an LL receive's packed rows.
-#[derive(Clone, Copy)]
-struct BlockShape {
-    row_bytes: usize,
-    /// Scale words a row.
-    groups: usize,
-    k: usize,
-    /// Whether the dispatch carried gate weights.
-    weighted: bool,
-}
-
-/// One (expert, source) block as the receive packs it to the front: each row's
-/// `token * K + slot`, its weight (weighted dispatches) and its scale words.
-#[derive(Default)]
-struct Block {
-    codes: Vec<i32>,
-    weights: Vec<f32>,
-    scales: Vec<f32>,
-}
-
-impl Block {
-    fn clear(&mut self) {
-        self.codes.clear();
-        self.weights.clear();
-        self.scales.clear();
-    }
-
-    /// Expert `le`'s copies from a packet `l` that landed: each row to `to..` of the
-    /// expert's rows, its metadata and scales into the block.
-    fn unpack(
-        &mut self,
-        local: &Region,
-        areas: &LlAreas,
-        l: &Landed,
-        le: usize,
-        to: usize,
-        g: BlockShape,
-    ) -> Result<()> {
-        for (j, &(i, code)) in l.by_expert[le].iter().enumerate() {
-            let row = l.p.rows.row(i as usize, g.row_bytes)?;
-            local.copy(areas.recv_x.row(to + j, g.row_bytes)?, local, row)?;
-            let i = i as usize;
-            let scales = l.scales.get(i * g.groups..(i + 1) * g.groups);
-            self.scales.extend_from_slice(scales.unwrap_or(&[]));
-            self.codes.push(code);
-            if g.weighted {
-                self.weights.push(l.weights[i * g.k + code as usize % g.k]);
-            }
-        }
-        Ok(())
-    }
-
-    /// A same-node source's rows `from`, written in place by the source, moved down to
-    /// `to..` (moves only go down), with their metadata and scales.
-    fn move_down(
-        &mut self,
-        local: &Region,
-        areas: &LlAreas,
-        from: Range<usize>,
-        to: usize,
-        g: BlockShape,
-    ) -> Result<()> {
-        let n = from.len();
-        if from.start != to {
-            let dst = areas.recv_x.rows(to..to + n, g.row_bytes)?;
-            local.copy(dst, local, areas.recv_x.rows(from.clone(), g.row_bytes)?)?;
-        }
-        if g.groups > 0 {
-            self.scales.resize(n * g.groups, 0f32);
-            local.get(
-                areas.recv_scales.rows(from.clone(), g.groups)?,
-                &mut self.scales,
-            )?;
-        }
-        self.codes = local.get_vec(areas.recv_src.slice(from.clone())?)?;
-        if g.weighted {
-            self.weights = local.get_vec(areas.recv_weight.slice(from)?)?;
-        }
-        Ok(())
-    }
-}
-
-/// Writes `n` rows of scale words (`block`, row-major, `groups` a row) as rows
-/// `base..base + n` of local expert `le`'s column-major scales (`rows` rows an expert);
-/// `column` is scratch.
-fn put_scale_columns(
-    local: &Region,
-    areas: &LlAreas,
-    (le, base, n, rows, groups): (usize, usize, usize, usize, usize),
-    block: &[f32],
-    column: &mut Vec<f32>,
-) -> Result<()> {
-    for g in 0..groups {
-        column.clear();
-        column.extend((0..n).map(|i| block[i * groups + g]));
-        let at = (le * groups + g) * rows + base;
-        local.put(areas.out_scales.slice(at..at + n)?, column)?;
-    }
-    Ok(())
 }
 
 /// The receiver's reading of a packet's tokens: for each of `header.len()` local experts,

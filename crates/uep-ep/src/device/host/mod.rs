@@ -8,10 +8,12 @@ use uep_shm::Region;
 
 mod pack;
 mod phases;
+mod unpack;
 
 #[cfg(test)]
 pub(crate) use pack::slots_on;
-pub(crate) use pack::{kernel_pushes_rows, ll_pack, on_rank};
+pub(crate) use pack::{kernel_pushes_rows, ll_combine_pack, ll_pack, on_rank};
+pub(crate) use unpack::ll_unpack;
 
 use half::bf16;
 

@@ -3,10 +3,12 @@
 
 use std::ops::Range;
 
-use crate::area::{Mem, SliceRows};
-use crate::device::pack::{LlPackPhase, LlSink};
+use half::bf16;
+
+use crate::area::{Area, Mem, SliceRows};
+use crate::device::pack::{CombineRemote, LlCombinePackPhase, LlCombineSink, LlPackPhase, LlSink};
 use crate::device::Device;
-use crate::error::{EpError, Result};
+use crate::error::Result;
 
 /// Whether the kernel pushes a packet's rows itself: where each row is whole 16-byte
 /// words, as one-sided writes of any run of rows need.
@@ -65,10 +67,6 @@ pub(crate) fn ll_pack<D: Device + ?Sized>(device: &D, phase: &LlPackPhase<'_>) -
     let (row_bytes, words) = (tokens.row_bytes, tokens.scale_words);
     let weight = |i: usize| phase.topk_weights.map_or(0.0, |w| w[i]);
     let local = phase.memory.local();
-    let peer = |r: usize| {
-        (phase.memory.peer(r))
-            .ok_or_else(|| EpError::internal(format!("rank {r} shares no memory with rank {me}")))
-    };
     let push_rows = kernel_pushes_rows(row_bytes);
     device.launch(tokens.len(), &|range| {
         let (mut slots, mut weights) = (vec![-1i32; k], vec![0f32; k]);
@@ -84,7 +82,7 @@ pub(crate) fn ll_pack<D: Device + ?Sized>(device: &D, phase: &LlPackPhase<'_>) -
                 match &phase.sinks[r] {
                     LlSink::Skip => {}
                     LlSink::Peer(r) => {
-                        let region = peer(*r)?;
+                        let region = phase.memory.peer_region(*r)?;
                         let row = le * r_n * m + me * m + phase.pos[t * k + slot] as usize;
                         region.put(areas.recv_x.row(row, row_bytes)?, tokens.row(t))?;
                         if let Some(scales) = tokens.scales(t) {
@@ -124,6 +122,94 @@ pub(crate) fn ll_pack<D: Device + ?Sized>(device: &D, phase: &LlPackPhase<'_>) -
         }
         if push_rows {
             push_runs(phase.sinks, &mut runs, row_bytes, true)?;
+        }
+        Ok(())
+    })
+}
+
+/// Add `block` (an expert's group and packet rows; `None` at a lane's end) to `run`, the
+/// rows packed for `remote` and not pushed yet, and push the run when the block belongs
+/// to another group, the run reached a write's size, or the lane ended: the proxy posts
+/// them while the lane packs on, as few and as large writes as the fence groups allow.
+fn push_run(
+    remote: &CombineRemote,
+    h: usize,
+    run: &mut Option<(usize, Range<usize>)>,
+    block: Option<(usize, Range<usize>)>,
+) -> Result<()> {
+    let port = remote.staged.port();
+    let flush = |(g, span): (usize, Range<usize>)| -> Result<()> {
+        let write = remote.staged.write_of(remote.rows.rows(span, h)?.cast())?;
+        port.put_in(g, write)
+    };
+    match (run.take(), block) {
+        (Some((g, span)), Some((bg, next))) if g == bg && span.end == next.start => {
+            *run = Some((g, span.start..next.end));
+        }
+        (prev, next) => {
+            if let Some(prev) = prev {
+                flush(prev)?;
+            }
+            *run = next;
+        }
+    }
+    if let Some((g, span)) = run.as_ref() {
+        if span.len() * h * 2 >= port.write_bytes() {
+            flush((*g, span.clone()))?;
+            *run = None;
+        }
+    }
+    Ok(())
+}
+
+/// [`Device::ll_combine_pack`](crate::device::Device::ll_combine_pack) over `device`'s
+/// launch, in parallel over local experts.
+pub(crate) fn ll_combine_pack<D: Device + ?Sized>(
+    device: &D,
+    phase: &LlCombinePackPhase<'_>,
+) -> Result<()> {
+    let s = phase.areas.shape;
+    let (r_n, me) = (phase.num_ranks, phase.rank);
+    let (m, k, h) = (s.max_tokens, s.topk, s.hidden);
+    let local = phase.memory.local();
+    device.launch(phase.experts(), &|experts| {
+        // `[src]`: rows packed for a packet but not pushed yet (a group, and the
+        // packet rows it covers), so adjacent experts of a group leave as one write.
+        let mut runs: Vec<Option<(usize, Range<usize>)>> = vec![None; r_n];
+        for le in experts {
+            for (src, sink) in phase.sinks.iter().enumerate() {
+                // Our own rows are read straight from `y` by the reduction.
+                let (region, rows, remote): (_, Area<u16>, _) = match sink {
+                    _ if src == me => continue,
+                    LlCombineSink::Skip => continue,
+                    LlCombineSink::Peer(r) => {
+                        (phase.memory.peer_region(*r)?, phase.areas.combine_x, None)
+                    }
+                    LlCombineSink::Packet(remote) => (local, remote.rows, Some(&**remote)),
+                };
+                let (begin, n) = phase.layout_range[le * r_n + src];
+                for j in begin as usize..(begin + n) as usize {
+                    let row = le * r_n * m + j;
+                    let at = match remote {
+                        None => phase.src_info[row] as usize * k + phase.src_slot[row] as usize,
+                        Some(remote) => remote.first[le] + j - begin as usize,
+                    };
+                    region.put(rows.row(at, h)?.cast::<bf16>(), phase.y.row(row, h))?;
+                }
+                if let (Some(remote), true) = (remote, n > 0) {
+                    let block = (
+                        remote.group_of[le],
+                        remote.first[le]..remote.first[le] + n as usize,
+                    );
+                    push_run(remote, h, &mut runs[src], Some(block))?;
+                }
+            }
+        }
+        // The lane's last runs.
+        for (src, sink) in phase.sinks.iter().enumerate() {
+            if let LlCombineSink::Packet(remote) = sink {
+                push_run(remote, h, &mut runs[src], None)?;
+            }
         }
         Ok(())
     })
