@@ -34,7 +34,7 @@ const MAX_PENDING_HANDSHAKES: usize = 64;
 /// connecting at once.
 const LISTEN_BACKLOG: i32 = 4096;
 
-/// Raises `listener`'s queue of connections not yet accepted to [`LISTEN_BACKLOG`]
+/// Raises `listener`'s queue of connections not yet accepted to 4096
 /// (the kernel caps it at `net.core.somaxconn`), for a listener every rank of a job
 /// connects to at once. std listens with 128, and past a full queue Linux may complete
 /// a client's connect yet drop the connection (a SYN cookie's ACK with no room): a

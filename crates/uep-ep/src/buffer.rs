@@ -296,8 +296,8 @@ impl Buffer {
     /// The outputs of the normal dispatch `handle` describes (x, scales, top-k ids,
     /// weights; empty ranges where it carried none), mapped to outlive the Buffer's
     /// next calls: for callers that hand outputs to code that keeps them (the Python
-    /// package's tensors). Without a copy; an output still held when its bank is
-    /// reused is copied then (see [`Bank`]).
+    /// package's tensors). Without a copy; an output still held when its bank of
+    /// output areas is written again is copied then.
     pub fn lease_dispatch(&mut self, handle: &crate::NormalHandle) -> Result<Lease> {
         if handle.buffer_id != self.cx.id {
             return Err(invalid!(

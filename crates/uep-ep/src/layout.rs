@@ -137,9 +137,60 @@ pub fn get_dispatch_layout(
     })
 }
 
+/// Which of a token's top-k weights a receiving rank gets back from a dispatch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightLanes {
+    /// Those of the slots whose expert is on the receiver; the others read 0 (DeepEP
+    /// v1's normal dispatch).
+    #[default]
+    Local,
+    /// Every slot's, as the source had it (DeepEP v2's `ElasticBuffer.dispatch`).
+    All,
+}
+
+/// Local top-k ids and weights of a token for rank `r`: `e - r * epr` where expert `e`
+/// lives on `r`, else `-1` and weight 0 (every weight as it is with
+/// [`WeightLanes::All`]).
+pub(crate) fn localize(
+    idx: &[i64],
+    (w, lanes): (Option<&[f32]>, WeightLanes),
+    r: usize,
+    epr: usize,
+    idx_row: &mut [i64],
+    w_row: &mut [f32],
+) {
+    for (s, &e) in idx.iter().enumerate() {
+        let local = e >= 0 && e as usize / epr == r;
+        idx_row[s] = if local { e - (r * epr) as i64 } else { -1 };
+        w_row[s] = match w {
+            Some(w) if local || lanes == WeightLanes::All => w[s],
+            _ => 0.0,
+        };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn localize_keeps_the_lanes_asked_for() {
+        // Experts 0..8 on 4 ranks of 2; the token picked 3, 2 (rank 1), 6 (rank 3), none.
+        let (idx, w) = ([3i64, 2, 6, -1], [0.5f32, -0.25, 1.5, 7.0]);
+        let (mut i, mut o) = (vec![0; 4], vec![0.0; 4]);
+        localize(&idx, (Some(&w), WeightLanes::Local), 1, 2, &mut i, &mut o);
+        assert_eq!(
+            (i.as_slice(), o.as_slice()),
+            (&[1, 0, -1, -1][..], &[0.5, -0.25, 0.0, 0.0][..])
+        );
+        localize(&idx, (Some(&w), WeightLanes::All), 1, 2, &mut i, &mut o);
+        assert_eq!((i.as_slice(), o.as_slice()), (&[1, 0, -1, -1][..], &w[..]));
+        localize(&idx, (None, WeightLanes::All), 3, 2, &mut i, &mut o);
+        assert_eq!(
+            (i.as_slice(), o.as_slice()),
+            (&[-1, -1, 0, -1][..], &[0.0; 4][..])
+        );
+    }
 
     #[test]
     fn hand_worked_layout() {

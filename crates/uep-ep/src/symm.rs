@@ -238,9 +238,10 @@ impl Bank {
     }
 }
 
-/// Outputs of a call mapped so that they outlive it (see [`Bank`]): a view of their
-/// bank, and the byte range of each output in the view. The outputs stay valid for as
-/// long as someone holds the view; the Buffer's next calls do not touch them.
+/// Outputs of a call mapped so that they outlive it: a view of the bank of normal-mode
+/// output areas they were written into, and the byte range of each output in the view.
+/// The outputs stay valid for as long as someone holds the view; the Buffer's next
+/// calls do not touch them.
 #[derive(Debug, Clone)]
 pub struct Lease {
     /// The mapping.

@@ -1,7 +1,7 @@
 //! uep's verification harness: what every test and benchmark checks uep against.
 //!
 //! * [`workload`]: deterministic inputs (every rank can regenerate every rank's input);
-//! * [`reference`]: the sequential model of every data path, the oracle of all tests;
+//! * [`reference`](mod@reference): the sequential model of every data path, the oracle of all tests;
 //! * [`case`]: one step's inputs with the outputs the reference expects;
 //! * [`check`]: the bit-for-bit comparator that names the first mismatch;
 //! * [`step`]: one verified step of each mode (dispatch, identity expert, combine);

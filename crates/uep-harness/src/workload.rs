@@ -21,7 +21,7 @@ use uep_ep::{EpError, Result};
 pub enum TokenData {
     /// `[T, H]` bf16.
     Bf16(Vec<bf16>),
-    /// FP8 e4m3fn `[T, H]` bytes and their `[T, H/128]` f32 scales (see [`crate::quant`]).
+    /// FP8 e4m3fn `[T, H]` bytes and their `[T, H/128]` f32 scales (see [`uep_ep::quant`]).
     Fp8 {
         /// `[T, H]` e4m3fn codes.
         data: Vec<u8>,

@@ -3,7 +3,7 @@
 //! uep's kernels do what DeepEP's do (pack, store into same-node peers, reduce), with
 //! one difference that makes the design portable: for a peer on another node they
 //! never touch a NIC. They pack rows into staged memory and, while they pack, push
-//! 16-byte commands into a FIFO that a CPU proxy drains ([`crate::net::Port`]). A
+//! 16-byte commands into a FIFO that a CPU proxy drains (a port of the network path). A
 //! device therefore provides:
 //!
 //! * **lanes and launch**: run a kernel over a range of work items spread over its
@@ -15,13 +15,18 @@
 //! * **the compute phases** as whole methods over typed descriptors ([`LayoutPhase`],
 //!   [`CastPhase`], [`ReducePhase`]): each names the caller's tensors and areas of
 //!   symmetric memory, so a GPU implements it with its own kernel and matches the
-//!   host's definition bit for bit.
+//!   host's definition bit for bit;
+//! * **the data-moving phases** ([`LlPackPhase`], [`LlUnpackPhase`],
+//!   [`LlCombinePackPhase`], [`NormalPackPhase`], [`NormalCombineSendPhase`]): each names the ranks and areas a
+//!   kernel stores into and the staged packets whose ports it pushes into; their
+//!   default methods run the host definition over [`Device::launch`].
 //!
 //! [`HostDevice`] is the first implementation: CPU threads over contiguous chunks of
 //! the work. `docs/architecture.md` maps each kernel phase to DeepEP's kernel of the
 //! same job and says what a GPU device must add.
 
 pub(crate) mod host;
+pub(crate) mod normal;
 pub(crate) mod pack;
 mod phase;
 
@@ -34,6 +39,7 @@ use crate::error::Result;
 use crate::layout::DispatchLayout;
 
 pub use host::{HostDevice, HostFifos};
+pub use normal::{NormalCombineSendPhase, NormalPackPhase};
 pub use pack::{LlCombinePackPhase, LlPackPhase, LlTokens, LlUnpackPhase, LlUnpacked};
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
 
@@ -109,5 +115,20 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// host definition, on the calling thread.
     fn ll_unpack(&self, phase: &LlUnpackPhase<'_>) -> Result<LlUnpacked> {
         host::ll_unpack(phase)
+    }
+
+    /// The pack phase of a normal dispatch ([`NormalPackPhase`]): stores every token
+    /// into each destination of its plan and pushes the rows that go straight to
+    /// another node's relay as they fill. By default the host definition over
+    /// [`Device::launch`].
+    fn normal_pack(&self, phase: &NormalPackPhase<'_>) -> Result<()> {
+        host::normal_pack(self, phase)
+    }
+
+    /// The send phase of a normal combine ([`NormalCombineSendPhase`]): returns every
+    /// received row to its source's slot on this node. By default the host definition
+    /// over [`Device::launch`].
+    fn normal_combine_send(&self, phase: &NormalCombineSendPhase<'_>) -> Result<()> {
+        host::normal_combine_send(self, phase)
     }
 }

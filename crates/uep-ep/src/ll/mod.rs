@@ -162,7 +162,7 @@ pub enum LlCombineInput<'a> {
     /// memory: rows for a rank on another node are copied into its packet first.
     Rows(&'a [bf16]),
     /// The rows were written into the next combine buffer
-    /// ([`Buffer::low_latency_combine_buffer`], or a dispatch's
+    /// ([`crate::Buffer::low_latency_combine_buffer`], or a dispatch's
     /// [`LlDispatchOutput::combine_buffer`]) and are sent from there with no staging
     /// copy: DeepEP's `zero_copy`.
     ZeroCopy,
@@ -194,7 +194,7 @@ pub struct LlDispatchOutput<'b> {
     pub wait_ns: Vec<u64>,
     /// `[E/R, R*M, H]` bf16: where the expert outputs go for a
     /// [`LlCombineInput::ZeroCopy`] combine (the next combine's buffer, as
-    /// [`Buffer::low_latency_combine_buffer`] returns it). `None` only while a combine
+    /// [`crate::Buffer::low_latency_combine_buffer`] returns it). `None` only while a combine
     /// that last used it waits for its receive.
     pub combine_buffer: Option<&'b mut [bf16]>,
 }

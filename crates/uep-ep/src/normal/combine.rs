@@ -8,7 +8,8 @@ use super::paths::CallMask;
 use super::{CombineArgs, NormalHandle, NormalState};
 use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::ctx::Ctx;
-use crate::device::{Part, ReducePhase, Rows, Symmetric};
+use crate::device::normal::ReturnSink;
+use crate::device::{NormalCombineSendPhase, Part, ReducePhase, Rows, Symmetric};
 use crate::error::Result;
 use crate::invalid;
 use crate::map::NormalAreas;
@@ -144,48 +145,40 @@ impl Ctx {
         mask: &CallMask,
     ) -> Result<()> {
         let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
-        let (h, k) = (areas.shape.hidden, areas.shape.topk);
-        let src_rank = handle.recv_src_rank(me);
+        let h = areas.shape.hidden;
         let relay = |s: usize| mask.relays.of(s, topo.node);
-        let mut sinks = Vec::with_capacity(r_n);
-        for s in 0..r_n {
-            let (at, slot, relay_area) = match relay(s) {
-                _ if topo.is_local(s) => (s, me, false),
-                Some(r) => (r.rank, relay_slot(topo, s, topo.local), !r.substitute),
-                // Masked: nothing goes back to it.
-                None => (me, me, false),
-            };
-            let (xs, ws) = slot_rows(areas, slot, relay_area)?;
-            sinks.push((self.peer_region(at)?, xs, ws));
-        }
         // Rows this rank reduces itself (its own, those it relays), and rows for masked
         // sources, go nowhere.
         let stays = |s: usize| {
             s == me || mask.is(s) || (!topo.is_local(s) && relay(s).is_some_and(|r| r.rank == me))
         };
+        let mut sinks = Vec::with_capacity(r_n);
+        for s in 0..r_n {
+            let (rank, slot, relay_area) = match relay(s) {
+                _ if topo.is_local(s) && !stays(s) => (s, me, false),
+                Some(r) if !stays(s) => (r.rank, relay_slot(topo, s, topo.local), !r.substitute),
+                // Masked (a node wholly masked has no relay): nothing goes back to it.
+                _ => {
+                    sinks.push(ReturnSink::Stays);
+                    continue;
+                }
+            };
+            let (x, weights) = slot_rows(areas, slot, relay_area)?;
+            sinks.push(ReturnSink::Slot { rank, x, weights });
+        }
         let out_rows: usize = (0..r_n)
             .filter(|&s| !stays(s))
             .map(|s| handle.rows_from(me, s).len())
             .sum();
-        let streaming = out_rows * h * 2 > STREAM_ABOVE;
-        self.device.launch(handle.num_recv_tokens, &|range| {
-            for i in range {
-                let (s, t) = (src_rank[i] as usize, handle.recv_src_idx[i] as usize);
-                if stays(s) {
-                    continue;
-                }
-                let (region, xs, ws) = &sinks[s];
-                let (row, src) = (xs.row(t, h)?.cast::<bf16>(), x.row(i, h));
-                if streaming {
-                    region.put_streaming(row, src)?;
-                } else {
-                    region.put(row, src)?;
-                }
-                if let Some(w) = args.topk_weights {
-                    region.put(ws.row(t, k)?, w.row(i, k))?;
-                }
-            }
-            Ok(())
+        self.device.normal_combine_send(&NormalCombineSendPhase {
+            x,
+            topk_weights: args.topk_weights,
+            src_rank: &handle.recv_src_rank(me),
+            src_idx: &handle.recv_src_idx,
+            sinks: &sinks,
+            shape: areas.shape,
+            streaming: out_rows * h * 2 > STREAM_ABOVE,
+            memory: &self.symm,
         })
     }
 

@@ -4,22 +4,20 @@ use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 
-use uep_shm::Region;
-
 use super::paths::CallMask;
 use super::{
-    column_sum, localize, DispatchArgs, DispatchOutput, NormalHandle, NormalState, Relayed,
-    WeightLanes,
+    column_sum, DispatchArgs, DispatchOutput, NormalHandle, NormalState, Relayed, WeightLanes,
 };
 use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::config::Shape;
 use crate::ctx::Ctx;
-use crate::device::LayoutPhase;
+use crate::device::normal::{rows_aligned, Dest, NormalPlan, RowSink};
+use crate::device::{LayoutPhase, NormalPackPhase};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::layout::DispatchLayout;
 use crate::map::NormalAreas;
-use crate::net::{Staged, Write};
+use crate::net::Staged;
 use crate::packet::{Channel, DispatchHeader, DispatchPacket, NotifyHead, NotifyPacket, RowFormat};
 use crate::tokens::{RecvTokens, TokenFormat};
 use crate::wait::{Seen, Wait};
@@ -94,107 +92,10 @@ impl Counts {
     }
 }
 
-/// Where dispatch sends a token: a rank of this node, or another node (through the rank
-/// there that relays for this one, the second field).
-#[derive(Clone, Copy, Debug)]
-enum Dest {
-    Rank(usize),
-    Node(usize, usize),
-}
-
-/// Where one destination's rows go: a same-node rank's output areas (from this
-/// source's first row there), or the staged packet for another node.
-struct RowSink<'a> {
-    region: &'a Region,
-    x: Area<u8>,
-    scales: Area<f32>,
-    topk: Area<i64>,
-    weights: Area<f32>,
-    src: Area<i32>,
-    /// Node packets only.
-    mask: Area<u64>,
-    direct_x: Area<u8>,
-    direct_scales: Area<f32>,
-    /// Node packets only: where direct rows land, the relay's output rows from this
-    /// source's first row there.
-    relay_x: Area<u8>,
-    relay_scales: Area<f32>,
-}
-
-impl RowSink<'_> {
-    /// The one-sided writes of direct rows `rows` of a node's packet (x and, with
-    /// `groups` scales a row, the scales) into the relay's output rows.
-    fn direct_writes(
-        &self,
-        rows: Range<usize>,
-        fmt: RowFormat,
-        total: usize,
-    ) -> Result<Vec<Write>> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut writes = vec![Write::new(
-            self.direct_x.rows(rows.clone(), fmt.row_bytes)?,
-            self.relay_x.rows(rows.clone(), fmt.row_bytes)?,
-            total,
-        )?];
-        if fmt.groups > 0 {
-            writes.push(Write::new(
-                self.direct_scales.rows(rows.clone(), fmt.groups)?.cast(),
-                self.relay_scales.rows(rows, fmt.groups)?.cast(),
-                total,
-            )?);
-        }
-        Ok(writes)
-    }
-}
-
-/// The plan of one dispatch: destinations, which tokens go where, and where each kernel
-/// thread's rows start.
-struct Plan<'a> {
-    dests: Vec<Dest>,
-    /// `[T][dest]`: the token goes there.
-    hit: Vec<bool>,
-    /// `[T][dest]`: the token goes straight to the relay's output rows.
-    direct: Vec<bool>,
-    /// `[block + 1][dest]`: (tokens, direct tokens) before the block's first token (and
-    /// after the last block); a block is one kernel thread's share of the tokens.
-    block_start: Vec<(usize, usize)>,
-    /// `[dest]`: (tokens, direct tokens) in all.
-    totals: Vec<(usize, usize)>,
-    sinks: Vec<RowSink<'a>>,
-    /// `[dest]`: the staging area of a node's packet, and the port the kernel pushes
-    /// its direct rows through.
-    staged: Vec<Option<Staged>>,
-    /// `[R]`: this source's first row in each rank's output.
-    out_base: Vec<usize>,
-    fmt: RowFormat,
-    fp8: bool,
-    with_topk: bool,
-    with_weights: bool,
-    /// Which weight lanes the receivers get.
-    weight_lanes: WeightLanes,
-    /// Rows into the node's ranks go with streaming stores ([`STREAM_ABOVE`]).
-    streaming: bool,
-}
-
-/// Whether rows starting at row `at` of a bank are 16-byte aligned (x and scales), as a
-/// one-sided write needs.
-fn rows_aligned(at: usize, fmt: RowFormat) -> bool {
-    (at * fmt.row_bytes) % 16 == 0 && (at * fmt.groups * 4) % 16 == 0
-}
-
-impl Plan<'_> {
+impl NormalPlan {
     fn packet(&self, d: usize) -> DispatchPacket {
         let (n, n_direct) = self.totals[d];
         DispatchPacket::layout(n, n_direct, self.fmt)
-    }
-
-    /// The fewest rows whose x and scales are whole 16-byte words: a write of direct
-    /// rows that a kernel pushes starts and ends on such a boundary, so that every
-    /// write is aligned.
-    fn row_quantum(&self) -> usize {
-        (1..16).find(|&q| rows_aligned(q, self.fmt)).unwrap_or(16)
     }
 
     /// The direct rows to node destination `d` that no kernel thread pushed: each block
@@ -208,7 +109,8 @@ impl Plan<'_> {
 }
 
 /// The rows of `0..total` in no whole quantum (`q` rows) between two adjacent block
-/// starts of `starts` (ascending, the last one `total`): those that [`DirectRun`]s leave.
+/// starts of `starts` (ascending, the last one `total`): those that the kernel's
+/// `DirectRun`s leave.
 fn unpushed(starts: impl Iterator<Item = usize>, total: usize, q: usize) -> Vec<Range<usize>> {
     let mut gaps: Vec<Range<usize>> = starts
         .map(|x| x / q * q..x.div_ceil(q).saturating_mul(q).min(total))
@@ -256,194 +158,6 @@ fn block_starts(
     }
     block_start.extend_from_slice(&totals);
     (block_start, totals)
-}
-
-/// Direct rows a kernel thread has packed for one node but not pushed yet: pushed in
-/// runs of whole quanta of at least a write's size, so the proxy posts them while the
-/// thread packs on.
-struct DirectRun {
-    /// First row not pushed yet (a multiple of the quantum).
-    next: usize,
-    /// Rows a push waits for.
-    batch: usize,
-}
-
-impl DirectRun {
-    /// A run for a block whose first direct row to this node is `first`.
-    fn new(first: usize, q: usize, row_bytes: usize, write_bytes: usize) -> DirectRun {
-        DirectRun {
-            next: first.div_ceil(q) * q,
-            batch: write_bytes.div_ceil(row_bytes.max(1)).div_ceil(q) * q,
-        }
-    }
-
-    /// The rows to push now that `packed` direct rows are packed (`last`: the block
-    /// is done), whole quanta from the first not pushed.
-    fn take(&mut self, packed: usize, q: usize, last: bool) -> Option<Range<usize>> {
-        let end = packed / q * q;
-        if end <= self.next || (!last && end - self.next < self.batch) {
-            return None;
-        }
-        let rows = self.next..end;
-        self.next = end;
-        Some(rows)
-    }
-}
-
-/// The pack kernel: what one launch needs, shared by its threads.
-struct PackKernel<'p, 'a> {
-    plan: &'p Plan<'a>,
-    args: &'p DispatchArgs<'p>,
-    in_rank: &'p [bool],
-    topo: crate::topology::Topology,
-    shape: Shape,
-    region_len: usize,
-}
-
-impl PackKernel<'_, '_> {
-    /// Block `b` (tokens `range`): store each token into each destination it goes to,
-    /// pushing direct rows to other nodes in runs.
-    fn run(&self, b: usize, range: Range<usize>) -> Result<()> {
-        let plan = self.plan;
-        let nd = plan.dests.len();
-        let q = plan.row_quantum();
-        let mut pos = plan.block_start.row(b, nd).to_vec();
-        let mut runs: Vec<Option<DirectRun>> = (0..nd)
-            .map(|d| {
-                let port = plan.staged[d].as_ref()?.port();
-                Some(DirectRun::new(
-                    pos[d].1,
-                    q,
-                    plan.fmt.row_bytes,
-                    port.write_bytes(),
-                ))
-            })
-            .collect();
-        let mut rows = TokenRows::new(self.shape.topk);
-        for t in range {
-            for (d, pos) in pos.iter_mut().enumerate() {
-                if plan.hit[t * nd + d] {
-                    self.store(t, d, pos, &mut rows)?;
-                }
-            }
-            self.push_runs(&mut runs, &pos, q, false)?;
-        }
-        self.push_runs(&mut runs, &pos, q, true)
-    }
-
-    /// Push the direct rows each node's run has ready (all of them when `last`).
-    fn push_runs(
-        &self,
-        runs: &mut [Option<DirectRun>],
-        pos: &[(usize, usize)],
-        q: usize,
-        last: bool,
-    ) -> Result<()> {
-        for (d, run) in runs.iter_mut().enumerate() {
-            let (Some(run), Some(staged)) = (run, &self.plan.staged[d]) else {
-                continue;
-            };
-            if let Some(rows) = run.take(pos[d].1, q, last) {
-                let sink = &self.plan.sinks[d];
-                for w in sink.direct_writes(rows, self.plan.fmt, self.region_len)? {
-                    staged.port().put(w)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Store token `t` into destination `d`, at the row `pos` says, and advance it.
-    fn store(
-        &self,
-        t: usize,
-        d: usize,
-        pos: &mut (usize, usize),
-        rows: &mut TokenRows,
-    ) -> Result<()> {
-        let (plan, x) = (self.plan, self.args.x);
-        let (h, k) = (self.shape.hidden, self.shape.topk);
-        let (rb, groups) = (plan.fmt.row_bytes, plan.fmt.groups);
-        let nd = plan.dests.len();
-        let (dest, sink) = (plan.dests[d], &plan.sinks[d]);
-        let (j, j_direct) = *pos;
-        // The row's place: among the direct rows, among the rest of a packet, or its own
-        // row in a same-node rank's output.
-        let (x_at, scales_at) = if plan.direct[t * nd + d] {
-            pos.1 += 1;
-            (
-                sink.direct_x.row(j_direct, rb)?,
-                sink.direct_scales.row(j_direct, groups)?,
-            )
-        } else if matches!(dest, Dest::Node(..)) {
-            (
-                sink.x.row(j - j_direct, rb)?,
-                sink.scales.row(j - j_direct, groups)?,
-            )
-        } else {
-            (sink.x.row(j, rb)?, sink.scales.row(j, groups)?)
-        };
-        pos.0 += 1;
-        if plan.streaming && matches!(dest, Dest::Rank(_)) {
-            sink.region.put_streaming(x_at, x.row(t, h))?;
-        } else {
-            sink.region.put(x_at, x.row(t, h))?;
-        }
-        if plan.fp8 {
-            sink.region.put(scales_at, x.row_scales(t, h))?;
-        }
-        let idx: &[i64] = match self.args.topk_idx {
-            Some(all) if plan.with_topk => all.row(t, k),
-            _ => &[],
-        };
-        let w = self.args.topk_weights.map(|w| w.row(t, k));
-        match dest {
-            Dest::Rank(r) if plan.with_topk => {
-                let epr = self.shape.experts_per_rank(self.topo.num_ranks);
-                localize(
-                    idx,
-                    (w, plan.weight_lanes),
-                    r,
-                    epr,
-                    &mut rows.idx,
-                    &mut rows.w,
-                );
-                sink.region.put(sink.topk.row(j, k)?, &rows.idx)?;
-                if plan.with_weights {
-                    sink.region.put(sink.weights.row(j, k)?, &rows.w)?;
-                }
-            }
-            Dest::Rank(_) => {}
-            Dest::Node(m, _) => {
-                // Global ids and all weights: the relaying rank localises them.
-                if plan.with_topk {
-                    sink.region.put(sink.topk.row(j, k)?, idx)?;
-                }
-                if let (true, Some(w)) = (plan.with_weights, w) {
-                    sink.region.put(sink.weights.row(j, k)?, w)?;
-                }
-                let r_n = self.topo.num_ranks;
-                let mask = self.topo.local_bits(m, |r| self.in_rank[t * r_n + r]);
-                sink.region.put(sink.mask.row(j, 1)?, &[mask])?;
-            }
-        }
-        sink.region.put(sink.src.row(j, 1)?, &[t as i32])
-    }
-}
-
-/// A kernel thread's scratch rows: a token's local top-k ids and weights.
-struct TokenRows {
-    idx: Vec<i64>,
-    w: Vec<f32>,
-}
-
-impl TokenRows {
-    fn new(k: usize) -> TokenRows {
-        TokenRows {
-            idx: vec![0; k],
-            w: vec![0.0; k],
-        }
-    }
 }
 
 impl Ctx {
@@ -758,7 +472,7 @@ impl Ctx {
         t_n: usize,
         mask: &CallMask,
         wait: &Wait<'_>,
-    ) -> Result<Plan<'_>> {
+    ) -> Result<NormalPlan> {
         let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
         let (h, k) = (areas.shape.hidden, areas.shape.topk);
         let fp8 = args.x.is_fp8();
@@ -809,7 +523,7 @@ impl Ctx {
             .filter(|(d, _)| matches!(d, Dest::Rank(r) if *r != me))
             .map(|(_, &(n, _))| n)
             .sum();
-        Ok(Plan {
+        Ok(NormalPlan {
             dests,
             hit,
             direct,
@@ -856,7 +570,7 @@ impl Ctx {
         out_base: &[usize],
         fmt: RowFormat,
         node_staged: Vec<Staged>,
-    ) -> Result<(Vec<RowSink<'_>>, Vec<Option<Staged>>)> {
+    ) -> Result<(Vec<RowSink>, Vec<Option<Staged>>)> {
         let r_n = self.topo.num_ranks;
         let mut node_staged = node_staged.into_iter();
         let (h, k) = (areas.shape.hidden, areas.shape.topk);
@@ -870,7 +584,7 @@ impl Ctx {
                     let j = out_base[r];
                     let rows = r_n * areas.shape.max_tokens;
                     sinks.push(RowSink {
-                        region: self.peer_region(r)?,
+                        rank: r,
                         x: bank.recv_x.slice(j * fmt.row_bytes..rows * fmt.row_bytes)?,
                         scales: bank.recv_scales.slice(j * groups..rows * groups)?,
                         topk: bank.recv_topk_idx.slice(j * k..rows * k)?,
@@ -900,7 +614,7 @@ impl Ctx {
                     // Direct rows exist only where the relay's rows start aligned.
                     let (j, rows) = (out_base[relay], r_n * areas.shape.max_tokens);
                     sinks.push(RowSink {
-                        region: self.symm.local(),
+                        rank: self.topo.rank,
                         x: p.x,
                         scales: p.scales,
                         topk: p.topk_idx,
@@ -925,24 +639,23 @@ impl Ctx {
     /// pack.
     fn pack(
         &self,
-        plan: &Plan<'_>,
+        plan: &NormalPlan,
         areas: &NormalAreas,
         args: &DispatchArgs<'_>,
         routing: &Routing<'_>,
     ) -> Result<()> {
-        let t_n = plan.hit.len() / plan.dests.len().max(1);
-        let per = self.device.split(t_n).1;
-        let kernel = PackKernel {
+        let phase = NormalPackPhase {
             plan,
-            args,
+            x: args.x,
+            topk_idx: args.topk_idx,
+            topk_weights: args.topk_weights,
             in_rank: &routing.in_rank,
             topo: self.topo,
             shape: areas.shape,
-            region_len: self.symm.local().len(),
+            memory: &self.symm,
         };
         let started = std::time::Instant::now();
-        self.device
-            .launch(t_n, &|range| kernel.run(range.start / per, range))?;
+        self.device.normal_pack(&phase)?;
         if let Some(net) = &self.net {
             net.time_kernel(started.elapsed());
         }
@@ -952,13 +665,13 @@ impl Ctx {
     /// Phase 4, publish: a release store of the epoch into each same-node rank; the
     /// packet to each other node, after the direct rows no kernel thread pushed,
     /// announcing it and every direct row.
-    fn publish(&self, seq: u32, plan: &mut Plan<'_>) -> Result<()> {
+    fn publish(&self, seq: u32, plan: &mut NormalPlan) -> Result<()> {
         let me = self.topo.rank;
         let total = self.symm.local().len();
         for (d, dest) in plan.dests.iter().enumerate() {
             match *dest {
-                Dest::Rank(_) => plan.sinks[d]
-                    .region
+                Dest::Rank(r) => self
+                    .peer_region(r)?
                     .word(self.map.control.dispatch_done, me)?
                     .store(seq as u64, Ordering::Release),
                 Dest::Node(_, relay) => {
@@ -1031,7 +744,7 @@ impl Ctx {
         areas: &NormalAreas,
         done: Done<'_>,
         routing: &Routing<'_>,
-        plan: &Plan<'_>,
+        plan: &NormalPlan,
         args: &DispatchArgs<'_>,
         t_n: usize,
         wait: &Wait<'_>,
@@ -1150,6 +863,7 @@ fn rows_of(handle: &NormalHandle) -> TokenFormat {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::host::DirectRun;
     use proptest::prelude::*;
 
     proptest! {

@@ -14,10 +14,11 @@ use uep_shm::Region;
 
 use super::combine::relay_slot;
 use super::paths::CallMask;
-use super::{column_sum, localize, CombineArgs, NormalHandle, Relayed, WeightLanes};
+use super::{column_sum, CombineArgs, NormalHandle, Relayed, WeightLanes};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
 use crate::error::Result;
+use crate::layout::localize;
 use crate::map::{NormalAreas, NormalBank};
 use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
 use crate::protocol;

@@ -6,10 +6,14 @@ use std::ops::Range;
 use uep_fifo::{Fifo, FifoAlloc, FifoError, FifoMemory};
 use uep_shm::Region;
 
+mod normal;
 mod pack;
 mod phases;
 mod unpack;
 
+#[cfg(test)]
+pub(crate) use normal::DirectRun;
+pub(crate) use normal::{normal_combine_send, normal_pack};
 #[cfg(test)]
 pub(crate) use pack::slots_on;
 pub(crate) use pack::{kernel_pushes_rows, ll_combine_pack, ll_pack, on_rank};

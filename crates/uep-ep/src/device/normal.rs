@@ -1,0 +1,195 @@
+//! Normal mode's data-moving phases: the dispatch's pack, with its plan (destinations,
+//! which tokens go where, where each lane's rows start, the areas they land in), and
+//! the combine's send.
+
+use std::ops::Range;
+
+use crate::area::Area;
+use crate::config::Shape;
+use crate::error::Result;
+use crate::layout::WeightLanes;
+use crate::net::{Staged, Write};
+use crate::packet::RowFormat;
+use crate::symm;
+use crate::tokens::Tokens;
+use crate::topology::Topology;
+
+/// Where dispatch sends a token: a rank of this node, or another node (through the rank
+/// there that relays for this one, the second field).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Dest {
+    Rank(usize),
+    Node(usize, usize),
+}
+
+/// Where one destination's rows go: a same-node rank's output areas (from this
+/// source's first row there), or the staged packet for another node.
+#[derive(Debug)]
+pub(crate) struct RowSink {
+    /// The rank whose memory the rows go to (this rank for a node's packet).
+    pub(crate) rank: usize,
+    pub(crate) x: Area<u8>,
+    pub(crate) scales: Area<f32>,
+    pub(crate) topk: Area<i64>,
+    pub(crate) weights: Area<f32>,
+    pub(crate) src: Area<i32>,
+    /// Node packets only.
+    pub(crate) mask: Area<u64>,
+    pub(crate) direct_x: Area<u8>,
+    pub(crate) direct_scales: Area<f32>,
+    /// Node packets only: where direct rows land, the relay's output rows from this
+    /// source's first row there.
+    pub(crate) relay_x: Area<u8>,
+    pub(crate) relay_scales: Area<f32>,
+}
+
+impl RowSink {
+    /// The one-sided writes of direct rows `rows` of a node's packet (x and, with
+    /// `groups` scales a row, the scales) into the relay's output rows.
+    pub(crate) fn direct_writes(
+        &self,
+        rows: Range<usize>,
+        fmt: RowFormat,
+        total: usize,
+    ) -> Result<Vec<Write>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut writes = vec![Write::new(
+            self.direct_x.rows(rows.clone(), fmt.row_bytes)?,
+            self.relay_x.rows(rows.clone(), fmt.row_bytes)?,
+            total,
+        )?];
+        if fmt.groups > 0 {
+            writes.push(Write::new(
+                self.direct_scales.rows(rows.clone(), fmt.groups)?.cast(),
+                self.relay_scales.rows(rows, fmt.groups)?.cast(),
+                total,
+            )?);
+        }
+        Ok(writes)
+    }
+}
+
+/// The plan of one dispatch: destinations, which tokens go where, and where each kernel
+/// thread's rows start.
+#[derive(Debug)]
+pub(crate) struct NormalPlan {
+    pub(crate) dests: Vec<Dest>,
+    /// `[T][dest]`: the token goes there.
+    pub(crate) hit: Vec<bool>,
+    /// `[T][dest]`: the token goes straight to the relay's output rows.
+    pub(crate) direct: Vec<bool>,
+    /// `[block + 1][dest]`: (tokens, direct tokens) before the block's first token (and
+    /// after the last block); a block is one kernel thread's share of the tokens.
+    pub(crate) block_start: Vec<(usize, usize)>,
+    /// `[dest]`: (tokens, direct tokens) in all.
+    pub(crate) totals: Vec<(usize, usize)>,
+    pub(crate) sinks: Vec<RowSink>,
+    /// `[dest]`: the staging area of a node's packet, and the port the kernel pushes
+    /// its direct rows through.
+    pub(crate) staged: Vec<Option<Staged>>,
+    /// `[R]`: this source's first row in each rank's output.
+    pub(crate) out_base: Vec<usize>,
+    pub(crate) fmt: RowFormat,
+    pub(crate) fp8: bool,
+    pub(crate) with_topk: bool,
+    pub(crate) with_weights: bool,
+    /// Which weight lanes the receivers get.
+    pub(crate) weight_lanes: WeightLanes,
+    /// Rows into the node's ranks go with streaming stores ([`STREAM_ABOVE`]).
+    pub(crate) streaming: bool,
+}
+
+/// Whether rows starting at row `at` of a bank are 16-byte aligned (x and scales), as a
+/// one-sided write needs.
+pub(crate) fn rows_aligned(at: usize, fmt: RowFormat) -> bool {
+    (at * fmt.row_bytes) % 16 == 0 && (at * fmt.groups * 4) % 16 == 0
+}
+
+impl NormalPlan {
+    /// The fewest rows whose x and scales are whole 16-byte words: a write of direct
+    /// rows that a kernel pushes starts and ends on such a boundary, so that every
+    /// write is aligned.
+    pub(crate) fn row_quantum(&self) -> usize {
+        (1..16).find(|&q| rows_aligned(q, self.fmt)).unwrap_or(16)
+    }
+}
+
+/// The pack phase of a normal dispatch (the senders of DeepEP's `intranode::dispatch`
+/// and `internode::dispatch`): each token stored once into each destination its plan
+/// names, a same-node rank's output rows or another node's packet, and the rows that
+/// go straight to another node's relay pushed as `Write`s in runs of about a write's
+/// size while later tokens pack. A lane's first rows are where the plan says, so the
+/// launch must cut the tokens as [`Device::split`](super::Device::split) does.
+#[derive(Debug)]
+pub struct NormalPackPhase<'a> {
+    /// The plan the host made (and publishes from afterwards).
+    pub(crate) plan: &'a NormalPlan,
+    /// The rows to send.
+    pub(crate) x: Tokens<'a>,
+    /// `[T, K]` expert ids and gate weights (where the dispatch carries them).
+    pub(crate) topk_idx: Option<&'a [i64]>,
+    pub(crate) topk_weights: Option<&'a [f32]>,
+    /// `[T, R]` whether a token goes to a rank.
+    pub(crate) in_rank: &'a [bool],
+    /// The job's ranks and nodes.
+    pub(crate) topo: Topology,
+    /// The normal-mode shape.
+    pub(crate) shape: Shape,
+    /// This rank's memory (the packets) and its node's ranks' (their outputs).
+    pub(crate) memory: &'a symm::Symmetric,
+}
+
+impl NormalPackPhase<'_> {
+    /// Tokens packed.
+    pub fn tokens(&self) -> usize {
+        self.plan.hit.len() / self.plan.dests.len().max(1)
+    }
+}
+
+/// Where a normal combine returns the rows of one source rank.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum ReturnSink {
+    /// Nowhere: this rank reduces them itself (its own tokens, those it relays), or the
+    /// source is masked.
+    Stays,
+    /// Into a slot at a rank of this node: the source's own combine rows, or the relay
+    /// slot at the rank that relays them to the source's node.
+    Slot {
+        rank: usize,
+        /// `[T, H]` rows and `[T, K]` weights of the slot, indexed by source token.
+        x: Area<u16>,
+        weights: Area<f32>,
+    },
+}
+
+/// The send phase of a normal combine (the senders of DeepEP's `intranode::combine`
+/// and `internode::combine`): every received row back towards its source, at the row
+/// of the source's token in the slot its sink names, with its gate weights where the
+/// combine carries them.
+#[derive(Debug)]
+pub struct NormalCombineSendPhase<'a> {
+    /// `[N, H]` the rows to return, in the order the dispatch received them.
+    pub(crate) x: &'a [half::bf16],
+    /// `[N, K]` their gate weights, where the combine returns them.
+    pub(crate) topk_weights: Option<&'a [f32]>,
+    /// `[N]` each row's source rank and its token there.
+    pub(crate) src_rank: &'a [i32],
+    pub(crate) src_idx: &'a [i32],
+    /// `[R]` where each source's rows go.
+    pub(crate) sinks: &'a [ReturnSink],
+    /// The normal-mode shape.
+    pub(crate) shape: Shape,
+    /// Rows go with streaming stores (many of them, [`crate::area::STREAM_ABOVE`]).
+    pub(crate) streaming: bool,
+    /// This node's ranks' memory.
+    pub(crate) memory: &'a symm::Symmetric,
+}
+
+impl NormalCombineSendPhase<'_> {
+    /// Rows the phase returns or keeps.
+    pub fn rows(&self) -> usize {
+        self.src_idx.len()
+    }
+}
