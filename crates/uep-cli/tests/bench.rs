@@ -453,22 +453,19 @@ fn ordering_emulation_is_load_bearing() {
     // the reference, or the receiver finds the packet disagrees with itself (a relay's
     // stale header or mask against its counts, an LL packet's tokens against its
     // per-expert counts) and fails the job.
+    fn faulted(seed: &str, emulate: bool) -> Vec<&str> {
+        let mut args = net_small("4", "4");
+        args.extend([
+            "--faults", seed, "--fresh", "--iters", "12", "--warmup", "0",
+        ]);
+        if !emulate {
+            args.push("--no-ordering-emulation");
+        }
+        args
+    }
     let seed = first_breaking_seed(
         "without the ordering emulation",
-        |seed| {
-            let mut args = net_small("4", "4");
-            args.extend([
-                "--faults",
-                seed,
-                "--fresh",
-                "--iters",
-                "12",
-                "--warmup",
-                "0",
-                "--no-ordering-emulation",
-            ]);
-            bench_outcome(&args)
-        },
+        |seed| bench_outcome(&faulted(seed, false)),
         |text| {
             text.contains("MISMATCH")
                 || text.contains("counts announced")
@@ -476,11 +473,7 @@ fn ordering_emulation_is_load_bearing() {
         },
     );
     // The same faults with the emulation on stay exact.
-    let mut args = net_small("4", "4");
-    args.extend([
-        "--faults", &seed, "--fresh", "--iters", "12", "--warmup", "0",
-    ]);
-    bench(&args);
+    bench(&faulted(&seed, true));
 }
 
 #[test]

@@ -17,9 +17,10 @@
 //!   symmetric memory, so a GPU implements it with its own kernel and matches the
 //!   host's definition bit for bit;
 //! * **the data-moving phases** ([`LlPackPhase`], [`LlUnpackPhase`],
-//!   [`LlCombinePackPhase`], [`NormalPackPhase`], [`NormalCombineSendPhase`]): each names the ranks and areas a
-//!   kernel stores into and the staged packets whose ports it pushes into; their
-//!   default methods run the host definition over [`Device::launch`].
+//!   [`LlCombinePackPhase`], [`NormalPackPhase`], [`NormalCombineSendPhase`]): each
+//!   names the ranks and areas a kernel stores into and the staged packets whose ports
+//!   it pushes into; their default methods run the host definition over
+//!   [`Device::launch`].
 //!
 //! [`HostDevice`] is the first implementation: CPU threads over contiguous chunks of
 //! the work. `docs/architecture.md` maps each kernel phase to DeepEP's kernel of the

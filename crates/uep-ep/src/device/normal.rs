@@ -97,7 +97,7 @@ pub(crate) struct NormalPlan {
     pub(crate) with_weights: bool,
     /// Which weight lanes the receivers get.
     pub(crate) weight_lanes: WeightLanes,
-    /// Rows into the node's ranks go with streaming stores ([`STREAM_ABOVE`]).
+    /// Rows into the node's ranks go with streaming stores ([`crate::area::STREAM_ABOVE`]).
     pub(crate) streaming: bool,
 }
 

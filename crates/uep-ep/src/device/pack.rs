@@ -16,6 +16,29 @@ use crate::net::Staged;
 use crate::packet::LlDispatchPacket;
 use crate::symm;
 
+/// Whether the kernel pushes a packet's rows itself: where each row is whole 16-byte
+/// words, as one-sided writes of any run of rows need.
+pub(crate) fn kernel_pushes_rows(row_bytes: usize) -> bool {
+    row_bytes % uep_wire::OFFSET_ALIGN as usize == 0
+}
+
+/// Whether expert `e` (`-1` for none) is on rank `r`.
+pub(crate) fn on_rank(e: i64, r: usize, epr: usize) -> bool {
+    e >= 0 && e as usize / epr == r
+}
+
+/// A token's slots as a packet to rank `r` carries them: each slot's local expert there,
+/// or `-1`.
+pub(crate) fn slots_on(chosen: &[i64], r: usize, epr: usize, out: &mut [i32]) {
+    for (l, &e) in out.iter_mut().zip(chosen) {
+        *l = if on_rank(e, r, epr) {
+            (e as usize % epr) as i32
+        } else {
+            -1
+        };
+    }
+}
+
 /// The tokens a low-latency dispatch sends, one row each: the caller's bf16 rows, or
 /// their codes with scale words (FP8, NVFP4) after the cast phase.
 #[derive(Clone, Copy, Debug)]
@@ -137,7 +160,7 @@ pub(crate) struct CombineRemote {
     /// `[local expert]`: its group.
     pub(crate) group_of: Vec<usize>,
     /// The staging area and its port.
-    pub(crate) staged: crate::net::Staged,
+    pub(crate) staged: Staged,
 }
 
 /// The pack phase of a low-latency combine (the send half of DeepEP's

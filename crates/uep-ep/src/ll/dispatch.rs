@@ -12,8 +12,7 @@ use super::{
 use crate::area::{Area, Mem, SliceRows};
 use crate::config::Shape;
 use crate::ctx::Ctx;
-use crate::device::host::{kernel_pushes_rows, on_rank};
-use crate::device::pack::{LlLanded, LlSink, LlTokens};
+use crate::device::pack::{kernel_pushes_rows, on_rank, LlLanded, LlSink, LlTokens};
 use crate::device::{CastPhase, Device, LlPackPhase, LlUnpackPhase};
 use crate::error::{EpError, Result};
 use crate::invalid;
@@ -225,7 +224,7 @@ impl Ctx {
     }
 
     /// Where every rank's copies go: a same-node peer's rows (once it released the
-    /// buffer), or a packet staged for a peer on another node; `None` for a masked rank
+    /// buffer), or a packet staged for a peer on another node; `Skip` for a masked rank
     /// (elastic mode), which gets nothing.
     fn ll_open_sinks(
         &self,
@@ -637,7 +636,7 @@ fn copies_by_expert(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::host::slots_on;
+    use crate::device::pack::slots_on;
     use proptest::prelude::*;
 
     /// `[T, K]` routings over `ranks` ranks of `epr` experts, `-1` slots and repeats

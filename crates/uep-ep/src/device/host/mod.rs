@@ -14,9 +14,7 @@ mod unpack;
 #[cfg(test)]
 pub(crate) use normal::DirectRun;
 pub(crate) use normal::{normal_combine_send, normal_pack};
-#[cfg(test)]
-pub(crate) use pack::slots_on;
-pub(crate) use pack::{kernel_pushes_rows, ll_combine_pack, ll_pack, on_rank};
+pub(crate) use pack::{ll_combine_pack, ll_pack};
 pub(crate) use unpack::ll_unpack;
 
 use half::bf16;

@@ -6,32 +6,12 @@ use std::ops::Range;
 use half::bf16;
 
 use crate::area::{Area, Mem, SliceRows};
-use crate::device::pack::{CombineRemote, LlCombinePackPhase, LlCombineSink, LlPackPhase, LlSink};
+use crate::device::pack::{
+    kernel_pushes_rows, on_rank, slots_on, CombineRemote, LlCombinePackPhase, LlCombineSink,
+    LlPackPhase, LlSink,
+};
 use crate::device::Device;
 use crate::error::Result;
-
-/// Whether the kernel pushes a packet's rows itself: where each row is whole 16-byte
-/// words, as one-sided writes of any run of rows need.
-pub(crate) fn kernel_pushes_rows(row_bytes: usize) -> bool {
-    row_bytes % uep_wire::OFFSET_ALIGN as usize == 0
-}
-
-/// Whether expert `e` (`-1` for none) is on rank `r`.
-pub(crate) fn on_rank(e: i64, r: usize, epr: usize) -> bool {
-    e >= 0 && e as usize / epr == r
-}
-
-/// A token's slots as a packet to rank `r` carries them: each slot's local expert there,
-/// or `-1`.
-pub(crate) fn slots_on(chosen: &[i64], r: usize, epr: usize, out: &mut [i32]) {
-    for (l, &e) in out.iter_mut().zip(chosen) {
-        *l = if on_rank(e, r, epr) {
-            (e as usize % epr) as i32
-        } else {
-            -1
-        };
-    }
-}
 
 /// Push the packet rows each rank's run holds, once they make a write's size (all of
 /// them when `last`), through the packet's port.
