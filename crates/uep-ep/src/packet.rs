@@ -146,6 +146,15 @@ impl NotifyPacket {
             len: l.len(),
         }
     }
+
+    /// The same sections at byte `base` (where the packet is staged or landed).
+    pub fn at_base(self, base: usize) -> NotifyPacket {
+        NotifyPacket {
+            head: self.head.at_base(base),
+            counts: self.counts.at_base(base),
+            len: self.len,
+        }
+    }
 }
 
 /// The first 16 bytes of a dispatch packet: what the relaying rank needs to read it.

@@ -17,7 +17,8 @@
 //!   symmetric memory, so a GPU implements it with its own kernel and matches the
 //!   host's definition bit for bit;
 //! * **the data-moving phases** ([`LlPackPhase`], [`LlUnpackPhase`],
-//!   [`LlCombinePackPhase`], [`NormalPackPhase`], [`NormalCombineSendPhase`]): each
+//!   [`LlCombinePackPhase`], [`NotifyPhase`], [`NormalPackPhase`], [`RelayPhase`],
+//!   [`NormalCombineSendPhase`]): each
 //!   names the ranks and areas a kernel stores into and the staged packets whose ports
 //!   it pushes into; their default methods run the host definition over
 //!   [`Device::launch`].
@@ -40,7 +41,7 @@ use crate::error::Result;
 use crate::layout::DispatchLayout;
 
 pub use host::{HostDevice, HostFifos};
-pub use normal::{NormalCombineSendPhase, NormalPackPhase};
+pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase};
 pub use pack::{LlCombinePackPhase, LlPackPhase, LlTokens, LlUnpackPhase, LlUnpacked};
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
 
@@ -118,6 +119,13 @@ pub trait Device: std::fmt::Debug + Send + Sync {
         host::ll_unpack(phase)
     }
 
+    /// The notify phase of a normal dispatch ([`NotifyPhase`]): this rank's counts
+    /// into every same-node rank's slot and the other nodes' packets. By default the
+    /// host definition, on the calling thread.
+    fn normal_notify(&self, phase: &NotifyPhase<'_>) -> Result<()> {
+        host::normal_notify(phase)
+    }
+
     /// The pack phase of a normal dispatch ([`NormalPackPhase`]): stores every token
     /// into each destination of its plan and pushes the rows that go straight to
     /// another node's relay as they fill. By default the host definition over
@@ -131,5 +139,13 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// over [`Device::launch`].
     fn normal_combine_send(&self, phase: &NormalCombineSendPhase<'_>) -> Result<()> {
         host::normal_combine_send(self, phase)
+    }
+
+    /// The forward phase of a normal dispatch across nodes ([`RelayPhase`]), on the
+    /// rank that relays a source of another node: stores every token of its landed
+    /// packet into the output rows of this node's ranks. By default the host
+    /// definition over [`Device::launch`].
+    fn relay(&self, phase: &RelayPhase<'_>) -> Result<()> {
+        host::relay(self, phase)
     }
 }

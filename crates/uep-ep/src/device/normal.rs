@@ -1,6 +1,6 @@
-//! Normal mode's data-moving phases: the dispatch's pack, with its plan (destinations,
-//! which tokens go where, where each lane's rows start, the areas they land in), and
-//! the combine's send.
+//! Normal mode's data-moving phases: the dispatch's notify, its pack with its plan
+//! (destinations, which tokens go where, where each lane's rows start, the areas they
+//! land in), the relay's forward, and the combine's send.
 
 use std::ops::Range;
 
@@ -13,6 +13,39 @@ use crate::packet::RowFormat;
 use crate::symm;
 use crate::tokens::Tokens;
 use crate::topology::Topology;
+
+/// Where a normal dispatch's notify puts this rank's counts for one rank.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum NotifySink {
+    /// Nowhere: the rank is masked, or lost while its packet was staged.
+    Skip,
+    /// A same-node rank's notify slot for this source, published by its epoch word.
+    Slot {
+        rank: usize,
+        slot: crate::map::NotifySlot,
+    },
+    /// The packet to a rank of another node, staged in this rank's memory at these
+    /// areas (the host sends it after the phase).
+    Packet(crate::packet::NotifyPacket),
+}
+
+/// The notify phase of a normal dispatch (the send half of DeepEP's
+/// `intranode::notify_dispatch` and `internode::notify_dispatch`): this rank's token
+/// count and its tokens per rank and per expert, into every same-node rank's slot (the
+/// epoch stored last, with release) and into the packets for the other nodes. Reading
+/// every rank's counts follows the host's waits.
+#[derive(Debug)]
+pub struct NotifyPhase<'a> {
+    /// The dispatch's number: the epoch the slots are published with.
+    pub(crate) seq: u32,
+    pub(crate) head: crate::packet::NotifyHead,
+    /// `[R + E]` tokens per rank, then per expert.
+    pub(crate) counts: &'a [u32],
+    /// `[R]` where each rank's copy goes.
+    pub(crate) sinks: &'a [NotifySink],
+    /// This rank's memory (the packets) and its node's ranks' (their slots).
+    pub(crate) memory: &'a symm::Symmetric,
+}
 
 /// Where dispatch sends a token: a rank of this node, or another node (through the rank
 /// there that relays for this one, the second field).
@@ -191,5 +224,58 @@ impl NormalCombineSendPhase<'_> {
     /// Rows the phase returns or keeps.
     pub fn rows(&self) -> usize {
         self.src_idx.len()
+    }
+}
+
+/// Where a relayed token's x row (and scales) is read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RelayedRow {
+    /// Row `j` of the packet's rows for other ranks.
+    Packet(u32),
+    /// This rank's own output row: the source sent it straight there.
+    Own,
+}
+
+/// A token's output row at a rank of this node that the token does not go to.
+pub(crate) const NOT_SENT: u32 = u32::MAX;
+
+/// The forward phase of a normal dispatch across nodes (DeepEP's `internode::dispatch`
+/// forwarders with their NVL receivers), on the rank that relays for one source of
+/// another node: every token of the source's landed packet stored into the output rows
+/// of each rank of this node its mask names (x and scales, its expert ids made local to
+/// that rank, its weights, its source index). The host read and checked the packet and
+/// placed every row (its output row at each rank of the node) before the launch, so a device only stores.
+#[derive(Debug)]
+pub struct RelayPhase<'a> {
+    /// The landed packet, laid out at its landing area in this rank's memory.
+    pub(crate) packet: crate::packet::DispatchPacket,
+    pub(crate) fmt: RowFormat,
+    /// Which weight lanes the receivers get.
+    pub(crate) lanes: WeightLanes,
+    /// `[n, K]` global expert ids and weights, `[n]` source token index, as the packet
+    /// carries them (empty where it carries none).
+    pub(crate) idx: &'a [i64],
+    pub(crate) weights: &'a [f32],
+    pub(crate) tokens: &'a [i32],
+    /// `[n]` where each token's row is read from.
+    pub(crate) from: &'a [RelayedRow],
+    /// `[n, ranks per node]` each token's output row at each rank of this node
+    /// ([`NOT_SENT`] where it does not go).
+    pub(crate) rows: &'a [u32],
+    /// The output bank the rows go to, and the source indices' area.
+    pub(crate) bank: crate::map::NormalBank,
+    pub(crate) recv_src_idx: Area<i32>,
+    /// The job's ranks and nodes.
+    pub(crate) topo: Topology,
+    /// The normal-mode shape.
+    pub(crate) shape: Shape,
+    /// This rank's memory (the packet) and its node's ranks' (their outputs).
+    pub(crate) memory: &'a symm::Symmetric,
+}
+
+impl RelayPhase<'_> {
+    /// Tokens relayed.
+    pub fn tokens(&self) -> usize {
+        self.from.len()
     }
 }

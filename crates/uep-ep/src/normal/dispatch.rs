@@ -11,8 +11,8 @@ use super::{
 use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::config::Shape;
 use crate::ctx::Ctx;
-use crate::device::normal::{rows_aligned, Dest, NormalPlan, RowSink};
-use crate::device::{LayoutPhase, NormalPackPhase};
+use crate::device::normal::{rows_aligned, Dest, NormalPlan, NotifySink, RowSink};
+use crate::device::{LayoutPhase, NormalPackPhase, NotifyPhase};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::layout::DispatchLayout;
@@ -364,28 +364,8 @@ impl Ctx {
             tokens: t_n as u32,
             flags: 0,
         };
+        self.send_counts(seq, areas, (head, &mine), mask, wait)?;
         let local = self.symm.local();
-        for peer in (0..r_n).filter(|&p| !mask.is(p)) {
-            if self.topo.is_local(peer) {
-                let slot = areas.notify_slot(parity, me, r_n)?;
-                let region = self.peer_region(peer)?;
-                region.put(slot.counts, &mine)?;
-                region.put(slot.head, &[head])?;
-                region
-                    .word(slot.epoch, 0)?
-                    .store(seq as u64, Ordering::Release);
-            } else {
-                let net = self.net()?;
-                let Some(staged) = self.stage_unless_lost(Channel::Notify, peer, wait)? else {
-                    continue;
-                };
-                let p = NotifyPacket::layout(r_n, e_n);
-                let at = p.head.at_base(staged.area.offset());
-                local.put(at, &[head])?;
-                local.put(p.counts.at_base(staged.area.offset()), &mine)?;
-                self.unless_lost(peer, net.send(staged, p.len, &[]))?;
-            }
-        }
         let mut counts = Counts {
             matrix: vec![0u32; r_n * r_n],
             recv_per_expert: vec![0usize; epr],
@@ -393,6 +373,7 @@ impl Ctx {
         };
         let mut row = vec![0u32; r_n + e_n];
         let mut head = [NotifyHead::default()];
+        let p = NotifyPacket::layout(r_n, e_n);
         // A masked source counts nothing; one lost now too (the call runs again).
         for src in (0..r_n).filter(|&s| !mask.is(s)) {
             let what = || {
@@ -406,7 +387,6 @@ impl Ctx {
                     .map(|_| (slot.head, slot.counts))
             } else {
                 let landing = self.net()?.recv(Channel::Notify, src, wait, &what);
-                let p = NotifyPacket::layout(r_n, e_n);
                 (self.unless_lost(src, landing)?)
                     .map(|l| (p.head.at_base(l.offset()), p.counts.at_base(l.offset())))
             };
@@ -422,6 +402,45 @@ impl Ctx {
             }
         }
         Ok(counts)
+    }
+
+    /// Notify's send: the device's notify phase stores `mine` into every live
+    /// same-node rank's slot and the packets staged for the other nodes, which the host
+    /// then sends.
+    fn send_counts(
+        &self,
+        seq: u32,
+        areas: &NormalAreas,
+        (head, mine): (NotifyHead, &[u32]),
+        mask: &CallMask,
+        wait: &Wait<'_>,
+    ) -> Result<()> {
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let parity = (seq % 2) as usize;
+        let p = NotifyPacket::layout(r_n, areas.shape.num_experts);
+        let mut sinks = vec![NotifySink::Skip; r_n];
+        let mut staged = Vec::new();
+        for peer in (0..r_n).filter(|&p| !mask.is(p)) {
+            if self.topo.is_local(peer) {
+                let slot = areas.notify_slot(parity, me, r_n)?;
+                sinks[peer] = NotifySink::Slot { rank: peer, slot };
+            } else if let Some(s) = self.stage_unless_lost(Channel::Notify, peer, wait)? {
+                sinks[peer] = NotifySink::Packet(p.at_base(s.area.offset()));
+                staged.push((peer, s));
+            }
+        }
+        let phase = NotifyPhase {
+            seq,
+            head,
+            counts: mine,
+            sinks: &sinks,
+            memory: &self.symm,
+        };
+        self.device.normal_notify(&phase)?;
+        for (peer, s) in staged {
+            self.unless_lost(peer, self.net()?.send(s, p.len, &[]))?;
+        }
+        Ok(())
     }
 
     /// After notify, every rank knows every rank's tokens: if one dispatches more than

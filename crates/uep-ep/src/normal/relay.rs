@@ -10,19 +10,18 @@
 use std::sync::atomic::Ordering;
 
 use half::bf16;
-use uep_shm::Region;
 
 use super::combine::relay_slot;
 use super::paths::CallMask;
 use super::{column_sum, CombineArgs, NormalHandle, Relayed, WeightLanes};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
+use crate::device::normal::{RelayedRow, NOT_SENT};
+use crate::device::{Part, ReducePhase, RelayPhase, Rows, Symmetric};
 use crate::error::Result;
-use crate::layout::localize;
-use crate::map::{NormalAreas, NormalBank};
+use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
 use crate::protocol;
-use crate::quant::reduce_rows;
 use crate::symm::Published;
 use crate::wait::Wait;
 
@@ -40,41 +39,6 @@ struct RelayPacket {
     tokens: Vec<i32>,
     /// `[n]` local ranks that need each token.
     masks: Vec<u64>,
-}
-
-impl RelayPacket {
-    /// Token `j`'s ids (made local to rank `r`, of `epr` experts a rank), weights and
-    /// source index into row `at` of `r`'s outputs in `region`; `scratch` holds a row of ids and weights.
-    fn put_meta(
-        &self,
-        region: &Region,
-        areas: &NormalAreas,
-        bank: &NormalBank,
-        (j, at, r, epr): (usize, usize, usize, usize),
-        scratch: &mut (Vec<i64>, Vec<f32>),
-    ) -> Result<()> {
-        let k = areas.shape.topk;
-        if self.fmt.topk > 0 {
-            let w = (self.fmt.weights > 0).then(|| self.weights.row(j, k));
-            let lanes = match self.head.has(DispatchHeader::ALL_LANES) {
-                true => WeightLanes::All,
-                false => WeightLanes::Local,
-            };
-            localize(
-                self.idx.row(j, k),
-                (w, lanes),
-                r,
-                epr,
-                &mut scratch.0,
-                &mut scratch.1,
-            );
-            region.put(bank.recv_topk_idx.row(at, k)?, &scratch.0)?;
-            if self.fmt.weights > 0 {
-                region.put(bank.recv_topk_weights.row(at, k)?, &scratch.1)?;
-            }
-        }
-        region.put(areas.recv_src_idx.row(at, 1)?, &self.tokens[j..j + 1])
-    }
 }
 
 impl Ctx {
@@ -98,7 +62,7 @@ impl Ctx {
             });
             let Some(landing) = self.unless_lost(src, landing)? else {
                 // Lost: the call runs again; publish, so that nobody waits for it.
-                self.publish_relayed(seq, src, None)?;
+                self.publish_relayed(seq, src)?;
                 continue;
             };
             let packet = self.open_relay_packet(src, landing, areas, matrix)?;
@@ -172,8 +136,8 @@ impl Ctx {
     }
 
     /// Stores every token of `packet` into the output rows of the ranks of this node
-    /// its mask names, checking it against the counts the source announced, then
-    /// publishes the source to them.
+    /// its mask names (the device's relay phase, over rows the host placed and checked
+    /// against the counts the source announced), then publishes the source to them.
     fn store_relayed(
         &self,
         seq: u32,
@@ -181,99 +145,95 @@ impl Ctx {
         areas: &NormalAreas,
         matrix: &[u32],
     ) -> Result<()> {
+        let (from, rows) = self.place_relayed(packet, matrix)?;
+        let lanes = match packet.head.has(DispatchHeader::ALL_LANES) {
+            true => WeightLanes::All,
+            false => WeightLanes::Local,
+        };
+        let phase = RelayPhase {
+            packet: packet.p,
+            fmt: packet.fmt,
+            lanes,
+            idx: &packet.idx,
+            weights: &packet.weights,
+            tokens: &packet.tokens,
+            from: &from,
+            rows: &rows,
+            bank: *areas.bank(seq),
+            recv_src_idx: areas.recv_src_idx,
+            topo: self.topo,
+            shape: areas.shape,
+            memory: &self.symm,
+        };
+        self.device.relay(&phase)?;
+        self.publish_relayed(seq, packet.src)
+    }
+
+    /// Where each token of `packet` is read from and, `[n, ranks per node]`, its row at
+    /// each rank of this node (rows from a source start, on each rank, after those of
+    /// the ranks before it; token order kept), every mask and count checked against
+    /// what the source announced.
+    fn place_relayed(
+        &self,
+        packet: &RelayPacket,
+        matrix: &[u32],
+    ) -> Result<(Vec<RelayedRow>, Vec<u32>)> {
         let topo = self.topo;
-        let (r_n, me) = (topo.num_ranks, topo.rank);
-        let k = areas.shape.topk;
-        let epr = areas.shape.experts_per_rank(r_n);
-        let local = self.symm.local();
-        let bank = areas.bank(seq);
-        let RelayPacket {
-            src, head, fmt, p, ..
-        } = *packet;
-        let (tokens, masks) = (&packet.tokens, &packet.masks);
+        let (r_n, me, rpn) = (topo.num_ranks, topo.rank, topo.ranks_per_node);
+        let RelayPacket { src, head, .. } = *packet;
         let (n, n_direct) = (head.tokens as usize, head.direct_tokens());
-        let row_bytes = fmt.row_bytes;
-        let fp8 = fmt.groups > 0;
-        // Rows from `src` start, on each rank of this node, after those of ranks 0..src.
+        let direct = head.has(DispatchHeader::DIRECT);
         let start = |r: usize| column_sum(matrix, r_n, src, r);
+        let end = |r: usize| start(r) + matrix[src * r_n + r] as usize;
         let mut pos: Vec<usize> = topo.node_ranks(topo.node).map(start).collect();
-        let mut scratch = (vec![0i64; k], vec![0f32; k]);
+        let (mut from, mut rows) = (Vec::with_capacity(n), vec![NOT_SENT; n * rpn]);
         // Rows of the packet that went to none but this rank are not in it.
         let mut rest = 0;
-        for j in 0..n {
-            check_mask(masks[j], tokens[j], topo, src)?;
-            let direct_here = head.has(DispatchHeader::DIRECT) && masks[j] >> topo.local & 1 != 0;
-            // Where the token's x row (and scales) is: in this rank's own output rows
-            // when it went straight there, else the next row of the packet.
-            let (x_at, scales_at) = if direct_here {
-                let at = pos[topo.local];
-                (
-                    bank.recv_x.row(at, row_bytes)?,
-                    bank.recv_scales.row(at, fmt.groups)?,
-                )
-            } else {
-                rest += 1;
-                (
-                    p.x.row(rest - 1, row_bytes)?,
-                    p.scales.row(rest - 1, fmt.groups)?,
-                )
-            };
+        for (j, (&m, &token)) in packet.masks.iter().zip(&packet.tokens).enumerate() {
+            check_mask(m, token, topo, src)?;
+            from.push(match direct && m >> topo.local & 1 != 0 {
+                true => RelayedRow::Own,
+                false => {
+                    rest += 1;
+                    RelayedRow::Packet(rest - 1)
+                }
+            });
             for (l, r) in topo.node_ranks(topo.node).enumerate() {
-                if masks[j] >> l & 1 == 0 {
+                if m >> l & 1 == 0 {
                     continue;
                 }
-                let region = self.peer_region(r)?;
-                let at = pos[l];
-                pos[l] += 1;
-                if at >= start(r) + matrix[src * r_n + r] as usize {
+                if pos[l] >= end(r) {
                     return Err(protocol!(
                         "rank {me}: rank {src}'s dispatch packet sends rank {r} more tokens than its counts announced ({})",
                         matrix[src * r_n + r]
                     ));
                 }
-                // (This rank's own rows went straight into place, unless unaligned.)
-                if !(l == topo.local && direct_here) {
-                    region.copy(bank.recv_x.row(at, row_bytes)?, local, x_at)?;
-                    if fp8 {
-                        region.copy(bank.recv_scales.row(at, fmt.groups)?, local, scales_at)?;
-                    }
-                }
-                packet.put_meta(region, areas, bank, (j, at, r, epr), &mut scratch)?;
+                rows[j * rpn + l] = pos[l] as u32;
+                pos[l] += 1;
             }
         }
-        if rest != n - n_direct {
+        if rest as usize != n - n_direct {
             return Err(protocol!(
                 "rank {me}: rank {src}'s dispatch packet carries {} rows for other ranks, but its masks name {rest}",
                 n - n_direct
             ));
         }
-        self.publish_relayed(seq, src, Some((matrix, &pos)))
+        for (l, r) in topo.node_ranks(topo.node).enumerate() {
+            if pos[l] != end(r) {
+                return Err(protocol!(
+                    "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {}",
+                    pos[l] - start(r),
+                    matrix[src * r_n + r]
+                ));
+            }
+        }
+        Ok((from, rows))
     }
 
-    /// After storing `src`'s packet: check that each rank of this node got as many
-    /// tokens as `src`'s counts announced (`pos[l]`: one past its last row), and publish
-    /// `src` to each of them.
-    /// (`None`: `src` was lost, and its rows are not checked.)
-    fn publish_relayed(
-        &self,
-        seq: u32,
-        src: usize,
-        stored: Option<(&[u32], &[usize])>,
-    ) -> Result<()> {
-        let (topo, me, r_n) = (self.topo, self.topo.rank, self.topo.num_ranks);
-        for (l, r) in topo.node_ranks(topo.node).enumerate() {
-            if let Some((matrix, pos)) = stored {
-                let (start, announced) = (
-                    column_sum(matrix, r_n, src, r),
-                    matrix[src * r_n + r] as usize,
-                );
-                if pos[l] != start + announced {
-                    return Err(protocol!(
-                        "rank {me}: rank {src}'s dispatch packet sends rank {r} {} tokens, but its counts announced {announced}",
-                        pos[l] - start
-                    ));
-                }
-            }
+    /// Publish `src`'s relayed rows of dispatch `seq` to each rank of this node (once
+    /// stored, or when `src` was lost, so that nobody waits for them).
+    fn publish_relayed(&self, seq: u32, src: usize) -> Result<()> {
+        for r in self.topo.node_ranks(self.topo.node) {
             self.peer_region(r)?
                 .word(self.map.control.dispatch_done, src)?
                 .store(seq as u64, Ordering::Release);
@@ -302,7 +262,8 @@ impl Ctx {
     /// Combine phase 3, on the relaying rank: for each source it relays (`relayed`),
     /// once every live rank of this node has written its rows for it, reduce each
     /// token's rows of the live ranks (in f32, rank order, rounded once to bf16, as
-    /// [`reduce_rows`]) and send the node's partial sums to the source in one packet.
+    /// [`crate::quant::reduce_rows`], on the device) and send the node's partial sums
+    /// to the source in one packet.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn relay_combine(
         &self,
@@ -322,9 +283,6 @@ impl Ctx {
         let (h, k, t_max) = (areas.shape.hidden, areas.shape.topk, areas.shape.max_tokens);
         let published = self.relay_rows(seq, mask, wait)?;
         let live = topo.local_bits(topo.node, |r| !mask.is(r));
-        let x_bits: &[u16] = bytemuck::cast_slice(x);
-        let mut w_out = vec![0f32; k];
-        let mut parts = Vec::with_capacity(rpn);
         let mut mine = vec![usize::MAX; t_max];
         for relayed in relayed {
             let src = relayed.src;
@@ -338,47 +296,89 @@ impl Ctx {
                 false => (areas.relay_x, areas.relay_weights),
                 true => (areas.combine_x, areas.combine_weights),
             };
-            let (rows, wrows) = (published.view(rows)?, published.view(wrows)?);
             let Some(mut staged) = self.stage_unless_lost(Channel::Combine, src, wait)? else {
                 continue;
             };
             let n = relayed.tokens.len();
             let p = CombinePacket::layout(n, h, k).at_base(staged.area.offset());
-            let packet_x: &mut [u16] = staged.view_mut(p.x)?;
             // Slot of (source node, local rank l) for token t.
-            let slot = |l: usize, t: usize| relay_slot(topo, src, l) * t_max + t;
-            for (j, (&t, &m)) in relayed.tokens.iter().zip(&relayed.masks).enumerate() {
-                let t = t as usize;
-                let ls = (0..rpn).filter(|&l| (m & live) >> l & 1 != 0);
-                parts.clear();
-                parts.extend(ls.clone().map(|l| {
-                    let row = match l == topo.local {
-                        true => x_bits.row(mine[t], h),
-                        false => rows.row(slot(l, t), h),
-                    };
-                    (row, 1.0)
-                }));
-                let out = packet_x.row_mut(j, h);
-                reduce_rows(&parts, false, bytemuck::cast_slice_mut(out));
-                if let Some(own_w) = args.topk_weights {
-                    w_out.fill(0.0);
-                    for l in ls {
-                        let w = match l == topo.local {
-                            true => own_w.row(mine[t], k),
-                            false => wrows.row(slot(l, t), k),
-                        };
-                        for (a, &b) in w_out.iter_mut().zip(w) {
-                            *a += b;
-                        }
-                    }
-                    self.symm.local().put(p.weights.row(j, k)?, &w_out)?;
-                }
+            let slot = move |l: usize, t: usize| relay_slot(topo, src, l) * t_max + t;
+            // Per token, the live ranks of its mask in rank order: this rank's row is
+            // in `x` (source 0), the others' in this rank's slots (source 1).
+            let mine = &mine;
+            let places = move |j: usize| {
+                let (t, m) = (relayed.tokens[j] as usize, relayed.masks[j] & live);
+                (0..rpn)
+                    .filter(move |&l| m >> l & 1 != 0)
+                    .map(move |l| match l == topo.local {
+                        true => (0, mine[t]),
+                        false => (1, slot(l, t)),
+                    })
+            };
+            let (starts, parts) = token_parts(n, places);
+            let sources = [
+                Rows::Tensor(x),
+                Rows::Symmetric {
+                    rank: me,
+                    area: rows,
+                },
+            ];
+            let phase = ReducePhase {
+                hidden: h,
+                sources: &sources,
+                starts: &starts,
+                parts: &parts,
+                weighted: false,
+                memory: Symmetric::new(&self.symm, published),
+            };
+            let packet_x: &mut [u16] = staged.view_mut(p.x)?;
+            self.device
+                .reduce(&phase, bytemuck::cast_slice_mut(packet_x))?;
+            if let Some(own_w) = args.topk_weights {
+                let w = summed_weights((&starts, &parts), [own_w, published.view(wrows)?], k);
+                self.symm.local().put(p.weights, &w)?;
             }
             let sent = self.net()?.send(staged, p.len, &[]);
             self.unless_lost(src, sent)?;
         }
         Ok(())
     }
+}
+
+/// `[n, K]` each token's weights summed in f32 over its parts, in order, as the rows
+/// are (`sources`: the weights of the reduction's two sources, `[rows, K]`).
+fn summed_weights((starts, parts): (&[u32], &[Part]), sources: [&[f32]; 2], k: usize) -> Vec<f32> {
+    let mut out = vec![0f32; (starts.len().saturating_sub(1)) * k];
+    for (j, ends) in starts.windows(2).enumerate() {
+        let sum = out.row_mut(j, k);
+        for p in &parts[ends[0] as usize..ends[1] as usize] {
+            let w = sources[p.source as usize].row(p.row as usize, k);
+            for (a, &b) in sum.iter_mut().zip(w) {
+                *a += b;
+            }
+        }
+    }
+    out
+}
+
+/// A reduction's parts in CSR form for `n` tokens, token `j` summing `of(j)`'s
+/// `(source, row)` pairs in order, each with weight 1.
+fn token_parts<I>(n: usize, of: impl Fn(usize) -> I) -> (Vec<u32>, Vec<Part>)
+where
+    I: Iterator<Item = (u32, usize)>,
+{
+    let mut starts = Vec::with_capacity(n + 1);
+    let mut parts = Vec::new();
+    for j in 0..n {
+        starts.push(parts.len() as u32);
+        parts.extend(of(j).map(|(source, row)| Part {
+            source,
+            row: row as u32,
+            weight: 1.0,
+        }));
+    }
+    starts.push(parts.len() as u32);
+    (starts, parts)
 }
 
 /// A relayed token's mask of this node's ranks: not empty, and naming no rank past the

@@ -13,7 +13,7 @@ mod unpack;
 
 #[cfg(test)]
 pub(crate) use normal::DirectRun;
-pub(crate) use normal::{normal_combine_send, normal_pack};
+pub(crate) use normal::{normal_combine_send, normal_notify, normal_pack, relay};
 pub(crate) use pack::{ll_combine_pack, ll_pack};
 pub(crate) use unpack::ll_unpack;
 

@@ -1,6 +1,8 @@
-//! The host definitions of normal mode's data-moving phases: the dispatch's pack (CPU
+//! The host definitions of normal mode's data-moving phases: the dispatch's notify
+//! (a few words a rank, on the calling thread), its pack (CPU
 //! threads store each token into its destinations and push the rows for other nodes'
-//! relays as they go) and the combine's send (each row back to its source's slot).
+//! relays as they go), the relay's forward (each relayed token into its node's ranks)
+//! and the combine's send (each row back to its source's slot).
 
 use std::ops::Range;
 
@@ -8,10 +10,37 @@ use half::bf16;
 use uep_shm::Region;
 
 use crate::area::{Mem, SliceRows};
-use crate::device::normal::{Dest, NormalCombineSendPhase, NormalPackPhase, ReturnSink};
+use crate::device::normal::{
+    Dest, NormalCombineSendPhase, NormalPackPhase, NotifyPhase, NotifySink, RelayPhase, RelayedRow,
+    ReturnSink, NOT_SENT,
+};
 use crate::device::Device;
 use crate::error::Result;
 use crate::layout::localize;
+
+/// [`Device::normal_notify`](crate::device::Device::normal_notify) on the calling
+/// thread: a few hundred bytes a rank, less than a launch would cost.
+pub(crate) fn normal_notify(phase: &NotifyPhase<'_>) -> Result<()> {
+    let (local, head) = (phase.memory.local(), [phase.head]);
+    for sink in phase.sinks {
+        match *sink {
+            NotifySink::Skip => {}
+            NotifySink::Slot { rank, slot } => {
+                let region = phase.memory.peer_region(rank)?;
+                region.put(slot.counts, phase.counts)?;
+                region.put(slot.head, &head)?;
+                region
+                    .word(slot.epoch, 0)?
+                    .store(phase.seq.into(), std::sync::atomic::Ordering::Release);
+            }
+            NotifySink::Packet(p) => {
+                local.put(p.head, &head)?;
+                local.put(p.counts, phase.counts)?;
+            }
+        }
+    }
+    Ok(())
+}
 
 /// [`Device::normal_pack`](crate::device::Device::normal_pack) over `device`'s launch:
 /// a lane a block of tokens, cut as [`Device::split`] cuts them (the plan's block
@@ -253,4 +282,74 @@ pub(crate) fn normal_combine_send<D: Device + ?Sized>(
         }
         Ok(())
     })
+}
+
+/// [`Device::relay`](crate::device::Device::relay) over `device`'s launch, in parallel
+/// over the packet's tokens (the host placed every row before).
+pub(crate) fn relay<D: Device + ?Sized>(device: &D, phase: &RelayPhase<'_>) -> Result<()> {
+    let topo = phase.topo;
+    let regions = (topo.node_ranks(topo.node))
+        .map(|r| phase.memory.peer_region(r))
+        .collect::<Result<Vec<_>>>()?;
+    device.launch(phase.tokens(), &|range| {
+        let mut rows = TokenRows::new(phase.shape.topk);
+        for j in range {
+            relay_token(phase, &regions, j, &mut rows)?;
+        }
+        Ok(())
+    })
+}
+
+/// Token `j` of a relay phase into each rank of this node it goes to.
+fn relay_token(
+    phase: &RelayPhase<'_>,
+    regions: &[&Region],
+    j: usize,
+    scratch: &mut TokenRows,
+) -> Result<()> {
+    let (topo, fmt, bank, p) = (phase.topo, phase.fmt, phase.bank, phase.packet);
+    let local = phase.memory.local();
+    let rpn = topo.ranks_per_node;
+    let at = phase.rows.row(j, rpn);
+    let (x, scales) = match phase.from[j] {
+        RelayedRow::Packet(i) => (
+            p.x.row(i as usize, fmt.row_bytes)?,
+            p.scales.row(i as usize, fmt.groups)?,
+        ),
+        RelayedRow::Own => {
+            let own = at[topo.local] as usize;
+            (
+                bank.recv_x.row(own, fmt.row_bytes)?,
+                bank.recv_scales.row(own, fmt.groups)?,
+            )
+        }
+    };
+    let (k, epr) = (
+        phase.shape.topk,
+        phase.shape.experts_per_rank(topo.num_ranks),
+    );
+    for (l, (&row, region)) in at.iter().zip(regions).enumerate() {
+        if row == NOT_SENT {
+            continue;
+        }
+        let (row, r) = (row as usize, topo.node * rpn + l);
+        // This rank's own row, sent straight here, is in place already.
+        if !(l == topo.local && phase.from[j] == RelayedRow::Own) {
+            region.copy(bank.recv_x.row(row, fmt.row_bytes)?, local, x)?;
+            if fmt.groups > 0 {
+                region.copy(bank.recv_scales.row(row, fmt.groups)?, local, scales)?;
+            }
+        }
+        if fmt.topk > 0 {
+            let w = (fmt.weights > 0).then(|| phase.weights.row(j, k));
+            let (ids, ws) = (&mut scratch.idx, &mut scratch.w);
+            localize(phase.idx.row(j, k), (w, phase.lanes), r, epr, ids, ws);
+            region.put(bank.recv_topk_idx.row(row, k)?, ids)?;
+            if fmt.weights > 0 {
+                region.put(bank.recv_topk_weights.row(row, k)?, ws)?;
+            }
+        }
+        region.put(phase.recv_src_idx.row(row, 1)?, &phase.tokens[j..j + 1])?;
+    }
+    Ok(())
 }
