@@ -459,6 +459,66 @@ impl Proxy {
         }
     }
 
+    /// Rank `rank` has a new process (elastic rejoin), whose endpoint for proxy thread
+    /// `t` is `addrs[t]`: every thread abandons what was still in flight to the old
+    /// one, points its transport at the new one, and starts that rank's streams,
+    /// fences and counters again from zero, as the new process's own proxy starts
+    /// them; the rank is no longer lost. Returns once every thread did it.
+    ///
+    /// The caller makes sure that nothing is in flight between the two sides: the old
+    /// process is dead (found gone, and its last writes applied or lost with it), no
+    /// command to `rank` is queued, and the new one sends nothing before this returns.
+    pub fn readmit(&self, rank: usize, addrs: &[uep_transport::PeerAddr]) -> Result<()> {
+        if rank >= self.num_ranks || rank == self.rank || addrs.len() != self.threads.len() {
+            return Err(ProxyError::Invalid(format!(
+                "rank {} cannot readmit rank {rank} of {} with {} addresses for {} threads",
+                self.rank,
+                self.num_ranks,
+                addrs.len(),
+                self.threads.len()
+            )));
+        }
+        self.shared.lost[rank].store(false, Ordering::Release);
+        for (slot, addr) in self.shared.readmits.iter().zip(addrs) {
+            let addr = addr.clone();
+            *worker::lock(slot) = worker::Readmit::Asked { rank, addr };
+        }
+        self.shared.readmit_epoch.fetch_add(1, Ordering::Release);
+        self.wake();
+        let start = std::time::Instant::now();
+        loop {
+            self.check()?;
+            let mut done = 0;
+            for (t, slot) in self.shared.readmits.iter().enumerate() {
+                match &*worker::lock(slot) {
+                    worker::Readmit::Done(Ok(())) => done += 1,
+                    worker::Readmit::Done(Err(why)) => {
+                        return Err(ProxyError::Invalid(format!(
+                            "rank {} proxy thread {t}: readmitting rank {rank}: {why}",
+                            self.rank
+                        )))
+                    }
+                    _ => {}
+                }
+            }
+            if done == self.threads.len() {
+                return Ok(());
+            }
+            if start.elapsed() > self.cfg.timeout {
+                return Err(ProxyError::Timeout {
+                    rank: self.rank,
+                    thread: 0,
+                    waited: start.elapsed(),
+                    what: format!(
+                        "readmitting rank {rank}: {done} threads of {} did",
+                        self.threads.len()
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
     /// Whether `rank` is lost: marked by [`Proxy::mark_lost`], or, with
     /// [`ProxyConfig::elastic`], found by a failed operation to it.
     pub fn is_lost(&self, rank: usize) -> bool {

@@ -100,6 +100,32 @@ impl Recv {
         self.pending_signals > 0 || self.windows.iter().any(|w| !w.pending.is_empty())
     }
 
+    /// Source `src` starts again (a new process took its rank): its streams and
+    /// fences expect their first arrival, and its tail and count-signal counters read
+    /// zero. The barrier counter stays: a replacement goes on with the job's barrier
+    /// numbers. The caller makes sure nothing from the old process is still arriving.
+    pub(crate) fn forget_source(&mut self, src: usize) -> Result<(), Malformed> {
+        let (nc, ne, nr) = (
+            self.counters.num_channels,
+            self.counters.num_local_experts,
+            self.counters.num_ranks,
+        );
+        let region = self.region.clone();
+        for ch in 0..nc {
+            self.windows[src * nc + ch] = Window::default();
+            counter(&region, self.counters.tail(src, ch))?.store(0, Ordering::Release);
+        }
+        for buffer in 0..2 {
+            for expert in 0..ne {
+                let fence = std::mem::take(&mut self.fences[(buffer * ne + expert) * nr + src]);
+                self.pending_signals -= fence.pending.len() as u64;
+                counter(&region, self.counters.ll_signal(buffer, expert, src))?
+                    .store(0, Ordering::Release);
+            }
+        }
+        Ok(())
+    }
+
     /// Validates and applies one immediate.
     pub(crate) fn apply(&mut self, imm: u32) -> Result<(), Malformed> {
         ThreadStats::bump(&self.stats.imms_received, 1);
@@ -334,6 +360,30 @@ mod tests {
         }
         .encode()
         .unwrap()
+    }
+
+    #[test]
+    fn a_forgotten_source_starts_from_zero() {
+        // Source 1 leaves a write and a count signal waiting; a new process takes its
+        // rank: nothing of the old one waits, its counters read zero, and the new one's
+        // first write (seq 0) and first signal apply as firsts.
+        let seg = segment();
+        let mut r = recv(&seg, true);
+        let l = layout();
+        let (tail, ll) = (l.tail(1, 0).unwrap(), l.ll_signal(0, 1, 1).unwrap());
+        r.apply(wimm(1, 0, 0, 3)).unwrap();
+        r.apply(wimm(1, 0, 2, 1)).unwrap();
+        r.apply(limm(0, 1, 1, LlSignal::Count(1))).unwrap();
+        assert!(r.has_pending());
+        assert_eq!(load(&seg, tail), 3);
+        r.forget_source(1).unwrap();
+        assert!(!r.has_pending());
+        assert_eq!((load(&seg, tail), load(&seg, ll)), (0, 0));
+        r.apply(wimm(1, 0, 0, 2)).unwrap();
+        assert_eq!(load(&seg, tail), 2);
+        r.apply(limm(0, 1, 1, LlSignal::Arrival)).unwrap();
+        r.apply(limm(0, 1, 1, LlSignal::Count(1))).unwrap();
+        assert_eq!(load(&seg, ll), 1 << 32 | 1);
     }
 
     proptest! {

@@ -182,6 +182,30 @@ pub(crate) struct Shared {
     pub(crate) lost: Vec<AtomicBool>,
     /// Bumped after every change of `lost`, so threads notice with one load.
     pub(crate) lost_epoch: AtomicU64,
+    /// `[thread]`: a readmission for that thread to carry out ([`crate::Proxy::readmit`]).
+    pub(crate) readmits: Vec<Mutex<Readmit>>,
+    /// Bumped after a readmission is asked, so threads notice with one load.
+    pub(crate) readmit_epoch: AtomicU64,
+}
+
+/// One thread's part of a readmission ([`crate::Proxy::readmit`]).
+#[derive(Debug, Default)]
+pub(crate) enum Readmit {
+    /// Nothing asked.
+    #[default]
+    Idle,
+    /// Rank `rank` has a new process whose endpoint for this thread is `addr`.
+    Asked {
+        rank: usize,
+        addr: uep_transport::PeerAddr,
+    },
+    /// The thread did it (or says why not).
+    Done(std::result::Result<(), String>),
+}
+
+/// A lock whose holder cannot leave the data half-changed: poisoning is ignored.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Shared {
@@ -190,6 +214,7 @@ impl Shared {
         Shared {
             watchers: (0..threads).map(|_| CachePadded::default()).collect(),
             lost: (0..num_ranks).map(|_| AtomicBool::new(false)).collect(),
+            readmits: (0..threads).map(|_| Mutex::default()).collect(),
             ..Shared::default()
         }
     }
@@ -300,6 +325,8 @@ struct Worker {
     lost_seen: u64,
     /// Peers whose operations this thread has abandoned.
     abandoned: Vec<bool>,
+    /// `Shared::readmit_epoch` when this thread last looked for a readmission.
+    readmit_seen: u64,
 }
 
 /// Runs one proxy thread to completion, recording a fatal error in `shared`.
@@ -355,6 +382,7 @@ impl Worker {
             arrivals: Vec::new(),
             lost_seen: 0,
             abandoned: vec![false; init.num_ranks],
+            readmit_seen: 0,
         }
     }
 
@@ -367,6 +395,7 @@ impl Worker {
                 return Ok(());
             }
             self.abandon_lost();
+            self.readmit();
             let mut work = self.poll_send()?;
             work |= self.poll_recv()?;
             let n = self.fifos.len();
@@ -453,6 +482,49 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Carries out this thread's part of a readmission, if one was asked.
+    fn readmit(&mut self) {
+        let epoch = self.shared.readmit_epoch.load(Ordering::Acquire);
+        if epoch == self.readmit_seen {
+            return;
+        }
+        self.readmit_seen = epoch;
+        let shared = Arc::clone(&self.shared);
+        let mut slot = lock(&shared.readmits[self.thread]);
+        if let Readmit::Asked { rank, addr } = std::mem::take(&mut *slot) {
+            *slot = Readmit::Done(self.start_again(rank, &addr));
+        }
+    }
+
+    /// Rank `rank` starts again as a new process at `addr`: what was in flight to the
+    /// old one is abandoned, and its streams, fences and counters start from zero on
+    /// both sides, as the new process's do.
+    fn start_again(
+        &mut self,
+        rank: usize,
+        addr: &uep_transport::PeerAddr,
+    ) -> std::result::Result<(), String> {
+        let gone: Vec<Completion> = (self.transport.abandon_peer(rank).into_iter())
+            .map(|ctx| Completion::Write { ctx })
+            .collect();
+        self.retire(&gone).map_err(|e| e.to_string())?;
+        self.transport
+            .replace_peer(rank, addr)
+            .map_err(|e| e.to_string())?;
+        let nc = self.counters.num_channels;
+        for stream in &mut self.streams[rank * nc..(rank + 1) * nc] {
+            *stream = SendStream::default();
+        }
+        self.recv.forget_source(rank)?;
+        self.abandoned[rank] = false;
+        tracing::debug!(
+            rank = self.rank,
+            thread = self.thread,
+            "rank {rank} starts again"
+        );
+        Ok(())
     }
 
     /// Retires send completions; `true` if any. With [`ProxyConfig::elastic`], a

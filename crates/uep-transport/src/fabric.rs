@@ -980,6 +980,44 @@ impl std::fmt::Debug for LibfabricTransport {
 const CQ_BATCH: usize = 64;
 
 impl LibfabricTransport {
+    /// Rank `r`'s address `a` inserted into the address vector (`None` for an empty
+    /// address: this rank's own, or none).
+    fn insert_peer(&self, r: usize, a: &PeerAddr) -> Result<Option<Peer>, TransportError> {
+        if a.0.is_empty() {
+            return Ok(None);
+        }
+        let d = decode_addr(r, a)?;
+        if d.provider != self.caps.provider {
+            return Err(TransportError::BadPeerAddr {
+                peer: r,
+                reason: format!(
+                    "it uses provider {:?}, this endpoint uses {:?}; all ranks must use the same",
+                    d.provider, self.caps.provider
+                ),
+            });
+        }
+        let mut fi_addr = ffi::FI_ADDR_NOTAVAIL;
+        // SAFETY: AV open; `d.name` is a provider endpoint name of the same
+        // provider (checked above) and the shim inserts exactly one.
+        let n = unsafe { ffi::uep_av_insert(self.fids.av, d.name.as_ptr().cast(), &mut fi_addr) };
+        if n != 1 {
+            return Err(if n < 0 {
+                fab_err("fi_av_insert", n.into())
+            } else {
+                TransportError::BadPeerAddr {
+                    peer: r,
+                    reason: "fi_av_insert rejected the endpoint name".into(),
+                }
+            });
+        }
+        Ok(Some(Peer {
+            fi_addr,
+            base: d.base,
+            len: d.len,
+            key: d.key,
+        }))
+    }
+
     /// Opens an endpoint on `opts.provider`, registers `region` for local
     /// reads and remote writes, and prepares the completion queues.
     ///
@@ -1250,45 +1288,25 @@ impl Transport for LibfabricTransport {
                     .into(),
             ));
         }
-        let mut out = Vec::with_capacity(peers.len());
-        for (r, a) in peers.iter().enumerate() {
-            if a.0.is_empty() {
-                out.push(None);
-                continue;
-            }
-            let d = decode_addr(r, a)?;
-            if d.provider != self.caps.provider {
-                return Err(TransportError::BadPeerAddr {
-                    peer: r,
-                    reason: format!(
-                        "it uses provider {:?}, this endpoint uses {:?}; all ranks must use the same",
-                        d.provider, self.caps.provider
-                    ),
-                });
-            }
-            let mut fi_addr = ffi::FI_ADDR_NOTAVAIL;
-            // SAFETY: AV open; `d.name` is a provider endpoint name of the same
-            // provider (checked above) and the shim inserts exactly one.
-            let n =
-                unsafe { ffi::uep_av_insert(self.fids.av, d.name.as_ptr().cast(), &mut fi_addr) };
-            if n != 1 {
-                return Err(if n < 0 {
-                    fab_err("fi_av_insert", n.into())
-                } else {
-                    TransportError::BadPeerAddr {
-                        peer: r,
-                        reason: "fi_av_insert rejected the endpoint name".into(),
-                    }
-                });
-            }
-            out.push(Some(Peer {
-                fi_addr,
-                base: d.base,
-                len: d.len,
-                key: d.key,
-            }));
-        }
+        let out = (peers.iter().enumerate())
+            .map(|(r, a)| self.insert_peer(r, a))
+            .collect::<Result<Vec<_>, _>>()?;
         self.peers = Some(out);
+        Ok(())
+    }
+
+    fn replace_peer(&mut self, peer: usize, addr: &PeerAddr) -> Result<(), TransportError> {
+        let known = self.peers.as_ref().map_or(0, Vec::len);
+        if peer >= known || addr.0.is_empty() {
+            return Err(TransportError::Invalid(format!(
+                "replace_peer({peer}) needs a connected transport ({known} peers) and an address"
+            )));
+        }
+        // The old address stays in the address vector, unused: its process is gone.
+        let fresh = self.insert_peer(peer, addr)?;
+        if let Some(peers) = self.peers.as_mut() {
+            peers[peer] = fresh;
+        }
         Ok(())
     }
 

@@ -330,6 +330,10 @@ impl<T: Transport> Transport for FaultyTransport<T> {
         self.inner.connect(peers)
     }
 
+    fn replace_peer(&mut self, peer: usize, addr: &PeerAddr) -> Result<(), TransportError> {
+        self.inner.replace_peer(peer, addr)
+    }
+
     fn validate_write(
         &self,
         peer: usize,

@@ -312,6 +312,19 @@ pub trait Transport: Send {
     /// entry may be the real address or empty). Call once, before posting.
     fn connect(&mut self, peers: &[PeerAddr]) -> Result<(), TransportError>;
 
+    /// Replaces `peer`'s address with `addr`, after [`Transport::connect`]: a process
+    /// started to replace a peer that died (elastic rejoin). The caller has abandoned
+    /// every operation to the old one ([`Transport::abandon_peer`]); posts to `peer`
+    /// go to the new one from now on. By default `Unsupported`.
+    fn replace_peer(&mut self, peer: usize, addr: &PeerAddr) -> Result<(), TransportError> {
+        let _ = (peer, addr);
+        Err(TransportError::Unsupported {
+            op: "replace_peer",
+            provider: self.caps().provider.clone(),
+            why: "this transport cannot take a replacement peer".into(),
+        })
+    }
+
     /// Checks, without sending, that a write of `len` bytes from `local_off`
     /// to `peer`'s `remote_off` is allowed (known peer, in-bounds on both
     /// sides, not too long). Every post runs the same check.
@@ -369,6 +382,9 @@ impl<T: Transport + ?Sized> Transport for Box<T> {
     }
     fn connect(&mut self, peers: &[PeerAddr]) -> Result<(), TransportError> {
         (**self).connect(peers)
+    }
+    fn replace_peer(&mut self, peer: usize, addr: &PeerAddr) -> Result<(), TransportError> {
+        (**self).replace_peer(peer, addr)
     }
     fn validate_write(
         &self,

@@ -163,6 +163,67 @@ fn write_with_imm_lands_bit_exact() {
 }
 
 #[test]
+fn a_replaced_peer_gets_the_writes_and_answers() {
+    // Rank 1 goes away (its endpoint closes, as when its process dies) and a new
+    // endpoint takes its place: rank 0 learns the new address, and both directions
+    // carry writes and immediates again.
+    let (mut ts, rs) = open_ranks(2, 1 << 16);
+    let (mut done, mut arr) = empty(2);
+    let write = |peer, imm, ctx| WriteOp {
+        peer,
+        local_off: 0,
+        remote_off: 512,
+        len: 64,
+        imm,
+        ctx,
+    };
+    rs[0].write(0, &pattern(3, 64)).unwrap();
+    post_retry(&mut ts, &mut done, &mut arr, 0, |t| {
+        t.post_write(write(1, 1, 1))
+    });
+    pump_until(&mut ts, &mut done, &mut arr, "first write", |d, a| {
+        !d[0].is_empty() && !a[1].is_empty()
+    });
+    drop(ts.pop());
+    let fresh = HeapRegion::new(1 << 16);
+    let opts = FabricOptions::loopback(PROVIDER);
+    let mut new = LibfabricTransport::new(&opts, RegionRef::from_heap(&fresh)).unwrap();
+    let err = ts[0].replace_peer(1, &PeerAddr(Vec::new())).unwrap_err();
+    assert!(err.to_string().contains("an address"), "{err}");
+    ts[0].replace_peer(1, &new.local_addr()).unwrap();
+    new.connect(&[ts[0].local_addr(), PeerAddr(Vec::new())])
+        .unwrap();
+    ts.push(new);
+    let (mut done, mut arr) = empty(2);
+    rs[0].write(0, &pattern(4, 64)).unwrap();
+    post_retry(&mut ts, &mut done, &mut arr, 0, |t| {
+        t.post_write(write(1, 2, 2))
+    });
+    pump_until(
+        &mut ts,
+        &mut done,
+        &mut arr,
+        "write to the replacement",
+        |d, a| !d[0].is_empty() && !a[1].is_empty(),
+    );
+    assert_eq!(arr[1], vec![Arrival { imm: 2 }]);
+    assert_eq!(fresh.to_vec(512, 64).unwrap(), pattern(4, 64));
+    fresh.write(0, &pattern(5, 64)).unwrap();
+    post_retry(&mut ts, &mut done, &mut arr, 1, |t| {
+        t.post_write(write(0, 3, 3))
+    });
+    pump_until(
+        &mut ts,
+        &mut done,
+        &mut arr,
+        "the replacement's write",
+        |d, a| !d[1].is_empty() && !a[0].is_empty(),
+    );
+    assert_eq!(arr[0], vec![Arrival { imm: 3 }]);
+    assert_eq!(rs[0].to_vec(512, 64).unwrap(), pattern(5, 64));
+}
+
+#[test]
 fn many_writes_varied_sizes_arrive_exactly_once() {
     const MIB: usize = 1 << 20;
     let (mut ts, rs) = open_ranks(3, 8 * MIB);
