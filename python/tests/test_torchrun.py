@@ -20,11 +20,12 @@ def test_torchrun_launches_a_job():
         assert f"rank {r}/4 (local {r}): OK" in out.stdout, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("update", [False, True])
-def test_torchrun_worker_killed_and_replaced_rejoins(tmp_path, update):
+@pytest.mark.parametrize("update,nodes", [(False, 1), (True, 1), (False, 2)])
+def test_torchrun_worker_killed_and_replaced_rejoins(tmp_path, update, nodes):
     """Under a real torchrun, worker 3 SIGKILLs itself mid-serving; the test starts a
     replacement process (rank 3's variables, ``uep.Buffer.join_group()``), which is let
-    in while the survivors keep serving. No survivor raises; every step of every rank
+    in while the survivors keep serving (``nodes=2``: two nodes of two ranks emulated on
+    this host, so the replacement reaches node 0 over the network). No survivor raises; every step of every rank
     (the replacement's from where it joined) is exact against the torch reference for
     that step's mask; all stop at the same step with nobody masked. With ``update``,
     the survivors wait for it in ``update_ep_member()`` (Mooncake's flow), and it is
@@ -41,6 +42,8 @@ def test_torchrun_worker_killed_and_replaced_rejoins(tmp_path, update):
     job = os.path.join(HERE, "torchrun_rejoin_job.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", UEP_TIMEOUT_S="60", JOB_OUT=str(tmp_path),
                JOB_UPDATE=str(int(update)))
+    if nodes > 1:
+        env["UEP_RANKS_PER_NODE"] = str(4 // nodes)
     agent = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "4", "--monitor-interval", "3600",
                               job], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     replacement = None

@@ -143,9 +143,13 @@ pub struct BenchArgs {
     #[arg(long, value_name = "NODE@STEP", requires = "soak")]
     pub kill_node: Vec<At>,
     /// With --elastic --soak: start a replacement of killed rank RANK at step STEP; it
-    /// joins the running job and checks every step from there (repeatable; one node).
+    /// joins the running job and checks every step from there (repeatable).
     #[arg(long, value_name = "RANK@STEP", requires_all = ["soak", "elastic"])]
     pub rejoin: Vec<At>,
+    /// With --elastic --soak: start a replacement of every rank of killed node NODE at
+    /// step STEP (as --rejoin does for one rank).
+    #[arg(long, value_name = "NODE@STEP", requires_all = ["soak", "elastic"])]
+    pub rejoin_node: Vec<At>,
     /// With --elastic --soak: victims, steps and moments (inside calls and agreement
     /// rounds) drawn from SEED; every survivor checks every step and reports a digest
     /// of every mask it agreed on, which must be the same on all of them.
@@ -252,8 +256,17 @@ pub(crate) fn validate(args: &BenchArgs) -> anyhow::Result<()> {
                 j.who, j.step, j.who, j.step
             ));
         }
-        if args.nodes > 1 {
-            return bad("--rejoin works on one node for now (--nodes 1)".into());
+    }
+    for j in &args.rejoin_node {
+        if !args
+            .kill_node
+            .iter()
+            .any(|k| k.who == j.who && k.step < j.step)
+        {
+            return bad(format!(
+                "--rejoin-node {}@{}: node {} is not killed (--kill-node) before step {}",
+                j.who, j.step, j.who, j.step
+            ));
         }
     }
     for k in &args.kill_node {

@@ -105,15 +105,11 @@ impl From<At> for Rejoin {
     }
 }
 
-/// On one node (where ranks can rejoin): which victims of `kills` a replacement takes
-/// the place of, at which step it is started, and whether it dies too (one in four,
+/// Which victims of `kills` a replacement takes the place of, at which step it is started, and whether it dies too (one in four,
 /// 150 to 400 ms after it started: the process takes about 200 ms to start here), also
 /// drawn from `seed` (from a stream of its own, so the victims of a seed stay what
 /// they were).
-pub fn rejoins(seed: u64, kills: &[Kill], nodes: usize, steps: u64) -> Vec<Rejoin> {
-    if nodes > 1 {
-        return Vec::new();
-    }
+pub fn rejoins(seed: u64, kills: &[Kill], steps: u64) -> Vec<Rejoin> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x7265_6a6f_696e);
     kills
         .iter()

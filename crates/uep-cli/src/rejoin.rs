@@ -1,10 +1,11 @@
-//! `uep bench --elastic --soak N --kill R@S --rejoin R@S2`: a killed rank comes back.
+//! `uep bench --elastic --soak N --kill R@S --rejoin R@S2` (or `--kill-node N@S
+//! --rejoin-node N@S2`): a killed rank (every rank of a killed node) comes back.
 //!
 //! At the start of step `S2`, the lowest rank that is no victim starts a replacement:
 //! this program again, with the victim's rank and [`REJOIN_VAR`] set to the moment it
 //! was started. The replacement opens the job's door ([`door_name`]), is let in by the
 //! survivors at the first step boundary after they all mapped its memory, and from then
-//! on runs and checks every step as they do. `--chaos` on one node draws replacements
+//! on runs and checks every step as they do. `--chaos` draws replacements
 //! too ([`crate::chaos::rejoins`]). The survivor that started it waits for it and fails
 //! if it failed; at the end, survivors hold barriers until every replacement started is
 //! back (`soak`'s drain), so that none is left at the door.
@@ -21,13 +22,13 @@ use crate::chaos::{self, Rejoin};
 /// Every replacement this run starts: `--rejoin`'s and `--chaos`'s.
 pub fn planned(args: &BenchArgs) -> Vec<Rejoin> {
     let mut all: Vec<Rejoin> = args.rejoin.iter().map(|&at| at.into()).collect();
+    let per_node = args.ranks / args.nodes.max(1);
+    for at in &args.rejoin_node {
+        let ranks = at.who * per_node..(at.who + 1) * per_node;
+        all.extend(ranks.map(|who| Rejoin::from(crate::args::At { who, step: at.step })));
+    }
     if let (Some(seed), Some(steps)) = (args.chaos, args.soak) {
-        all.extend(chaos::rejoins(
-            seed,
-            &chaos::from_args(args),
-            args.nodes,
-            steps,
-        ));
+        all.extend(chaos::rejoins(seed, &chaos::from_args(args), steps));
     }
     all
 }
@@ -134,10 +135,16 @@ pub fn due(buffer: &Buffer, plan: &[Rejoin], step: u64) -> Vec<Rejoin> {
 fn spawn(j: Rejoin) -> anyhow::Result<Child> {
     let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH)?;
     eprintln!("uep soak: starting a replacement of rank {}", j.rank);
+    // The victim's place among the launcher's ranks of its node, as the launcher
+    // numbered it.
+    let local_world_size: usize = (std::env::var("LOCAL_WORLD_SIZE").ok())
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(1);
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1))
         .env("RANK", j.rank.to_string())
-        .env("LOCAL_RANK", j.rank.to_string())
+        .env("LOCAL_RANK", (j.rank % local_world_size).to_string())
         .env(REJOIN_VAR, now.as_millis().to_string())
         .env_remove(LISTEN_FD_VAR);
     if let Some(d) = j.dies_after {

@@ -626,6 +626,10 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -
         )?),
         _ => None,
     };
+    // A joiner on another node reaches this rank at the endpoints the door names.
+    if let (Some(door), Some(net)) = (&door, &net) {
+        door.set_reach(rank, &net.reach())?;
+    }
     let elastic = cfg
         .elastic
         .then(|| RefCell::new(Elastic::new(num_ranks, cfg.auto_admit)));
@@ -652,6 +656,8 @@ struct Met {
     fingerprint: String,
     /// Rank 0's token: names the job's segments.
     job: u64,
+    /// Every rank is on one host (its nodes, if several, are emulated).
+    one_host: bool,
 }
 
 /// Hosts (which ranks share memory) and a job id for the segment names (rank 0's
@@ -662,6 +668,7 @@ fn meet(cp: &dyn ControlPlane, cfg: &BufferConfig) -> Result<Met> {
     let hellos = exchange::all_gather(cp, "hello", &hello)?;
     let job = hellos[0].0;
     let hosts: Vec<String> = hellos.into_iter().map(|(_, host)| host).collect();
+    let one_host = hosts.iter().all(|h| *h == hosts[0]);
     let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
     let map = RegionMap::new(cfg, num_ranks, topo.num_nodes > 1);
     // Every rank must agree on the shapes: compare them first, so a mismatch is a
@@ -678,6 +685,7 @@ fn meet(cp: &dyn ControlPlane, cfg: &BufferConfig) -> Result<Met> {
         map,
         fingerprint,
         job,
+        one_host,
     })
 }
 
@@ -706,7 +714,7 @@ fn share_memory(
     let names: Vec<String> = names.into_iter().flatten().collect();
     let local: Vec<usize> = topo.node_ranks(topo.node).collect();
     let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
-    let door = make_door(cfg, topo, &met.fingerprint, map.total, met.job);
+    let door = make_door(cfg, met);
     // Everyone has mapped everything (or failed) past this exchange; then the names go.
     let ok = symm.is_ok() && door.as_ref().is_none_or(Result::is_ok);
     let verdicts = exchange::all_gather(cp, "mapped", &ok)?;
@@ -730,21 +738,18 @@ fn share_memory(
     Ok((symm, door))
 }
 
-/// Rank 0 of an elastic job with a door makes it (`door`); one node only, for now.
-fn make_door(
-    cfg: &BufferConfig,
-    topo: &Topology,
-    fingerprint: &str,
-    bytes: usize,
-    job: u64,
-) -> Option<Result<Door>> {
-    let name = cfg.door.as_ref()?;
-    if topo.num_nodes > 1 {
+/// Rank 0 of an elastic job with a door makes it (`door`). A door is shared memory, so
+/// every rank must be on one host (nodes, if several, emulated by ranks per node).
+fn make_door(cfg: &BufferConfig, met: &Met) -> Option<Result<Door>> {
+    let (name, topo) = (cfg.door.as_ref()?, met.topo);
+    if !met.one_host {
         return Some(Err(invalid!(
-            "a door (for ranks that rejoin) works on one node for now; this job has {} nodes",
+            "a door (for ranks that rejoin) is shared memory on one host, and this job's \
+             {} nodes are on several hosts",
             topo.num_nodes
         )));
     }
-    let digest = join::config_digest(fingerprint);
-    (topo.rank == 0).then(|| Door::create(name, topo.num_ranks, cfg, (digest, bytes, job)))
+    let digest = join::config_digest(&met.fingerprint);
+    let header = (digest, met.map.total, met.job);
+    (topo.rank == 0).then(|| Door::create(name, topo.num_ranks, cfg, header))
 }

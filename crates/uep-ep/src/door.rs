@@ -12,6 +12,9 @@
 //! | `member[R]` | 1 + 8 | the rank's process id, then the name of its segment (64 bytes) |
 //! | `request[R]` | 2 + 8 | a joiner's stamp (a random non-zero word), its process id, its segment's name |
 //! | `welcome[R]` | 7 + W | the stamp of the request it answers, then [`Welcome`] |
+//! | `reach[R]` | 1 + 128 | how a member is reached over the network ([`Reach`]: its proxy endpoints), its length stored last |
+//! | `asking[R]` | 1 + 128 | a joiner's [`Reach`] (with where its liveness watch listens), written before its request |
+//! | `ready[R]` | 1 | the survivors that let the joiner in and are ready for its traffic: (its stamp's low 32 bits, count) |
 //!
 //! The survivors keep their segments' names while the door is open, so that a joiner
 //! maps them as a founding rank did.
@@ -32,6 +35,9 @@ const NAME_WORDS: usize = NAME_BYTES / 8;
 const MEMBER: usize = 1 + NAME_WORDS;
 const REQUEST: usize = 2 + NAME_WORDS;
 const WELCOME: usize = 7;
+/// Bytes of a [`Reach`] record, and its words with the length word.
+const REACH_BYTES: usize = 1024;
+const REACH: usize = 1 + REACH_BYTES / 8;
 
 /// Which call a joiner makes first: the one the survivors let it in at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +87,82 @@ pub(crate) struct Welcome {
     pub masked: Vec<bool>,
 }
 
+/// How a rank is reached across nodes: what a process on another node needs to
+/// connect to it (a joiner to a member, the survivors to a joiner).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Reach {
+    /// `[proxy thread]`: the address of that thread's endpoint.
+    pub addrs: Vec<Vec<u8>>,
+    /// A joiner's: where its liveness watch listens for the survivors.
+    pub watch: Option<crate::liveness::Advert>,
+}
+
+impl Reach {
+    fn encode(&self) -> Result<Vec<u8>> {
+        let mut b = vec![u8::try_from(self.addrs.len()).map_err(|_| too_long("threads"))?];
+        for a in &self.addrs {
+            put_bytes(&mut b, a)?;
+        }
+        if let Some(w) = &self.watch {
+            b.push(1);
+            put_bytes(&mut b, w.host.as_bytes())?;
+            b.extend(w.port.to_le_bytes());
+            b.extend(w.nonce.to_le_bytes());
+        }
+        match b.len() <= REACH_BYTES {
+            true => Ok(b),
+            false => Err(too_long("addresses")),
+        }
+    }
+
+    fn decode(b: &[u8]) -> Option<Reach> {
+        let mut r = Reader(b);
+        let n = r.take(1)?[0];
+        let addrs = (0..n).map(|_| r.bytes()).collect::<Option<Vec<_>>>()?;
+        let watch = match r.take(1) {
+            Some([1]) => Some(crate::liveness::Advert {
+                host: String::from_utf8(r.bytes()?).ok()?,
+                port: u16::from_le_bytes(r.take(2)?.try_into().ok()?),
+                nonce: u64::from_le_bytes(r.take(8)?.try_into().ok()?),
+            }),
+            _ => None,
+        };
+        Some(Reach { addrs, watch })
+    }
+}
+
+fn too_long(what: &str) -> EpError {
+    EpError::internal(format!(
+        "a rank's {what} do not fit the door's {REACH_BYTES} bytes"
+    ))
+}
+
+fn put_bytes(b: &mut Vec<u8>, v: &[u8]) -> Result<()> {
+    b.extend(
+        u16::try_from(v.len())
+            .map_err(|_| too_long("addresses"))?
+            .to_le_bytes(),
+    );
+    b.extend(v);
+    Ok(())
+}
+
+/// Reads a [`Reach`]'s bytes in order.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = (self.0.get(..n)?, self.0.get(n..)?);
+        self.0 = rest;
+        Some(head)
+    }
+
+    fn bytes(&mut self) -> Option<Vec<u8>> {
+        let n = u16::from_le_bytes(self.take(2)?.try_into().ok()?);
+        self.take(n.into()).map(<[u8]>::to_vec)
+    }
+}
+
 /// A joiner's request, as the survivors read it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Request {
@@ -103,7 +185,7 @@ impl std::fmt::Debug for Door {
 }
 
 fn len(ranks: usize, words: usize) -> usize {
-    8 * (HEADER + ranks * (MEMBER + REQUEST + WELCOME + words))
+    8 * (HEADER + ranks * (MEMBER + REQUEST + WELCOME + words + 2 * REACH + 1))
 }
 
 impl Door {
@@ -209,9 +291,21 @@ impl Door {
         }
     }
 
-    /// Ask to be let in as `rank`: returns the stamp the welcome will carry.
-    pub fn post_request(&self, rank: usize, pid: u32, name: &str) -> Result<u64> {
+    /// Ask to be let in as `rank` (reached at `reach` when the job has several nodes):
+    /// returns the stamp the welcome will carry.
+    pub fn post_request(
+        &self,
+        rank: usize,
+        (pid, name): (u32, &str),
+        reach: Option<&Reach>,
+    ) -> Result<u64> {
         let at = self.request_at(rank)?;
+        match reach {
+            Some(reach) => self.put_reach(self.reach_at(rank, 1)?, reach)?,
+            None => self
+                .word(self.reach_at(rank, 1)?)?
+                .store(0, Ordering::Release),
+        }
         let stamp = rand::random::<u64>() | 1;
         self.word(at + 1)?.store(pid.into(), Ordering::Relaxed);
         self.put_name(at + 2, name)?;
@@ -286,6 +380,88 @@ impl Door {
             },
             masked: crate::agree::to_mask(&bits, self.ranks),
         }))
+    }
+
+    /// How rank `rank` is reached across nodes (its founding process's, or its last
+    /// joiner's), if published.
+    pub fn reach(&self, rank: usize) -> Result<Option<Reach>> {
+        self.get_reach(self.reach_at(rank, 0)?)
+    }
+
+    /// Publish how rank `rank` is reached across nodes.
+    pub fn set_reach(&self, rank: usize, reach: &Reach) -> Result<()> {
+        self.put_reach(self.reach_at(rank, 0)?, reach)
+    }
+
+    /// The [`Reach`] a joiner of `rank` posted with its request.
+    pub fn asking_reach(&self, rank: usize) -> Result<Option<Reach>> {
+        self.get_reach(self.reach_at(rank, 1)?)
+    }
+
+    /// A survivor let the joiner of `rank` (request `stamp`) in and is ready for its
+    /// traffic: one more in the count the joiner waits for.
+    pub fn ready(&self, rank: usize, stamp: u64) -> Result<()> {
+        let word = self.word(self.ready_at(rank)?)?;
+        let tag = stamp << 32;
+        let mut cur = word.load(Ordering::Acquire);
+        loop {
+            let next = match cur & !0xffff_ffff == tag {
+                true => cur + 1,
+                false => tag | 1,
+            };
+            match word.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(()),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// How many survivors are ready for the joiner of `rank` with request `stamp`.
+    pub fn readied(&self, rank: usize, stamp: u64) -> Result<usize> {
+        let v = self.word(self.ready_at(rank)?)?.load(Ordering::Acquire);
+        Ok(match v & !0xffff_ffff == stamp << 32 {
+            true => (v & 0xffff_ffff) as usize,
+            false => 0,
+        })
+    }
+
+    fn put_reach(&self, at: usize, reach: &Reach) -> Result<()> {
+        let bytes = reach.encode()?;
+        let mut padded = bytes.clone();
+        padded.resize(bytes.len().div_ceil(8) * 8, 0);
+        for (i, w) in padded.chunks_exact(8).enumerate() {
+            let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+            self.word(at + 1 + i)?.store(v, Ordering::Relaxed);
+        }
+        self.word(at)?.store(bytes.len() as u64, Ordering::Release);
+        Ok(())
+    }
+
+    fn get_reach(&self, at: usize) -> Result<Option<Reach>> {
+        let n = self.word(at)?.load(Ordering::Acquire) as usize;
+        if n == 0 {
+            return Ok(None);
+        }
+        let mut bytes = Vec::with_capacity(n.div_ceil(8) * 8);
+        for i in 0..n.min(REACH_BYTES).div_ceil(8) {
+            bytes.extend(self.word(at + 1 + i)?.load(Ordering::Relaxed).to_le_bytes());
+        }
+        bytes.truncate(n);
+        Reach::decode(&bytes).map(Some).ok_or_else(|| {
+            EpError::Protocol("a rank's network addresses at the door are not readable".into())
+        })
+    }
+
+    /// Where block `which` (0: members', 1: joiners') of reach records holds `rank`'s.
+    fn reach_at(&self, rank: usize, which: usize) -> Result<usize> {
+        let base = HEADER + self.ranks * (MEMBER + REQUEST + WELCOME + self.words);
+        self.check(rank)
+            .map(|r| base + (which * self.ranks + r) * REACH)
+    }
+
+    fn ready_at(&self, rank: usize) -> Result<usize> {
+        let base = HEADER + self.ranks * (MEMBER + REQUEST + WELCOME + self.words + 2 * REACH);
+        self.check(rank).map(|r| base + r)
     }
 
     fn member_at(&self, rank: usize) -> Result<usize> {
@@ -417,7 +593,7 @@ mod tests {
         );
         assert_eq!(other.member(3).unwrap(), None);
         assert_eq!(other.request(5).unwrap(), None);
-        let stamp = other.post_request(5, 77, "uep-abc-r5-p77").unwrap();
+        let stamp = other.post_request(5, (77, "uep-abc-r5-p77"), None).unwrap();
         let req = door.request(5).unwrap().unwrap();
         assert_eq!(
             (req.stamp, req.pid, req.name.as_str()),
@@ -456,5 +632,43 @@ mod tests {
         drop((alive, dead)); // their makers' drop removes their names
         door.close().unwrap();
         assert!(Door::open(&name, 70, Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn reach_records_and_the_ready_count_keep_their_fields() {
+        let name = door_name("reach");
+        let cfg = BufferConfig::new(64, 512, 8, 0, 128);
+        let mut door = Door::create(&name, 6, &cfg, (1, 1, 1)).unwrap();
+        let member = Reach {
+            addrs: vec![vec![7; 90], vec![], vec![1, 2, 3]],
+            watch: None,
+        };
+        assert_eq!(door.reach(4).unwrap(), None);
+        door.set_reach(4, &member).unwrap();
+        assert_eq!(door.reach(4).unwrap(), Some(member.clone()));
+        let joiner = Reach {
+            watch: Some(crate::liveness::Advert {
+                host: "127.0.0.1".into(),
+                port: 4242,
+                nonce: u64::MAX - 3,
+            }),
+            ..member
+        };
+        let stamp = door.post_request(5, (9, "uep-j"), Some(&joiner)).unwrap();
+        assert_eq!(door.asking_reach(5).unwrap(), Some(joiner));
+        assert_eq!(door.reach(5).unwrap(), None);
+        let too_many = Reach {
+            addrs: vec![vec![0; 600]; 2],
+            watch: None,
+        };
+        assert!(door.set_reach(0, &too_many).is_err());
+        // Survivors count in; an older request's count does not carry over.
+        assert_eq!(door.readied(5, stamp).unwrap(), 0);
+        door.ready(5, stamp ^ 2).unwrap();
+        door.ready(5, stamp).unwrap();
+        door.ready(5, stamp).unwrap();
+        assert_eq!(door.readied(5, stamp).unwrap(), 2);
+        assert_eq!(door.readied(5, stamp ^ 2).unwrap(), 0);
+        door.close().unwrap();
     }
 }

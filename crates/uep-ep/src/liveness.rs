@@ -17,12 +17,14 @@
 //! kernel that stops answering, or a connection its kernel closed. The cost on a
 //! healthy run is one byte per peer per tick, off the data path.
 //!
-//! Invariant: a verdict is final. [`Liveness::lost`] never un-reports a rank.
+//! Invariant: a verdict is final for a process. [`Liveness::lost`] un-reports a rank
+//! only when a new process takes its place ([`Liveness::readmit`], elastic rejoin): the
+//! new one is watched over a new connection, which it listens for ([`Listening`]).
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -74,16 +76,59 @@ impl Default for LivenessConfig {
 /// What the watcher and the waits share.
 struct Shared {
     stop: AtomicBool,
-    /// Whether any rank is lost: the one load a wait makes.
-    any: AtomicBool,
-    /// `[rank]`: the verdict on it, set once.
-    lost: Vec<OnceLock<Lost>>,
+    /// How many ranks are lost (flagged): the one load a wait makes.
+    any: AtomicUsize,
+    /// `[rank]`: the verdict on its process, set once (cleared when a new process
+    /// takes the rank).
+    lost: Vec<Mutex<Option<Lost>>>,
+    /// `[rank]`: whether `lost` holds a verdict (one load for the waits).
+    flagged: Vec<AtomicBool>,
+    /// Connections to watch from the next tick on: to new processes of readmitted ranks.
+    inbox: Mutex<Vec<Conn>>,
+}
+
+impl Shared {
+    fn new(num_ranks: usize) -> Shared {
+        Shared {
+            stop: AtomicBool::new(false),
+            any: AtomicUsize::new(0),
+            lost: (0..num_ranks).map(|_| Mutex::new(None)).collect(),
+            flagged: (0..num_ranks).map(|_| AtomicBool::new(false)).collect(),
+            inbox: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn verdict(&self, rank: usize) -> Option<MutexGuard<'_, Option<Lost>>> {
+        self.lost.get(rank).map(lock)
+    }
+
+    /// Record the verdict on `rank` (the first one stays).
+    fn report(&self, lost: Lost) {
+        let rank = lost.rank;
+        if let Some(mut v) = self.verdict(rank) {
+            v.get_or_insert(lost);
+            if !self.flagged[rank].swap(true, Ordering::AcqRel) {
+                self.any.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Forget the verdict on `rank` (a new process took it).
+    fn forget(&self, rank: usize) {
+        if let Some(mut v) = self.verdict(rank) {
+            *v = None;
+            if self.flagged[rank].swap(false, Ordering::AcqRel) {
+                self.any.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
 }
 
 /// One rank's liveness watch over the ranks on other nodes; see the module docs.
 pub struct Liveness {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    cfg: LivenessConfig,
 }
 
 impl std::fmt::Debug for Liveness {
@@ -104,6 +149,35 @@ struct Conn {
     left: bool,
 }
 
+impl Conn {
+    /// The connection to `rank` (on `node`, `host`), set up for watching: a kernel
+    /// timeout for unacknowledged bytes, no batching of beats, non-blocking.
+    fn new(
+        me: usize,
+        rank: usize,
+        node: usize,
+        host: &str,
+        stream: TcpStream,
+        cfg: LivenessConfig,
+    ) -> Result<Conn> {
+        let sock = socket2::SockRef::from(&stream);
+        sock.set_tcp_user_timeout(Some(cfg.unreachable_after))
+            .and_then(|()| sock.set_nodelay(true))
+            .and_then(|()| stream.set_nonblocking(true))
+            .map_err(io_err(
+                me,
+                format!("configuring the connection to rank {rank}"),
+            ))?;
+        Ok(Conn {
+            rank,
+            node,
+            host: host.to_owned(),
+            stream,
+            left: false,
+        })
+    }
+}
+
 impl Liveness {
     /// Connects this rank to every rank on another node and starts the watcher.
     /// Collective. `host` is the address to listen on and advertise (this rank's
@@ -118,35 +192,16 @@ impl Liveness {
         timeout: Duration,
     ) -> Result<Liveness> {
         let me = topo.rank;
-        let shared = Arc::new(Shared {
-            stop: AtomicBool::new(false),
-            any: AtomicBool::new(false),
-            lost: (0..topo.num_ranks).map(|_| OnceLock::new()).collect(),
-        });
         if !cfg.watch {
             return Ok(Liveness {
-                shared,
+                shared: Arc::new(Shared::new(topo.num_ranks)),
                 thread: None,
+                cfg,
             });
         }
-        let bind_ip: IpAddr = host.parse().unwrap_or(Ipv4Addr::UNSPECIFIED.into());
-        let listener = listen(bind_ip).map_err(io_err(me, format!("listening on {bind_ip}")))?;
-        let port = listener
-            .local_addr()
-            .map_err(io_err(me, "reading the port".into()))?
-            .port();
-        // Each rank's nonce: a joiner proves it took part in this exchange.
-        let nonce = rand::random::<u64>();
-        let adverts = exchange(
-            cp,
-            &Advert {
-                host: host.to_owned(),
-                port,
-                nonce,
-            },
-        )?;
-        let node_of = |r: usize| r / topo.ranks_per_node;
-        let remote = |r: &usize| node_of(*r) != topo.node;
+        let listening = Listening::new(me, host)?;
+        let adverts = exchange(cp, &listening.advert)?;
+        let remote = |r: &usize| topo.node_of(*r) != topo.node;
         let deadline = Instant::now() + timeout;
         // Connect to the higher ranks (their listeners exist: they were bound before
         // the exchange), then accept the lower ones: nobody waits on a connect.
@@ -155,25 +210,32 @@ impl Liveness {
             streams.push((r, connect(me, r, &adverts[r], deadline)?));
         }
         let lower: Vec<usize> = (0..me).filter(remote).collect();
-        streams.extend(accept(&listener, me, nonce, &lower, deadline, timeout)?);
-        let mut conns = Vec::with_capacity(streams.len());
-        for (rank, stream) in streams {
-            let sock = socket2::SockRef::from(&stream);
-            sock.set_tcp_user_timeout(Some(cfg.unreachable_after))
-                .and_then(|()| sock.set_nodelay(true))
-                .and_then(|()| stream.set_nonblocking(true))
-                .map_err(io_err(
-                    me,
-                    format!("configuring the connection to rank {rank}"),
-                ))?;
-            conns.push(Conn {
-                rank,
-                node: node_of(rank),
-                host: hosts[rank].clone(),
-                stream,
-                left: false,
-            });
-        }
+        let Listening { listener, advert } = listening;
+        streams.extend(accept(
+            &listener,
+            me,
+            advert.nonce,
+            &lower,
+            deadline,
+            timeout,
+        )?);
+        Liveness::watch_streams(topo, streams, hosts, cfg)
+    }
+
+    /// Watch `streams` (a connection to each rank on another node, `(rank, stream)`).
+    fn watch_streams(
+        topo: &Topology,
+        streams: Vec<(usize, TcpStream)>,
+        hosts: &[String],
+        cfg: LivenessConfig,
+    ) -> Result<Liveness> {
+        let me = topo.rank;
+        let shared = Arc::new(Shared::new(topo.num_ranks));
+        let conns = (streams.into_iter())
+            .map(|(rank, stream)| {
+                Conn::new(me, rank, topo.node_of(rank), &hosts[rank], stream, cfg)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let thread = {
             let shared = shared.clone();
             std::thread::Builder::new()
@@ -184,25 +246,45 @@ impl Liveness {
         Ok(Liveness {
             shared,
             thread: Some(thread),
+            cfg,
         })
+    }
+
+    /// A new process took rank `rank` (on `node`, host `host`) and listens at `advert`:
+    /// connect to it, watch it from the next tick, and forget the old process's verdict.
+    pub(crate) fn readmit(
+        &self,
+        me: usize,
+        (rank, node, host): (usize, usize, &str),
+        advert: &Advert,
+        deadline: Instant,
+    ) -> Result<()> {
+        if self.thread.is_some() {
+            let stream = connect(me, rank, advert, deadline)?;
+            let conn = Conn::new(me, rank, node, host, stream, self.cfg)?;
+            lock(&self.shared.inbox).push(conn);
+        }
+        self.shared.forget(rank);
+        Ok(())
     }
 
     /// Whether any rank is lost (one relaxed load; for the waits' hot loop).
     pub fn any_lost(&self) -> bool {
-        self.shared.any.load(Ordering::Acquire)
+        self.shared.any.load(Ordering::Acquire) > 0
     }
 
     /// The verdict on `rank`, if it is lost.
-    pub fn lost(&self, rank: usize) -> Option<&Lost> {
-        self.shared.lost.get(rank)?.get()
+    pub fn lost(&self, rank: usize) -> Option<Lost> {
+        let flagged = self.shared.flagged.get(rank)?.load(Ordering::Acquire);
+        flagged
+            .then(|| self.shared.verdict(rank)?.clone())
+            .flatten()
     }
 
     /// The first rank found lost (earliest verdict), if any.
-    pub fn first_lost(&self) -> Option<&Lost> {
-        self.shared
-            .lost
-            .iter()
-            .filter_map(OnceLock::get)
+    pub fn first_lost(&self) -> Option<Lost> {
+        (0..self.shared.lost.len())
+            .filter_map(|r| self.lost(r))
             .min_by_key(|l| l.at)
     }
 
@@ -214,11 +296,62 @@ impl Liveness {
     }
 }
 
-/// Where a rank's watch listens, and the nonce that proves a joiner saw this.
-struct Advert {
-    host: String,
-    port: u16,
-    nonce: u64,
+/// Where a rank's watch listens, and the nonce a connecting peer must say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Advert {
+    pub(crate) host: String,
+    pub(crate) port: u16,
+    pub(crate) nonce: u64,
+}
+
+/// A watch's listener, before its connections are made: a founding rank's until the
+/// others connected, a joiner's until the survivors did ([`Listening::accept`]).
+pub(crate) struct Listening {
+    listener: TcpListener,
+    pub(crate) advert: Advert,
+}
+
+impl Listening {
+    /// Listen on `host` (this rank's address on the job's network) with a fresh nonce.
+    pub(crate) fn new(me: usize, host: &str) -> Result<Listening> {
+        let bind_ip: IpAddr = host.parse().unwrap_or(Ipv4Addr::UNSPECIFIED.into());
+        let listener = listen(bind_ip).map_err(io_err(me, format!("listening on {bind_ip}")))?;
+        let port = listener
+            .local_addr()
+            .map_err(io_err(me, "reading the port".into()))?
+            .port();
+        let advert = Advert {
+            host: host.to_owned(),
+            port,
+            nonce: rand::random::<u64>(),
+        };
+        Ok(Listening { listener, advert })
+    }
+
+    /// A joiner's watch: accept the connection of each rank of `from` (the live ranks
+    /// on other nodes, which connect when they let it in) and watch them.
+    pub(crate) fn accept(
+        self,
+        topo: &Topology,
+        from: &[usize],
+        hosts: &[String],
+        (cfg, timeout): (LivenessConfig, Duration),
+    ) -> Result<Liveness> {
+        let deadline = Instant::now() + timeout;
+        let streams = accept(
+            &self.listener,
+            topo.rank,
+            self.advert.nonce,
+            from,
+            deadline,
+            timeout,
+        )?;
+        Liveness::watch_streams(topo, streams, hosts, cfg)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A listener on an ephemeral port of `ip` whose queue holds every peer: up to 1023
@@ -344,10 +477,10 @@ fn watch(shared: &Shared, mut conns: Vec<Conn>, cfg: LivenessConfig) {
             at: Instant::now(),
         };
         tracing::warn!("{lost}");
-        let _ = shared.lost[c.rank].set(lost);
-        shared.any.store(true, Ordering::Release);
+        shared.report(lost);
     };
     while !shared.stop.load(Ordering::Acquire) {
+        conns.append(&mut lock(&shared.inbox));
         // Nodes found unreachable this tick, with the verdict.
         let mut unreachable: Vec<(usize, Gone)> = Vec::new();
         conns.retain_mut(|c| {

@@ -45,6 +45,10 @@ pub(crate) struct Elastic {
     /// `[rank]`: a rank on another node whose decided mask the last agreement did not
     /// read, and how many of its round messages it read (`elastic::mailbox`).
     pub(crate) unsettled: Vec<Option<u32>>,
+    /// `[rank]`: agreements before this rank's process and the one there now took
+    /// part together (0 for founding ranks): a rank's decisions are counted by its
+    /// proxy per process pair, so the count of agreement `k`'s is `k` minus this.
+    pub(crate) decided_base: Vec<u64>,
     /// The mask the last combine (either mode) used.
     pub(crate) last_combine: Vec<bool>,
     /// Letting replacements in (`elastic::join`).
@@ -58,7 +62,10 @@ pub(crate) struct Joiner {
     pub(crate) stamp: u64,
     pub(crate) pid: u32,
     pub(crate) name: String,
-    pub(crate) region: uep_shm::Region,
+    /// Its memory, mapped here (a joiner on this node).
+    pub(crate) region: Option<uep_shm::Region>,
+    /// How it is reached across nodes (a job of several nodes).
+    pub(crate) reach: Option<crate::door::Reach>,
 }
 
 /// What the survivors know of replacements (see `elastic::join`).
@@ -123,6 +130,7 @@ impl Elastic {
             round: 0,
             agreed: vec![false; num_ranks],
             unsettled: vec![None; num_ranks],
+            decided_base: vec![0; num_ranks],
             digest: crate::fnv::OFFSET,
             fault: None,
             last_combine: vec![false; num_ranks],

@@ -88,12 +88,14 @@ fn the_door_checks_who_comes() {
 }
 
 #[test]
-fn a_door_is_for_one_node() {
+fn a_door_spans_nodes_emulated_on_one_host() {
+    // Two ranks as two nodes of this host: the door is made (every rank can reach it),
+    // and each rank publishes there how a joiner on the other node reaches it. (The
+    // rejoin itself needs separate processes: `uep bench --nodes 2 --kill --rejoin`.)
     let mut cfg = config(&door("nodes"));
     cfg.ranks_per_node = Some(1);
     let outcomes = run_ranks(2, |group| Buffer::new(group, cfg.clone()).map(drop));
     for o in outcomes.expect("two ranks") {
-        let e = o.unwrap_err();
-        assert!(e.to_string().contains("one node"), "{e}");
+        o.unwrap();
     }
 }

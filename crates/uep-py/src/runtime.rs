@@ -677,8 +677,9 @@ impl Runtime {
             threads: device_threads,
             emulate: ranks_per_node,
             elastic,
-            // Replacements find a job through its door on one node only (for now).
-            door: door.filter(|_| elastic && topo.num_nodes == 1),
+            // A door is shared memory: replacements find a job through it when every
+            // rank is on one host (one node, or nodes emulated by ranks per node).
+            door: door.filter(|_| elastic && (topo.num_nodes == 1 || ranks_per_node.is_some())),
             state: Mutex::new(State {
                 buffer: None,
                 outputs: Pool::default(),

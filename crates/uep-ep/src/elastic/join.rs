@@ -1,21 +1,30 @@
 //! Rejoin: a process started to replace a masked rank takes its place in a running job.
 //!
 //! 1. **The joiner** ([`Buffer::join`](crate::Buffer::join)) opens the job's door
-//!    ([`door`](crate::door)), makes its own segment, maps the survivors' (their names
-//!    are at the door), and posts a request: its process and segment.
+//!    ([`door`](crate::door)), makes its own segment, maps its node's survivors' (their
+//!    names are at the door), and, in a job of several nodes, opens its endpoints
+//!    (connected to the members' the door names) and its liveness listener
+//!    ([`crate::net::Joining`]); then it posts a request: its process, segment and
+//!    endpoints.
 //! 2. **Each survivor**, at every agreement that may let ranks in (after a combine, or a
-//!    barrier) and while some rank is gone, reads the door: it maps a live requester's
-//!    segment (if its caller admits that rank, [`Buffer::admit`](crate::Buffer::admit),
-//!    or lets everyone in) and from then on proposes the rank *unmasked*.
+//!    barrier) and while some rank is gone, reads the door: for a live requester (if
+//!    its caller admits that rank, [`Buffer::admit`](crate::Buffer::admit), or lets
+//!    everyone in) it maps its segment (same node) or reads its endpoints (another
+//!    node), and from then on proposes the lowest such rank *unmasked*, none while one
+//!    waits to be let in.
 //! 3. **The agreement decides.** It decides the union of the proposals, so the rank
 //!    leaves the decided mask only once every survivor proposed it unmasked: then all
-//!    survivors let it in at the same call, and a survivor that has not mapped it yet
-//!    only delays the decision. The call of that agreement still runs without it.
+//!    survivors let it in at the same call, one joiner at a time, and a survivor that
+//!    has not mapped it yet only delays the decision. The call of that agreement still
+//!    runs without it.
 //! 4. **The first dispatch (or barrier) after**, with no low-latency call waiting for
-//!    its receive, every survivor puts the joiner's region in its predecessor's place,
-//!    forgets the predecessor's masking, and writes the same welcome at the door: the
-//!    call numbers, agreements, the mask and the caller's step. The joiner reads it,
-//!    returns from `join`, and makes that call with them.
+//!    its receive, every survivor puts the joiner's region in its predecessor's place
+//!    (same node) or readmits it on its network path (another node:
+//!    `NetPath::readmit`), forgets the predecessor's masking, writes the same welcome at
+//!    the door (the call numbers, agreements, the mask and the caller's step), and
+//!    counts itself ready. The joiner reads the welcome, waits until every live rank is
+//!    ready, starts its network path, returns from `join`, and makes that call with
+//!    them.
 //!
 //! A joiner that dies before it is let in is dropped (its process is watched); after,
 //! it is a rank like any other, masked again by the next wait on it.
@@ -25,16 +34,18 @@ use std::time::{Duration, Instant};
 
 use uep_bootstrap::{BootstrapError, ControlPlane};
 use uep_shm::{Region, Segment};
+use uep_transport::PeerAddr;
 
 use crate::area::Mem;
 use crate::config::BufferConfig;
 use crate::ctx::Ctx;
 use crate::device::Device;
-use crate::door::{Calls, Door, FirstCall, Welcome};
+use crate::door::{Calls, Door, FirstCall, Reach, Welcome};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::RegionMap;
 use crate::mask::{Elastic, Joiner};
+use crate::net::Joining;
 use crate::symm::Symmetric;
 use crate::topology::Topology;
 use crate::wait::process_gone;
@@ -81,22 +92,51 @@ impl Ctx {
                 );
                 continue;
             }
-            match Segment::open(&req.name, self.map.total, Duration::ZERO) {
-                Ok(seg) => {
+            match self.reach_joiner(door, r, &req.name) {
+                Ok(Some((region, reach))) => {
                     e.doorway.asking[r] = Some(Joiner {
                         stamp: req.stamp,
                         pid: req.pid,
                         name: req.name,
-                        region: seg.region().clone(),
+                        region,
+                        reach,
                     })
                 }
+                Ok(None) => {}
                 Err(err) => tracing::warn!(
                     rank = self.topo.rank,
-                    "cannot map the segment of rank {r}'s replacement: {err}"
+                    "cannot reach rank {r}'s replacement: {err}"
                 ),
             }
         }
         Ok(())
+    }
+
+    /// What this rank needs of the joiner of `rank` whose segment is `name`: its memory
+    /// mapped (on this node) and how it is reached across nodes (a job of several
+    /// nodes; `None` until its request carries it).
+    fn reach_joiner(
+        &self,
+        door: &Door,
+        rank: usize,
+        name: &str,
+    ) -> Result<Option<(Option<Region>, Option<Reach>)>> {
+        let reach = match self.topo.num_nodes > 1 {
+            true => match door.asking_reach(rank)? {
+                Some(reach) => Some(reach),
+                None => return Ok(None),
+            },
+            false => None,
+        };
+        let region = match self.topo.is_local(rank) {
+            true => Some(
+                Segment::open(name, self.map.total, Duration::ZERO)?
+                    .region()
+                    .clone(),
+            ),
+            false => None,
+        };
+        Ok(Some((region, reach)))
     }
 
     /// The joiners let in by the decided mask `union` of an agreement that may let ranks
@@ -124,9 +164,19 @@ impl Ctx {
         let joiners: Vec<(usize, Joiner)> = (0..self.topo.num_ranks)
             .filter_map(|r| e.doorway.let_in[r].take().map(|j| (r, j)))
             .collect();
+        let deadline = Instant::now() + self.cfg.timeout;
         for (r, j) in &joiners {
-            self.symm.replace_peer(*r, j.region.clone());
+            match (&j.region, &j.reach) {
+                (Some(region), _) => self.symm.replace_peer(*r, region.clone()),
+                (None, Some(reach)) => self.net()?.readmit(*r, reach, deadline)?,
+                (None, None) => {
+                    return Err(EpError::internal(format!(
+                        "rank {r}'s joiner is not reached"
+                    )))
+                }
+            }
             e.readmit(*r);
+            e.decided_base[*r] = e.round;
             e.doorway.answered[*r] = j.stamp;
             e.doorway.admit[*r] = false;
             tracing::info!(
@@ -151,9 +201,15 @@ impl Ctx {
         // maps the others by those names).
         for (r, j) in &joiners {
             door.set_member(*r, j.pid, &j.name)?;
+            if let Some(reach) = &j.reach {
+                let addrs = reach.addrs.clone();
+                door.set_reach(*r, &Reach { addrs, watch: None })?;
+            }
         }
         for (r, j) in &joiners {
             door.welcome(*r, j.stamp, &welcome)?;
+            // Ready for its traffic: everything above is done on this rank.
+            door.ready(*r, j.stamp)?;
         }
         Ok(())
     }
@@ -287,21 +343,16 @@ fn enter(cfg: &BufferConfig, rank: usize, world: usize) -> Result<Entry> {
         return Err(invalid!("rank {rank} cannot join a job of {world} ranks"));
     }
     let door = Door::open(name, world, cfg.timeout).map_err(|e| no_job(name, &e))?;
-    let map = RegionMap::new(cfg, world, false);
+    // Every rank is on this host (the door's): nodes are emulated by ranks per node.
+    let hosts = vec![uep_bootstrap::host_id(); world];
+    let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
+    let map = RegionMap::new(cfg, world, topo.num_nodes > 1);
     let (digest, bytes, job) = door.header()?;
     if digest != config_digest(&cfg.fingerprint(map.total)) || bytes != map.total {
         return Err(invalid!(
             "rank {rank} was given another Buffer config than the job at door {name} \
              ({} bytes here, {bytes} there)",
             map.total
-        ));
-    }
-    let hosts = vec![uep_bootstrap::host_id(); world];
-    let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
-    if topo.num_nodes > 1 {
-        return Err(invalid!(
-            "a rank rejoins a job on one node only for now ({} nodes here)",
-            topo.num_nodes
         ));
     }
     Ok(Entry {
@@ -333,38 +384,37 @@ pub(crate) fn join(
         .word(map.control.pid, 0)?
         .store(pid.into(), std::sync::atomic::Ordering::Release);
     let mut peers = vec![None; world];
-    for r in (0..world).filter(|&r| r != rank) {
+    for r in topo.node_ranks(topo.node).filter(|&r| r != rank) {
         peers[r] = map_member(&door, r, map.total)?;
     }
+    // Across nodes: endpoints the survivors connect to when they let this one in.
+    let net_cfg = joiner_net(&cfg, &door, topo)?;
+    let mut joining = (net_cfg.as_ref())
+        .map(|(c, peers)| Joining::open(rank, own.region(), c, peers))
+        .transpose()?;
     let asked = Instant::now();
-    let stamp = door.post_request(rank, pid, &name)?;
+    let reach = joining.as_ref().map(Joining::reach);
+    let stamp = door.post_request(rank, (pid, &name), reach.as_ref())?;
     let welcome = wait_welcome(&door, rank, stamp, cfg.timeout)?;
-    let waited = asked.elapsed();
-    for r in (0..world).filter(|&r| r != rank) {
-        if peers[r].is_none() && !welcome.masked[r] {
-            peers[r] = map_member(&door, r, map.total)?;
-            if peers[r].is_none() {
-                return Err(EpError::Resource(format!(
-                    "rank {rank} rejoined, but cannot map the memory of rank {r}"
-                )));
-            }
-        }
-        // A rank gone before this one came: a blank region, where writes go nowhere
-        // as they do into a dead rank's memory on the ranks that mapped it alive.
-        if peers[r].is_none() {
-            peers[r] = Some(Region::anonymous(map.total)?);
-        }
+    wait_ready(&door, (rank, stamp), &welcome, cfg.timeout)?;
+    // A rank that rejoined since this one opened its endpoints has new ones.
+    if let (Some(j), Some((_, opened_with))) = (&mut joining, &net_cfg) {
+        j.refresh(&member_addrs(&door, world, opened_with.len())?)?;
     }
+    let waited = asked.elapsed();
+    map_node(&door, (topo, rank), &welcome, &mut peers, map.total)?;
     let symm = Symmetric::from_parts(rank, own, peers);
     start_words(&symm, &map, &welcome.calls)?;
-    let mut e = Elastic::new(world, cfg.auto_admit);
-    for r in (0..world).filter(|&r| welcome.masked[r]) {
-        e.mask(r);
-        e.gone[r] = true;
-        e.agreed[r] = true;
-        e.why[r] = Some(format!("masked when rank {rank} rejoined"));
-    }
-    (e.round, e.digest) = (welcome.round, welcome.digest);
+    let net = match (joining, net_cfg, map.net) {
+        (Some(j), Some((c, _)), Some(areas)) => Some(j.start(
+            (topo, symm.local(), areas),
+            &c,
+            device.fifo_alloc(),
+            (&welcome.masked, welcome.calls.barriers),
+        )?),
+        _ => None,
+    };
+    let e = joiner_state(rank, cfg.auto_admit, &welcome);
     door.set_member(rank, pid, &name)?;
     let cx = Ctx {
         device,
@@ -374,11 +424,125 @@ pub(crate) fn join(
         map,
         symm,
         cfg,
-        net: None,
+        net,
         elastic: Some(std::cell::RefCell::new(e)),
         door: Some(door),
     };
     Ok((cx, welcome, waited))
+}
+
+/// Map the ranks of the joiner's node that its welcome says are live (those it could
+/// not map before it asked, its `peers` still `None`), and a blank region for each one
+/// still masked: writes to it go nowhere, as they do into a dead rank's memory on the
+/// ranks that mapped it alive.
+fn map_node(
+    door: &Door,
+    (topo, rank): (Topology, usize),
+    welcome: &Welcome,
+    peers: &mut [Option<Region>],
+    bytes: usize,
+) -> Result<()> {
+    for r in topo.node_ranks(topo.node).filter(|&r| r != rank) {
+        if peers[r].is_none() && !welcome.masked[r] {
+            peers[r] = map_member(door, r, bytes)?;
+            if peers[r].is_none() {
+                return Err(EpError::Resource(format!(
+                    "rank {rank} rejoined, but cannot map the memory of rank {r}"
+                )));
+            }
+        }
+        if peers[r].is_none() {
+            peers[r] = Some(Region::anonymous(bytes)?);
+        }
+    }
+    Ok(())
+}
+
+/// The joiner's elastic state from its welcome: the same mask, agreements and digest
+/// as the survivors', and every peer's decisions counted from this agreement on.
+fn joiner_state(rank: usize, auto_admit: bool, welcome: &Welcome) -> Elastic {
+    let world = welcome.masked.len();
+    let mut e = Elastic::new(world, auto_admit);
+    for r in (0..world).filter(|&r| welcome.masked[r]) {
+        e.mask(r);
+        e.gone[r] = true;
+        e.agreed[r] = true;
+        e.why[r] = Some(format!("masked when rank {rank} rejoined"));
+    }
+    (e.round, e.digest) = (welcome.round, welcome.digest);
+    e.decided_base = vec![welcome.round; world];
+    e
+}
+
+/// A joiner's network config in a job of several nodes, and `[thread][rank]` the
+/// members' endpoints as the door names them: as many proxy threads as the founding
+/// ranks run (a peer's thread `t` talks to this rank's thread `t`), elastic.
+fn joiner_net(
+    cfg: &BufferConfig,
+    door: &Door,
+    topo: Topology,
+) -> Result<Option<(crate::config::NetConfig, Vec<Vec<PeerAddr>>)>> {
+    if topo.num_nodes == 1 {
+        return Ok(None);
+    }
+    let threads = (0..topo.num_ranks)
+        .map(|r| Ok(door.reach(r)?.map_or(0, |r| r.addrs.len())))
+        .collect::<Result<Vec<_>>>()?;
+    let threads = (threads.into_iter().max())
+        .filter(|&t| t > 0)
+        .ok_or_else(|| {
+            EpError::Protocol(
+                "no rank of the job published its network addresses at the door".into(),
+            )
+        })?;
+    let peers = member_addrs(door, topo.num_ranks, threads)?;
+    let mut net = cfg.net.clone();
+    (net.proxy.threads, net.proxy.elastic) = (threads, true);
+    Ok(Some((net, peers)))
+}
+
+/// `[thread][rank]`: every member's endpoint of each of `threads` proxy threads, as the
+/// door names them now (empty where it names none).
+fn member_addrs(door: &Door, world: usize, threads: usize) -> Result<Vec<Vec<PeerAddr>>> {
+    let reaches = (0..world)
+        .map(|r| door.reach(r))
+        .collect::<Result<Vec<_>>>()?;
+    let addr = |r: &Option<Reach>, t: usize| r.as_ref().and_then(|r| r.addrs.get(t)).cloned();
+    Ok((0..threads)
+        .map(|t| {
+            (reaches.iter())
+                .map(|r| PeerAddr(addr(r, t).unwrap_or_default()))
+                .collect()
+        })
+        .collect())
+}
+
+/// Wait until every rank that let this one in (request `stamp`) is ready for its
+/// traffic: the live ranks of the welcome but this one.
+fn wait_ready(
+    door: &Door,
+    (rank, stamp): (usize, u64),
+    w: &Welcome,
+    timeout: Duration,
+) -> Result<()> {
+    let live = (0..w.masked.len())
+        .filter(|&r| r != rank && !w.masked[r])
+        .count();
+    let deadline = Instant::now() + timeout;
+    loop {
+        let ready = door.readied(rank, stamp)?;
+        if ready >= live {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(EpError::Timeout {
+                what: format!("rank {rank}: waiting for the ranks that let it in"),
+                detail: format!("{ready} of {live} live ranks are ready for it"),
+                waited: timeout,
+            });
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
 }
 
 /// Map rank `r`'s segment as the door names it, if its process lives.

@@ -52,6 +52,8 @@ pub(super) struct Mailbox<'a> {
     /// The ranks round 1 awaits: the only ones this agreement sends to (the others
     /// were found gone, or are out since an earlier agreement masked them).
     awaited: Bits,
+    /// `[rank]`: the count of its decisions this agreement's makes (`Elastic::decided_base`).
+    decisions: Vec<u64>,
 }
 
 /// A message as words: `[stamp, set, view]` or `[k, rounds, set]`.
@@ -72,7 +74,12 @@ fn encode(k: u64, msg: &Msg) -> Vec<u64> {
 }
 
 impl<'a> Mailbox<'a> {
-    pub(super) fn new(cx: &'a Ctx, k: u64, call: &'a str, awaited: Bits) -> Mailbox<'a> {
+    pub(super) fn new(
+        cx: &'a Ctx,
+        (k, base): (u64, &[u64]),
+        call: &'a str,
+        awaited: Bits,
+    ) -> Mailbox<'a> {
         let n = cx.topo.num_ranks;
         Mailbox {
             cx,
@@ -84,6 +91,7 @@ impl<'a> Mailbox<'a> {
             decided: vec![false; n],
             sent: std::cell::Cell::new(0),
             awaited,
+            decisions: base.iter().map(|b| k - b).collect(),
         }
     }
 
@@ -202,7 +210,7 @@ impl<'a> Mailbox<'a> {
         };
         let seen = || "neither its round message nor its decided mask has landed".to_string();
         let landed = self.wait.until(Some(peer), what, &seen, || {
-            match net.fenced_landed(Channel::Decided, q, self.k) {
+            match net.fenced_landed(Channel::Decided, q, self.decisions[q]) {
                 Ok(true) => return Some(Ok(None)),
                 Err(e) => return Some(Err(e)),
                 Ok(false) => {}
@@ -294,18 +302,24 @@ impl Ctx {
             // Not awaited: ranks found gone, and ranks still masked since the last
             // agreement (those masked since by a caller are, so that they learn it).
             let awaited = |r: usize| r != me && !e.gone[r] && !(e.agreed[r] && e.masked[r]);
-            // Proposed unmasked: joiners this rank is ready for (`join`), and those
-            // let in already (they are in this call's mask all the same).
+            // Proposed unmasked: those let in already (they are in this call's mask all
+            // the same), and the lowest joiner this rank is ready for (`join`) while
+            // none waits to be let in. One at a time, so that a joiner is let in by
+            // ranks that all took part before it: each survivor proposes at most one,
+            // and the union leaves unmasked only one that all proposed.
             let d = &e.doorway;
-            let proposed = |r: usize| {
-                e.masked[r] && d.let_in[r].is_none() && !(admits && d.asking[r].is_some())
-            };
+            let waiting = d.let_in.iter().any(Option::is_some);
+            let next = (0..n)
+                .find(|&r| d.asking[r].is_some())
+                .filter(|_| admits && !waiting);
+            let proposed = |r: usize| e.masked[r] && d.let_in[r].is_none() && next != Some(r);
             (
                 to_bits(&(0..n).map(proposed).collect::<Vec<_>>(), words),
                 to_bits(&(0..n).map(awaited).collect::<Vec<_>>(), words),
             )
         };
-        let mut mail = Mailbox::new(self, k, call, awaited.clone());
+        let base = el.borrow().decided_base.clone();
+        let mut mail = Mailbox::new(self, (k, &base), call, awaited.clone());
         let (mut a, out) = Agreement::start(me, mine.clone(), awaited);
         mail.post(&out)?;
         while let Some(q) = a.next_awaited() {
@@ -333,6 +347,7 @@ impl Ctx {
     fn settle(&self, k: u64, call: &str) -> Result<()> {
         let el = self.elastic_state()?;
         let open = std::mem::take(&mut el.borrow_mut().unsettled);
+        let base = el.borrow().decided_base.clone();
         let me = self.topo.rank;
         let wait = self.wait().elastic();
         for (q, read) in open.into_iter().enumerate() {
@@ -343,7 +358,7 @@ impl Ctx {
             let what = || {
                 format!("rank {me}: {call}: waiting for rank {q}'s decided mask of agreement {k}")
             };
-            let landed = net.wait_fenced(Channel::Decided, q, 0, k, &wait, &what);
+            let landed = net.wait_fenced(Channel::Decided, q, 0, k - base[q], &wait, &what);
             if self.unless_lost(q, landed)?.is_none() {
                 continue;
             }

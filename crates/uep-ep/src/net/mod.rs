@@ -31,6 +31,7 @@
 //! `NodeLeader` barrier. Atomics emulation is not used here.
 
 mod port;
+mod rejoin;
 
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -55,6 +56,7 @@ pub use crate::config::{NetConfig, DEFAULT_WRITE_BYTES};
 pub use crate::packet::{Channel, CHANNELS, LL_BUFFERS};
 pub use port::Port;
 use port::{encode, Counting, PortInit};
+pub(crate) use rejoin::Joining;
 
 /// The proxy channel of the ordered stream to each peer (normal mode and the
 /// agreement); the abort message travels there too (it counts nothing).
@@ -223,6 +225,8 @@ pub struct NetPath {
     /// to name a node that stopped answering.
     hosts: Vec<String>,
     threads: usize,
+    /// `[thread]`: this rank's endpoint addresses (how a joiner reaches it).
+    addrs: Vec<PeerAddr>,
     fifos_per_thread: usize,
     /// `[channel][dst]`: whether that staging area is staged now (see [`Staged`]).
     claims: Arc<[AtomicBool]>,
@@ -276,19 +280,48 @@ impl NetPath {
         cfg: &NetConfig,
         fifos: &dyn FifoAlloc,
     ) -> Result<NetPath> {
-        let (me, num_ranks) = (topo.rank, topo.num_ranks);
-        let threads = cfg.proxy.threads.max(1);
-        let host = cfg.fabric.node.clone().unwrap_or_else(|| {
-            std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_owned())
-                .unwrap_or_default()
-        });
+        let me = topo.rank;
+        let host = own_host(cfg);
         let hosts = crate::exchange::all_gather(cp, "host", &host)?;
         let liveness = Liveness::start(cp, &topo, &host, &hosts, cfg.liveness, cfg.proxy.timeout)?;
+        let endpoints = open_endpoints(me, region, cfg)?;
+        let mut peers = Vec::with_capacity(endpoints.len());
+        for tr in &endpoints {
+            let addrs = cp.all_gather(&tr.local_addr().0)?;
+            peers.push(addrs.into_iter().map(PeerAddr).collect());
+        }
         let faults = Arc::new(AtomicU64::new(0));
-        let transports = open_transports(cp, me, region, cfg, &faults)?;
+        let transports = connect_endpoints(me, endpoints, &peers, cfg, &faults)?;
+        let parts = Parts {
+            hosts,
+            liveness,
+            faults,
+            transports,
+        };
+        NetPath::assemble(topo, region, areas, cfg, fifos, parts)
+    }
+
+    /// Start the proxy over `parts` and make the path.
+    fn assemble(
+        topo: Topology,
+        region: &Region,
+        areas: NetAreas,
+        cfg: &NetConfig,
+        fifos: &dyn FifoAlloc,
+        parts: Parts,
+    ) -> Result<NetPath> {
+        let (me, num_ranks) = (topo.rank, topo.num_ranks);
+        let Parts {
+            hosts,
+            liveness,
+            faults,
+            transports,
+        } = parts;
+        let threads = transports.len();
+        let addrs = transports.iter().map(|t| t.local_addr()).collect();
         let counters = counter_layout(&areas, num_ranks)?;
         let mut proxy_cfg = cfg.proxy.clone();
+        proxy_cfg.threads = threads;
         // The leader barrier needs to know who leads each node.
         proxy_cfg.ranks_per_node = Some(topo.ranks_per_node);
         let proxy = Proxy::start_in(
@@ -313,6 +346,7 @@ impl NetPath {
             ranks_per_node: topo.ranks_per_node,
             hosts,
             threads,
+            addrs,
             fifos_per_thread: cfg.proxy.fifos_per_thread.max(1),
             quiets: RefCell::new(vec![None; CHANNELS * num_ranks]),
             claims: (0..CHANNELS * num_ranks)
@@ -887,8 +921,14 @@ impl Remote for NetPath {
     /// Whether `rank` is gone, and how that was known: the liveness watch's verdict,
     /// or (with `ProxyConfig::elastic`) an operation to it that failed.
     fn lost(&self, rank: usize) -> Option<Lost> {
+        // Nothing of this path goes to a rank of this node (its process is watched
+        // through the memory it shares), so it has nothing to say about one; a flag
+        // left from a process it replaced must not mask it.
+        if rank / self.ranks_per_node == self.me / self.ranks_per_node {
+            return None;
+        }
         if let Some(l) = self.liveness.lost(rank) {
-            return Some(l.clone());
+            return Some(l);
         }
         self.proxy.is_lost(rank).then(|| Lost {
             rank,
@@ -904,7 +944,7 @@ impl Remote for NetPath {
     fn first_lost(&self) -> Option<Lost> {
         // One load on the hot path: the watch over other nodes says someone is gone.
         match self.liveness.any_lost() {
-            true => self.liveness.first_lost().cloned(),
+            true => self.liveness.first_lost(),
             false => None,
         }
     }
@@ -966,34 +1006,59 @@ fn counter_layout(areas: &NetAreas, num_ranks: usize) -> Result<CounterLayout> {
     })
 }
 
-/// This rank's transports, one per proxy thread (`cfg`'s connector, each behind a fault
-/// injector whose injections count into `faults` when `cfg.faults` says so), each
-/// connected to the same thread of every peer (addresses exchanged over `cp`).
-fn open_transports(
-    cp: &dyn ControlPlane,
+/// A path's pieces before its proxy starts: the ranks' hosts (for messages), the
+/// liveness watch, the fault counter and one connected transport per proxy thread.
+struct Parts {
+    hosts: Vec<String>,
+    liveness: Liveness,
+    faults: Arc<AtomicU64>,
+    transports: Vec<Box<dyn Transport>>,
+}
+
+/// The address this rank's proxy and watch use (`cfg`'s node, else the host name).
+fn own_host(cfg: &NetConfig) -> String {
+    cfg.fabric.node.clone().unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_default()
+    })
+}
+
+fn transport_err(context: String) -> impl Fn(uep_transport::TransportError) -> EpError {
+    move |source| EpError::Transport {
+        context: context.clone(),
+        source: Box::new(source),
+    }
+}
+
+/// This rank's endpoints, one per proxy thread (`cfg`'s connector), not connected yet.
+fn open_endpoints(me: usize, region: &Region, cfg: &NetConfig) -> Result<Vec<Box<dyn Transport>>> {
+    let connector = cfg.connector();
+    (0..cfg.proxy.threads.max(1))
+        .map(|t| {
+            let context = format!("rank {me}: opening the transport of proxy thread {t}");
+            connector
+                .open(me, t, region)
+                .map_err(transport_err(context))
+        })
+        .collect()
+}
+
+/// Connect each endpoint `t` to `peers[t]` (every rank's endpoint of thread `t`; this
+/// rank's own is left out), each behind a fault injector whose injections count into
+/// `faults` when `cfg.faults` says so.
+fn connect_endpoints(
     me: usize,
-    region: &Region,
+    endpoints: Vec<Box<dyn Transport>>,
+    peers: &[Vec<PeerAddr>],
     cfg: &NetConfig,
     faults: &Arc<AtomicU64>,
 ) -> Result<Vec<Box<dyn Transport>>> {
-    let threads = cfg.proxy.threads.max(1);
-    let transport_err = |context: String| {
-        move |source| EpError::Transport {
-            context: context.clone(),
-            source: Box::new(source),
-        }
-    };
-    let connector = cfg.connector();
+    let threads = endpoints.len();
     let mut transports: Vec<Box<dyn Transport>> = Vec::with_capacity(threads);
-    for t in 0..threads {
-        let mut tr = connector
-            .open(me, t, region)
-            .map_err(transport_err(format!(
-                "rank {me}: opening the transport of proxy thread {t}"
-            )))?;
-        let addrs = cp.all_gather(&tr.local_addr().0)?;
-        let peers: Vec<PeerAddr> = (addrs.into_iter().enumerate())
-            .map(|(r, a)| PeerAddr(if r == me { Vec::new() } else { a }))
+    for (t, (mut tr, peers)) in endpoints.into_iter().zip(peers).enumerate() {
+        let peers: Vec<PeerAddr> = (peers.iter().enumerate())
+            .map(|(r, a)| PeerAddr(if r == me { Vec::new() } else { a.0.clone() }))
             .collect();
         tr.connect(&peers).map_err(transport_err(format!(
             "rank {me}: connecting proxy thread {t}"

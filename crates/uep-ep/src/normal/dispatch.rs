@@ -404,9 +404,9 @@ impl Ctx {
         Ok(counts)
     }
 
-    /// Notify's send: the device's notify phase stores `mine` into every live
-    /// same-node rank's slot and the packets staged for the other nodes, which the host
-    /// then sends.
+    /// Notify's send: the device's notify phase stores `mine` into the packets staged
+    /// for the other nodes, which the host sends, then into every live same-node
+    /// rank's slot.
     fn send_counts(
         &self,
         seq: u32,
@@ -418,29 +418,31 @@ impl Ctx {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let parity = (seq % 2) as usize;
         let p = NotifyPacket::layout(r_n, areas.shape.num_experts);
-        let mut sinks = vec![NotifySink::Skip; r_n];
+        // The other nodes' packets first (they take longest to arrive), then this
+        // node's slots: a same-node peer that has its counts early would only wait.
+        let (mut remote, mut local) = (vec![NotifySink::Skip; r_n], vec![NotifySink::Skip; r_n]);
         let mut staged = Vec::new();
         for peer in (0..r_n).filter(|&p| !mask.is(p)) {
             if self.topo.is_local(peer) {
                 let slot = areas.notify_slot(parity, me, r_n)?;
-                sinks[peer] = NotifySink::Slot { rank: peer, slot };
+                local[peer] = NotifySink::Slot { rank: peer, slot };
             } else if let Some(s) = self.stage_unless_lost(Channel::Notify, peer, wait)? {
-                sinks[peer] = NotifySink::Packet(p.at_base(s.area.offset()));
+                remote[peer] = NotifySink::Packet(p.at_base(s.area.offset()));
                 staged.push((peer, s));
             }
         }
-        let phase = NotifyPhase {
+        let phase = |sinks| NotifyPhase {
             seq,
             head,
             counts: mine,
-            sinks: &sinks,
+            sinks,
             memory: &self.symm,
         };
-        self.device.normal_notify(&phase)?;
+        self.device.normal_notify(&phase(&remote))?;
         for (peer, s) in staged {
             self.unless_lost(peer, self.net()?.send(s, p.len, &[]))?;
         }
-        Ok(())
+        self.device.normal_notify(&phase(&local))
     }
 
     /// After notify, every rank knows every rank's tokens: if one dispatches more than
