@@ -80,23 +80,32 @@ impl<'a> LlTokens<'a> {
     }
 }
 
-/// Where the pack phase of a low-latency dispatch puts one rank's copies.
+/// Where a low-latency kernel puts one rank's rows: nowhere, straight into a rank of
+/// this node, or into a packet staged for a rank on another node (`P` says where).
 #[derive(Debug)]
-pub(crate) enum LlSink {
+pub(crate) enum Sink<P> {
     /// Nothing: a masked rank (elastic mode).
     Skip,
-    /// A same-node rank: each copy straight into this source's block of its expert's
-    /// rows in that rank's receive areas.
+    /// A same-node rank: each row straight into its place in that rank's areas (a
+    /// dispatch copy into this source's block of its expert's rows; a combine row at
+    /// its `[token, slot]` row of the combine rows).
     Peer(usize),
-    /// A rank on another node: each token once, at row `row_of[t]` of `packet` in the
-    /// staging area (`u32::MAX` for a token that goes nowhere there). Where rows are
-    /// whole 16-byte words the kernel pushes them through the staging area's port as
-    /// they fill; the signal sends the rest.
-    Packet {
-        packet: LlDispatchPacket,
-        row_of: Vec<u32>,
-        staged: Box<Staged>,
-    },
+    /// A rank on another node.
+    Packet(P),
+}
+
+/// Where the pack phase of a low-latency dispatch puts one rank's copies.
+pub(crate) type LlSink = Sink<Box<DispatchRemote>>;
+
+/// A dispatch's packet to a rank on another node: each token once, at row `row_of[t]`
+/// of `packet` in the staging area (`u32::MAX` for a token that goes nowhere there).
+/// Where rows are whole 16-byte words the kernel pushes them through the staging area's
+/// port as they fill; the signal sends the rest.
+#[derive(Debug)]
+pub(crate) struct DispatchRemote {
+    pub(crate) packet: LlDispatchPacket,
+    pub(crate) row_of: Vec<u32>,
+    pub(crate) staged: Staged,
 }
 
 /// The pack phase of a low-latency dispatch (the send half of DeepEP's
@@ -132,17 +141,8 @@ impl LlPackPhase<'_> {
 }
 
 /// Where the pack phase of a low-latency combine puts the rows it returns to one
-/// source rank.
-#[derive(Debug)]
-pub(crate) enum LlCombineSink {
-    /// Nothing: a masked rank (elastic mode).
-    Skip,
-    /// A same-node rank: each row at its `[token, slot]` row of that rank's combine
-    /// rows.
-    Peer(usize),
-    /// A rank on another node: each expert's block into a staged packet.
-    Packet(Box<CombineRemote>),
-}
+/// source rank (on another node: each expert's block into a staged packet).
+pub(crate) type LlCombineSink = Sink<Box<CombineRemote>>;
 
 /// A combine's packet to a source on another node: where each local expert's rows
 /// start in it, how many there are, and the fence groups of adjacent experts, under

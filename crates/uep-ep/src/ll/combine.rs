@@ -8,7 +8,7 @@ use half::bf16;
 use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle, LlState};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
-use crate::device::pack::{CombineRemote, LlCombineSink};
+use crate::device::pack::{CombineRemote, LlCombineSink, Sink};
 use crate::device::{LlCombinePackPhase, Part, ReducePhase, Rows, Symmetric};
 use crate::error::{EpError, Result};
 use crate::invalid;
@@ -227,35 +227,17 @@ impl Ctx {
         let y = self.ll_combine_rows(input, seq, key)?;
         let c = seq as usize % LL_BUFFERS;
         let areas = self.ll_areas(c)?;
-        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
-        let wait = self.call_wait();
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
         // Enter the combine: same-node peers may now write its area.
         local
             .word(self.map.control.ll_combine_entered, 0)?
             .store(seq as u64, Ordering::Release);
-        let what = |src: usize| {
-            move || {
-                format!("rank {me}: LL combine {seq}: waiting for rank {src} to release combine area {c}")
-            }
-        };
-        let mut sinks = Vec::with_capacity(r_n);
-        for src in 0..r_n {
-            // Area c of rank src was last used by combine seq - 3. Elastic mode: nothing
-            // goes back to a masked rank.
-            let entered = self.map.control.ll_combine_entered;
-            if self.masked(src)
-                || !self.ll_peer_released(src, seq, entered, ch, &wait, &what(src))?
-            {
-                sinks.push(LlCombineSink::Skip);
-            } else if self.topo.is_local(src) {
-                sinks.push(LlCombineSink::Peer(src));
-            } else {
-                let remote = self.ll_combine_remote(ch, src, handle, &areas, &wait)?;
-                sinks.push(LlCombineSink::Packet(remote));
-            }
-        }
+        let at = (seq, ch, self.map.control.ll_combine_entered);
+        let area = format!("combine area {c}");
+        let sinks = self.ll_sinks(at, ("LL combine", &area), |src, wait| {
+            self.ll_combine_remote(ch, src, handle, &areas, wait)
+        })?;
         // A zero-copy combine moves no row here: the node's sources read theirs from the
         // combine buffer (told where each block starts), the other nodes' go from it.
         let zero_copy_word = local.word(self.map.control.ll_combine_zero_copy, c)?;
@@ -274,7 +256,7 @@ impl Ctx {
             num_tokens: handle.num_tokens,
             topk_idx: topk_idx.to_vec(),
             topk_weights: topk_weights.to_vec(),
-            own: own_rows(handle, me, r_n, &areas),
+            own: own_rows(handle, self.topo.rank, self.topo.num_ranks, &areas),
             y_len: y.len(),
             zero_copy,
             packets,
@@ -364,12 +346,12 @@ impl Ctx {
         let mut packets = vec![0; r_n];
         for (r, sink) in sinks.into_iter().enumerate() {
             match sink {
-                LlCombineSink::Skip => {}
-                LlCombineSink::Peer(r) => self
+                Sink::Skip => {}
+                Sink::Peer(r) => self
                     .peer_region(r)?
                     .word(self.map.control.ll_combine_done, c * r_n + me)?
                     .store(seq as u64, Ordering::Release),
-                LlCombineSink::Packet(remote) => {
+                Sink::Packet(remote) => {
                     let rows = remote.rows;
                     let mut blocks = vec![Vec::new(); remote.groups.len()];
                     for (g, experts) in remote.groups.iter().enumerate().filter(|_| zero_copy) {

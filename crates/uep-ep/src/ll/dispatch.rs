@@ -12,7 +12,9 @@ use super::{
 use crate::area::{Area, Mem, SliceRows};
 use crate::config::Shape;
 use crate::ctx::Ctx;
-use crate::device::pack::{kernel_pushes_rows, on_rank, LlLanded, LlSink, LlTokens};
+use crate::device::pack::{
+    kernel_pushes_rows, on_rank, DispatchRemote, LlLanded, LlSink, LlTokens, Sink,
+};
 use crate::device::{CastPhase, Device, LlPackPhase, LlUnpackPhase};
 use crate::error::{EpError, Result};
 use crate::invalid;
@@ -235,50 +237,35 @@ impl Ctx {
         format: TokenFormat,
     ) -> Result<Vec<LlSink>> {
         let b = seq as usize % LL_BUFFERS;
-        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let r_n = self.topo.num_ranks;
         let s = areas.shape;
         let (row_bytes, words) = (format.row_bytes(s.hidden), format.scale_words(s.hidden));
         let (epr, k) = (s.experts_per_rank(r_n), s.topk);
-        let wait = self.call_wait();
         let ch = Channel::ll_dispatch(b);
-        let released = |r: usize| {
-            move || {
-                format!("rank {me}: LL dispatch {seq}: waiting for rank {r} to release buffer {b}")
-            }
-        };
-        let mut sinks = Vec::with_capacity(r_n);
-        for r in 0..r_n {
-            // Buffer b of rank r was last used by step seq - 3.
-            let entered = self.map.control.ll_entered;
-            if self.masked(r) || !self.ll_peer_released(r, seq, entered, ch, &wait, &released(r))? {
-                sinks.push(LlSink::Skip);
-            } else if self.topo.is_local(r) {
-                sinks.push(LlSink::Peer(r));
-            } else {
-                let net = self.net()?;
-                let mut staged = net.stage(ch, r, &wait)?;
-                let mut row_of = vec![u32::MAX; topk_idx.len() / k.max(1)];
-                let mut n = 0u32;
-                for (t, row) in row_of.iter_mut().enumerate() {
-                    if topk_idx.row(t, k).iter().any(|&e| on_rank(e, r, epr)) {
-                        *row = n;
-                        n += 1;
-                    }
+        let at = (seq, ch, self.map.control.ll_entered);
+        let area = format!("buffer {b}");
+        self.ll_sinks(at, ("LL dispatch", &area), |r, wait| {
+            let mut staged = self.net()?.stage(ch, r, wait)?;
+            let mut row_of = vec![u32::MAX; topk_idx.len() / k.max(1)];
+            let mut n = 0u32;
+            for (t, row) in row_of.iter_mut().enumerate() {
+                if topk_idx.row(t, k).iter().any(|&e| on_rank(e, r, epr)) {
+                    *row = n;
+                    n += 1;
                 }
-                let p = LlDispatchPacket::layout(epr, n as usize, k, row_bytes, words)
-                    .at_base(staged.area.offset());
-                staged.fit_fence(p.rows.len(), self.device.lanes())?;
-                let local = self.symm.local();
-                local.put(p.counts, place.counts_of(r, epr))?;
-                local.put(p.tokens, &[n])?;
-                sinks.push(LlSink::Packet {
-                    packet: p,
-                    row_of,
-                    staged: Box::new(staged),
-                });
             }
-        }
-        Ok(sinks)
+            let p = LlDispatchPacket::layout(epr, n as usize, k, row_bytes, words)
+                .at_base(staged.area.offset());
+            staged.fit_fence(p.rows.len(), self.device.lanes())?;
+            let local = self.symm.local();
+            local.put(p.counts, place.counts_of(r, epr))?;
+            local.put(p.tokens, &[n])?;
+            Ok(Box::new(DispatchRemote {
+                packet: p,
+                row_of,
+                staged,
+            }))
+        })
     }
 
     /// The pack phase on this Buffer's device (its descriptor: [`LlPackPhase`]).
@@ -326,8 +313,8 @@ impl Ctx {
         let mut packets = vec![0; r_n];
         for (r, sink) in sinks.into_iter().enumerate() {
             match sink {
-                LlSink::Skip => {}
-                LlSink::Peer(r) => {
+                Sink::Skip => {}
+                Sink::Peer(r) => {
                     let region = self.peer_region(r)?;
                     for (le, &c) in place.counts_of(r, epr).iter().enumerate() {
                         region
@@ -335,9 +322,10 @@ impl Ctx {
                             .store(epoch_word(seq, c), Ordering::Release);
                     }
                 }
-                LlSink::Packet {
-                    packet: p, staged, ..
-                } => {
+                Sink::Packet(remote) => {
+                    let DispatchRemote {
+                        packet: p, staged, ..
+                    } = *remote;
                     // One fence key per (buffer, source): the packet carries each token
                     // once for all its experts here, and is unpacked whole. The kernel
                     // pushed the rows; the rest (counts, ids, slots, scales) goes with
@@ -347,7 +335,7 @@ impl Ctx {
                         false => p.len,
                     };
                     let rest = staged.write_of(staged.area.prefix(head)?)?;
-                    packets[r] = self.net()?.send_fenced(*staged, &[vec![rest]])?;
+                    packets[r] = self.net()?.send_fenced(staged, &[vec![rest]])?;
                 }
             }
         }

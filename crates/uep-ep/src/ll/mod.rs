@@ -48,6 +48,7 @@ use half::bf16;
 
 use crate::area::{Area, Mem};
 use crate::ctx::Ctx;
+use crate::device::pack::Sink;
 use crate::error::Result;
 use crate::invalid;
 use crate::packet::{Channel, LL_BUFFERS};
@@ -276,6 +277,42 @@ pub(crate) fn check_window(
 }
 
 impl Ctx {
+    /// Where each rank's rows of LL call `seq` on `ch` go, once it released the area
+    /// the call writes (`entered`: the word saying which call a same-node rank
+    /// entered): nowhere for a masked rank or one found gone meanwhile, straight into a
+    /// rank of this node, else `remote(r)`'s packet. `what` names the call and area
+    /// for the waits' messages.
+    pub(crate) fn ll_sinks<P>(
+        &self,
+        (seq, ch, entered): (u32, Channel, Area<u64>),
+        what: (&str, &str),
+        mut remote: impl FnMut(usize, &Wait<'_>) -> Result<P>,
+    ) -> Result<Vec<Sink<P>>> {
+        let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
+        let wait = self.call_wait();
+        let mut sinks = Vec::with_capacity(r_n);
+        for r in 0..r_n {
+            // Rank r's area was last used by its call seq - 3.
+            let released = || {
+                format!(
+                    "rank {me}: {} {seq}: waiting for rank {r} to release {}",
+                    what.0, what.1
+                )
+            };
+            let sink = if self.masked(r)
+                || !self.ll_peer_released(r, seq, entered, ch, &wait, &released)?
+            {
+                Sink::Skip
+            } else if self.topo.is_local(r) {
+                Sink::Peer(r)
+            } else {
+                Sink::Packet(remote(r, &wait)?)
+            };
+            sinks.push(sink);
+        }
+        Ok(sinks)
+    }
+
     /// Waits until rank `r` has entered call `seq - 1` of a kind of low-latency call, so
     /// that the buffer call `seq` writes there is free (it received the call that last
     /// used it): on this node its `entered` word says so, across nodes a count signal

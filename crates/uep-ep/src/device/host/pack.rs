@@ -7,8 +7,8 @@ use half::bf16;
 
 use crate::area::{Area, Mem, SliceRows};
 use crate::device::pack::{
-    kernel_pushes_rows, on_rank, slots_on, CombineRemote, LlCombinePackPhase, LlCombineSink,
-    LlPackPhase, LlSink,
+    kernel_pushes_rows, on_rank, slots_on, CombineRemote, LlCombinePackPhase, LlPackPhase, LlSink,
+    Sink,
 };
 use crate::device::Device;
 use crate::error::Result;
@@ -22,9 +22,10 @@ fn push_runs(
     last: bool,
 ) -> Result<()> {
     for (r, run) in runs.iter_mut().enumerate() {
-        let Some(LlSink::Packet { packet, staged, .. }) = sinks.get(r) else {
+        let Some(Sink::Packet(remote)) = sinks.get(r) else {
             continue;
         };
+        let (packet, staged) = (&remote.packet, &remote.staged);
         let port = staged.port();
         match run {
             Some(rows) if last || rows.len() * row_bytes >= port.write_bytes() => {
@@ -60,8 +61,8 @@ pub(crate) fn ll_pack<D: Device + ?Sized>(device: &D, phase: &LlPackPhase<'_>) -
                 }
                 let (r, le) = (e as usize / epr, e as usize % epr);
                 match &phase.sinks[r] {
-                    LlSink::Skip => {}
-                    LlSink::Peer(r) => {
+                    Sink::Skip => {}
+                    Sink::Peer(r) => {
                         let region = phase.memory.peer_region(*r)?;
                         let row = le * r_n * m + me * m + phase.pos[t * k + slot] as usize;
                         region.put(areas.recv_x.row(row, row_bytes)?, tokens.row(t))?;
@@ -75,10 +76,8 @@ pub(crate) fn ll_pack<D: Device + ?Sized>(device: &D, phase: &LlPackPhase<'_>) -
                         }
                     }
                     // The first slot naming this rank carries the token there.
-                    LlSink::Packet {
-                        packet: p, row_of, ..
-                    } if !chosen[..slot].iter().any(|&f| on_rank(f, r, epr)) => {
-                        let i = row_of[t] as usize;
+                    Sink::Packet(remote) if !chosen[..slot].iter().any(|&f| on_rank(f, r, epr)) => {
+                        let (p, i) = (&remote.packet, remote.row_of[t] as usize);
                         slots_on(chosen, r, epr, &mut slots);
                         local.put(p.rows.row(i, row_bytes)?, tokens.row(t))?;
                         if let Some(scales) = tokens.scales(t) {
@@ -93,7 +92,7 @@ pub(crate) fn ll_pack<D: Device + ?Sized>(device: &D, phase: &LlPackPhase<'_>) -
                         let run = runs[r].get_or_insert(i..i);
                         run.end = i + 1;
                     }
-                    LlSink::Packet { .. } => {}
+                    Sink::Packet(_) => {}
                 }
             }
             if push_rows {
@@ -161,11 +160,9 @@ pub(crate) fn ll_combine_pack<D: Device + ?Sized>(
                 // Our own rows are read straight from `y` by the reduction.
                 let (region, rows, remote): (_, Area<u16>, _) = match sink {
                     _ if src == me => continue,
-                    LlCombineSink::Skip => continue,
-                    LlCombineSink::Peer(r) => {
-                        (phase.memory.peer_region(*r)?, phase.areas.combine_x, None)
-                    }
-                    LlCombineSink::Packet(remote) => (local, remote.rows, Some(&**remote)),
+                    Sink::Skip => continue,
+                    Sink::Peer(r) => (phase.memory.peer_region(*r)?, phase.areas.combine_x, None),
+                    Sink::Packet(remote) => (local, remote.rows, Some(&**remote)),
                 };
                 let (begin, n) = phase.layout_range[le * r_n + src];
                 for j in begin as usize..(begin + n) as usize {
@@ -187,7 +184,7 @@ pub(crate) fn ll_combine_pack<D: Device + ?Sized>(
         }
         // The lane's last runs.
         for (src, sink) in phase.sinks.iter().enumerate() {
-            if let LlCombineSink::Packet(remote) = sink {
+            if let Sink::Packet(remote) = sink {
                 push_run(remote, h, &mut runs[src], None)?;
             }
         }
