@@ -39,6 +39,11 @@ fn run_tiny(ranks: usize, per_node: usize, steps: u64) -> Vec<Vec<String>> {
     // The ranks share this process, so none can die alone; watching would take a
     // connection between every two ranks of different nodes (260,000 at 512 ranks).
     cfg.net.liveness.watch = false;
+    // 512 ranks and their proxy threads share two cores here: a wait's deadline would
+    // time the scheduler (one long-tier run waited past 100 s where others took 54-84 s
+    // whole), not the code. A hang still ends the test.
+    cfg.timeout = std::time::Duration::from_secs(300);
+    cfg.net.proxy.timeout = cfg.timeout;
     let started = Instant::now();
     let results = run_ranks(ranks, |group| {
         let mut buffer = Buffer::new(group, cfg.clone()).expect("a Buffer");

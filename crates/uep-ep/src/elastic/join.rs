@@ -237,14 +237,20 @@ impl Ctx {
     }
 
     /// The Buffer closes: the lowest rank not masked removes the door's name (the job
-    /// ends; nobody can join it any more).
+    /// ends; nobody can join it any more), and the job's segment names whose process is
+    /// gone: a node that died whole has no rank left to remove its ranks', and a
+    /// replacement killed before it asked is named nowhere but there.
     pub(crate) fn close_door(&mut self) {
         let me = self.topo.rank;
         let lowest = (0..me).all(|r| self.masked(r));
-        if let Some(door) = self.door.as_mut().filter(|_| lowest) {
-            if let Err(e) = door.close() {
-                tracing::warn!(rank = me, "{e}");
-            }
+        let Some(door) = self.door.as_mut().filter(|_| lowest) else {
+            return;
+        };
+        if let Ok((_, _, job)) = door.header() {
+            forget_dead_segments(job);
+        }
+        if let Err(e) = door.close() {
+            tracing::warn!(rank = me, "{e}");
         }
     }
 
@@ -264,6 +270,25 @@ impl Ctx {
 /// Whether the process the door names for `rank` is gone.
 fn member_gone(door: &Door, rank: usize) -> Result<bool> {
     Ok(door.member(rank)?.is_none_or(|(pid, _)| process_gone(pid)))
+}
+
+/// Remove the names of job `job`'s segments whose process is gone (`uep-JOB-rR-pPID`).
+fn forget_dead_segments(job: u64) {
+    let prefix = format!("{}{job:016x}-", uep_shm::NAME_PREFIX);
+    let Ok(entries) = std::fs::read_dir(uep_shm::SHM_DIR) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pid = name
+            .strip_prefix(&prefix)
+            .and_then(|rest| rest.rsplit_once("-p"));
+        if let Some(pid) = pid.and_then(|(_, pid)| pid.parse::<u32>().ok()) {
+            if process_gone(pid) {
+                forget_segment(&name);
+            }
+        }
+    }
 }
 
 fn forget_segment(name: &str) {
