@@ -426,14 +426,14 @@ impl Door {
     }
 
     fn put_reach(&self, at: usize, reach: &Reach) -> Result<()> {
-        let bytes = reach.encode()?;
-        let mut padded = bytes.clone();
-        padded.resize(bytes.len().div_ceil(8) * 8, 0);
-        for (i, w) in padded.chunks_exact(8).enumerate() {
+        let mut bytes = reach.encode()?;
+        let len = bytes.len();
+        bytes.resize(len.div_ceil(8) * 8, 0);
+        for (i, w) in bytes.chunks_exact(8).enumerate() {
             let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
             self.word(at + 1 + i)?.store(v, Ordering::Relaxed);
         }
-        self.word(at)?.store(bytes.len() as u64, Ordering::Release);
+        self.word(at)?.store(len as u64, Ordering::Release);
         Ok(())
     }
 

@@ -244,7 +244,8 @@ pub(crate) const NOT_SENT: u32 = u32::MAX;
 /// another node: every token of the source's landed packet stored into the output rows
 /// of each rank of this node its mask names (x and scales, its expert ids made local to
 /// that rank, its weights, its source index). The host read and checked the packet and
-/// placed every row (its output row at each rank of the node) before the launch, so a device only stores.
+/// placed every row (its output row at each rank of the node) before the launch, so a
+/// device only stores.
 #[derive(Debug)]
 pub struct RelayPhase<'a> {
     /// The landed packet, laid out at its landing area in this rank's memory.

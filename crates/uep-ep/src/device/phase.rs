@@ -110,6 +110,28 @@ pub struct Part {
     pub weight: f32,
 }
 
+impl Part {
+    /// The parts of an unweighted reduction of `n` tokens in CSR form (`starts`,
+    /// `parts`), token `t` summing `of(t)`'s `(source, row)` pairs in order.
+    pub(crate) fn csr<I>(n: usize, of: impl Fn(usize) -> I) -> (Vec<u32>, Vec<Part>)
+    where
+        I: Iterator<Item = (u32, usize)>,
+    {
+        let mut starts = Vec::with_capacity(n + 1);
+        let mut parts = Vec::new();
+        for t in 0..n {
+            starts.push(parts.len() as u32);
+            parts.extend(of(t).map(|(source, row)| Part {
+                source,
+                row: row as u32,
+                weight: 1.0,
+            }));
+        }
+        starts.push(parts.len() as u32);
+        (starts, parts)
+    }
+}
+
 /// The reduce phase of both combines (normal and low-latency receive): token `t`'s
 /// output row is `bf16(0.0 + w0*r0 + w1*r1 + ...)` over `parts[starts[t]..starts[t+1]]`
 /// in that order, accumulated in f32 and rounded once (`crate::quant::reduce_rows`).

@@ -423,8 +423,8 @@ pub(crate) fn join(
     let welcome = wait_welcome(&door, rank, stamp, cfg.timeout)?;
     wait_ready(&door, (rank, stamp), &welcome, cfg.timeout)?;
     // A rank that rejoined since this one opened its endpoints has new ones.
-    if let (Some(j), Some((_, opened_with))) = (&mut joining, &net_cfg) {
-        j.refresh(&member_addrs(&door, world, opened_with.len())?)?;
+    if let Some(j) = &mut joining {
+        j.refresh(&member_addrs(&door, world)?)?;
     }
     let waited = asked.elapsed();
     map_node(&door, (topo, rank), &welcome, &mut peers, map.total)?;
@@ -510,28 +510,25 @@ fn joiner_net(
     if topo.num_nodes == 1 {
         return Ok(None);
     }
-    let threads = (0..topo.num_ranks)
-        .map(|r| Ok(door.reach(r)?.map_or(0, |r| r.addrs.len())))
-        .collect::<Result<Vec<_>>>()?;
-    let threads = (threads.into_iter().max())
-        .filter(|&t| t > 0)
-        .ok_or_else(|| {
-            EpError::Protocol(
-                "no rank of the job published its network addresses at the door".into(),
-            )
-        })?;
-    let peers = member_addrs(door, topo.num_ranks, threads)?;
+    let peers = member_addrs(door, topo.num_ranks)?;
+    if peers.is_empty() {
+        return Err(EpError::Protocol(
+            "no rank of the job published its network addresses at the door".into(),
+        ));
+    }
+    let threads = peers.len();
     let mut net = cfg.net.clone();
     (net.proxy.threads, net.proxy.elastic) = (threads, true);
     Ok(Some((net, peers)))
 }
 
-/// `[thread][rank]`: every member's endpoint of each of `threads` proxy threads, as the
-/// door names them now (empty where it names none).
-fn member_addrs(door: &Door, world: usize, threads: usize) -> Result<Vec<Vec<PeerAddr>>> {
+/// `[thread][rank]`: every member's endpoint of each proxy thread of the job (as many
+/// as the members publish), as the door names them now (empty where it names none).
+fn member_addrs(door: &Door, world: usize) -> Result<Vec<Vec<PeerAddr>>> {
     let reaches = (0..world)
         .map(|r| door.reach(r))
         .collect::<Result<Vec<_>>>()?;
+    let threads = (reaches.iter().flatten().map(|r| r.addrs.len()).max()).unwrap_or(0);
     let addr = |r: &Option<Reach>, t: usize| r.as_ref().and_then(|r| r.addrs.get(t)).cloned();
     Ok((0..threads)
         .map(|t| {

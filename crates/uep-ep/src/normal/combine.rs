@@ -299,23 +299,15 @@ impl Ctx {
         }
         let biases = sources.len() as u32;
         sources.extend(args.bias.iter().flatten().map(|b| Rows::Tensor(b)));
-        let part = |source: u32, row: usize| Part {
-            source,
-            row: row as u32,
-            weight: 1.0,
-        };
-        let mut starts = Vec::with_capacity(handle.num_tokens + 1);
-        let mut parts = Vec::new();
-        for t in 0..handle.num_tokens {
-            starts.push(parts.len() as u32);
-            parts.extend(from.of(t).map(|place| match place {
-                Place::Own(i) => part(0, i),
-                Place::Node(i) => part(1, i),
-                Place::Packet(r, j) => part(packet_source[r], j),
-            }));
-            parts.extend((biases..sources.len() as u32).map(|b| part(b, t)));
-        }
-        starts.push(parts.len() as u32);
+        let sources_n = sources.len() as u32;
+        let (starts, parts) = Part::csr(handle.num_tokens, |t| {
+            let node = from.of(t).map(|place| match place {
+                Place::Own(i) => (0, i),
+                Place::Node(i) => (1, i),
+                Place::Packet(r, j) => (packet_source[r], j),
+            });
+            node.chain((biases..sources_n).map(move |b| (b, t)))
+        });
         let phase = ReducePhase {
             hidden: areas.shape.hidden,
             sources: &sources,

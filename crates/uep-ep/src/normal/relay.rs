@@ -315,7 +315,7 @@ impl Ctx {
                         false => (1, slot(l, t)),
                     })
             };
-            let (starts, parts) = token_parts(n, places);
+            let (starts, parts) = Part::csr(n, places);
             let sources = [
                 Rows::Tensor(x),
                 Rows::Symmetric {
@@ -359,26 +359,6 @@ fn summed_weights((starts, parts): (&[u32], &[Part]), sources: [&[f32]; 2], k: u
         }
     }
     out
-}
-
-/// A reduction's parts in CSR form for `n` tokens, token `j` summing `of(j)`'s
-/// `(source, row)` pairs in order, each with weight 1.
-fn token_parts<I>(n: usize, of: impl Fn(usize) -> I) -> (Vec<u32>, Vec<Part>)
-where
-    I: Iterator<Item = (u32, usize)>,
-{
-    let mut starts = Vec::with_capacity(n + 1);
-    let mut parts = Vec::new();
-    for j in 0..n {
-        starts.push(parts.len() as u32);
-        parts.extend(of(j).map(|(source, row)| Part {
-            source,
-            row: row as u32,
-            weight: 1.0,
-        }));
-    }
-    starts.push(parts.len() as u32);
-    (starts, parts)
 }
 
 /// A relayed token's mask of this node's ranks: not empty, and naming no rank past the
