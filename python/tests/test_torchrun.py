@@ -25,7 +25,8 @@ def test_torchrun_worker_killed_and_replaced_rejoins(tmp_path, update, nodes):
     """Under a real torchrun, worker 3 SIGKILLs itself mid-serving; the test starts a
     replacement process (rank 3's variables, ``uep.Buffer.join_group()``), which is let
     in while the survivors keep serving (``nodes=2``: two nodes of two ranks emulated on
-    this host, so the replacement reaches node 0 over the network). No survivor raises; every step of every rank
+    this host, so the replacement reaches node 0 over the network). It finds the job
+    at its door in the store torchrun's agent keeps at ``MASTER_ADDR:MASTER_PORT``. No survivor raises; every step of every rank
     (the replacement's from where it joined) is exact against the torch reference for
     that step's mask; all stop at the same step with nobody masked. With ``update``,
     the survivors wait for it in ``update_ep_member()`` (Mooncake's flow), and it is
@@ -70,6 +71,7 @@ def test_torchrun_worker_killed_and_replaced_rejoins(tmp_path, update, nodes):
     results = [json.loads(f.read_text()) for f in files]
     for r in results:
         assert "error" not in r, f"{r.get('error')}\n{log}"
+    assert results[0]["door_in_agent_store"], "the door is not in torchrun's store"
     ends = {(r["last_step"], r["back_since"]) for r in results}
     assert len(ends) == 1, results
     assert all(r["masked_at_end"] == [] for r in results), results

@@ -96,6 +96,16 @@ def serve(buffer: uep.Buffer, rank: int, world: int, first: int, out: str) -> di
             "longest_step_ms_while_joining": 1e3 * longest, "masked_at_end": sorted(masked)}
 
 
+def door_in_agent_store() -> bool:
+    """Whether the job's door is in the store torchrun's agent keeps (looked up there
+    through a store client of this test's own)."""
+    import datetime
+    assert os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True", "the agent keeps no store"
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    return store.check([uep._uep.door_name(f"{addr}:{port}") + "/header"])
+
+
 def main() -> None:
     out = os.environ["JOB_OUT"]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -114,7 +124,9 @@ def main() -> None:
                     json.dump({k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT")}, f)
             buffer = uep.Buffer(dist.group.WORLD, int(1e9), int(1e9), enable_shrink=True)
             buffer.clean_low_latency_buffer(TOKENS, HIDDEN, EXPERTS)
+            door = door_in_agent_store() if rank == 0 else None
             result = serve(buffer, rank, world, 0, out)
+            result["door_in_agent_store"] = door
     except BaseException:  # noqa: B902 - reported to the test
         result = {"rank": rank, "error": traceback.format_exc()}
     with open(os.path.join(out, f"result{rank}.json"), "w") as f:

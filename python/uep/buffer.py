@@ -19,9 +19,11 @@ below the surface:
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
@@ -95,14 +97,27 @@ def _f32_to_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     return exps.view(torch.int32).reshape(*lead, -1)
 
 
-def _door_name() -> Optional[str]:
-    """The door of this job on this host (where a replacement rank finds it): named
-    after the launcher's rendezvous (``MASTER_ADDR``, ``MASTER_PORT``), which a process
-    started to replace a rank is given too. ``None`` without them."""
+def _door(timeout: float) -> Tuple[Optional[str], Optional[Any]]:
+    """The door of this job (where a replacement rank finds it) and the store that keeps
+    it: named after the launcher's rendezvous (``MASTER_ADDR``, ``MASTER_PORT``), which a
+    process started to replace a rank is given too, and kept in the ``TCPStore`` there
+    (torchrun's agent keeps it, so it outlives every worker, and every host reaches it).
+    ``(None, None)`` without them; the name without a store if none answers there (the
+    door is then shared memory, for jobs on one host)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
-        return None
-    return _uep.door_name(f"{addr}:{port}")
+        return None, None
+    name = _uep.door_name(f"{addr}:{port}")
+    try:
+        # Connect within seconds (a launcher's store is up before its workers start),
+        # then wait as long as uep does.
+        store = dist.TCPStore(addr, int(port), is_master=False,
+                              timeout=datetime.timedelta(seconds=min(timeout, 10.0)))
+        store.set_timeout(datetime.timedelta(seconds=timeout))
+    except (RuntimeError, ValueError) as e:  # no store answers there
+        warnings.warn(f"uep: no store at {addr}:{port} ({e}); the door is shared memory on this host")
+        store = None
+    return name, store
 
 
 def _all_gather_bytes(group: dist.ProcessGroup, data: bytes) -> List[bytes]:
@@ -295,10 +310,11 @@ class Buffer:
         timeout = float(os.environ.get("UEP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
         per_node = os.environ.get("UEP_RANKS_PER_NODE")
         threads = int(os.environ.get("UEP_DEVICE_THREADS", "0"))
+        door, store = _door(timeout) if enable_shrink else (None, None)
         self.runtime = _uep.Runtime(self.rank, self.group_size, all_gather,
                                     num_nvl_bytes + num_rdma_bytes, timeout, threads,
                                     int(per_node) if per_node else None, bool(enable_shrink),
-                                    _door_name() if enable_shrink else None)
+                                    door, store)
         _, _, self._ranks_per_node, self._num_nodes = self.runtime.topology()
         #: Where this Buffer joined a running job (``join_group``): ``(step, first call)``.
         self.joined_at: Optional[Tuple[int, str]] = None
@@ -309,23 +325,23 @@ class Buffer:
     def join_group(cls, rank: Optional[int] = None, world_size: Optional[int] = None,
                    explicitly_destroy: bool = False) -> "Buffer":
         """Take the place of masked rank ``rank`` (default ``RANK``) of the running
-        elastic job of ``world_size`` ranks (default ``WORLD_SIZE``) on this host, as a
-        process started to replace it (Mooncake's ``join_group``). It finds the job
-        through the launcher's ``MASTER_ADDR``/``MASTER_PORT`` (no process group: the
-        old one died with the rank), waits until the survivors let it in (their
+        elastic job of ``world_size`` ranks (default ``WORLD_SIZE``), on the same host or
+        another, as a process started to replace it (Mooncake's ``join_group``). It
+        finds the job at the launcher's store, ``MASTER_ADDR``/``MASTER_PORT`` (no
+        process group: the old one died with the rank), waits until the survivors let it in (their
         ``recover_ranks``; at most ``UEP_TIMEOUT_S``), and returns a Buffer sized as
         theirs. ``joined_at`` says where the job is: the survivors' step
         (:meth:`set_step`) and the call to make first with them (``"low_latency_dispatch"``,
         ``"dispatch"`` or ``"barrier"``, as in :meth:`update_ep_member`)."""
         rank = int(os.environ["RANK"]) if rank is None else rank
         world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
-        door = _door_name()
+        timeout = float(os.environ.get("UEP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+        door, store = _door(timeout)
         if door is None:
             raise InvalidArgumentError("invalid argument: join_group needs MASTER_ADDR and MASTER_PORT "
                                        "(the launcher's rendezvous) to find the job")
-        timeout = float(os.environ.get("UEP_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
         threads = int(os.environ.get("UEP_DEVICE_THREADS", "0"))
-        runtime, step, first = _uep.Runtime.join(rank, world_size, door, timeout, threads)
+        runtime, step, first = _uep.Runtime.join(rank, world_size, door, store, timeout, threads)
         self = cls.__new__(cls)
         self.rank, self.group_size, self.group, self.comm = rank, world_size, None, None
         self.num_nvl_bytes = self.num_rdma_bytes = 0

@@ -72,6 +72,22 @@ pub enum BootstrapError {
         last: String,
     },
 
+    /// The job's key-value store ([`crate::Store`]) could not be reached in time.
+    #[error(
+        "could not reach the job's store at {addr} within {timeout:?} ({attempts} attempts; last \
+         error: {last}); check UEP_STORE (the launcher's store) and that the launcher is running"
+    )]
+    StoreUnreachable {
+        /// The store's address.
+        addr: String,
+        /// How long this process tried.
+        timeout: Duration,
+        /// Connection attempts made.
+        attempts: u32,
+        /// The last attempt's error.
+        last: String,
+    },
+
     /// Rank 0 refused this rank's hello; `reason` is rank 0's own explanation.
     #[error("rank 0 at {addr} rejected rank {rank}: {reason}")]
     Rejected {

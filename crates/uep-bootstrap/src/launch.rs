@@ -12,6 +12,7 @@ use crate::env::{LAUNCHER_LOCAL, LAUNCHER_VAR, PORT_VAR, SECRET_VAR};
 use crate::error::BootstrapError;
 use crate::fdpass::{self, LISTEN_FD_VAR};
 use crate::proto;
+use crate::store::{StoreServer, STORE_VAR};
 
 /// How long the surviving ranks get to exit on their own after one rank failed.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
@@ -19,7 +20,7 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(5);
 
 /// Variables the launcher sets itself; [`LaunchSpec::env`] may not override them.
-const RESERVED: [&str; 9] = [
+const RESERVED: [&str; 10] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -29,6 +30,7 @@ const RESERVED: [&str; 9] = [
     SECRET_VAR,
     LAUNCHER_VAR,
     LISTEN_FD_VAR,
+    STORE_VAR,
 ];
 
 /// What [`launch_local`] runs: `ranks` copies of `program args`, laid out on `nodes` simulated
@@ -122,7 +124,9 @@ pub fn launch_local(spec: &LaunchSpec) -> Result<LaunchOutcome, BootstrapError> 
 ///
 /// Every rank gets torchrun-style variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 /// `LOCAL_WORLD_SIZE = ranks / nodes`, `MASTER_ADDR=127.0.0.1`, `UEP_MASTER_PORT`), a fresh random
-/// `UEP_SECRET`, `UEP_LAUNCHER=local`, and `spec.env`; stdout and stderr are inherited, stdin is
+/// `UEP_SECRET`, `UEP_LAUNCHER=local`, the address of the job's store that the launcher
+/// keeps while it runs ([`crate::StoreServer`], `UEP_STORE`: as torchrun's agent keeps its
+/// `TCPStore`, it outlives every rank), and `spec.env`; stdout and stderr are inherited, stdin is
 /// closed. The port is chosen race-free: the launcher binds `127.0.0.1:0` and rank 0 inherits
 /// that listening socket (`UEP_LISTEN_FD`), which [`crate::Group::connect`] adopts.
 ///
@@ -153,10 +157,12 @@ pub fn launch_local_with_grace(
         program = %spec.program.display(),
         "launching local ranks"
     );
+    let store = StoreServer::bind("127.0.0.1:0")?;
     let mut listener = Some(listener);
     let mut children: Vec<Child> = Vec::with_capacity(spec.ranks);
     for rank in 0..spec.ranks {
         let mut cmd = rank_command(spec, rank, local_world_size, port, &secret);
+        cmd.env(STORE_VAR, store.addr().to_string());
         if let Some(l) = &listener {
             // Only rank 0 (the first spawn) inherits the listening socket.
             let fd = l.as_raw_fd();

@@ -15,6 +15,10 @@
 //! * [`launch_local`] runs all ranks of a job as processes on this machine (what `uep bench`
 //!   does), handing rank 0 a pre-bound listening socket so the port is chosen without races.
 //!
+//! * [`Store`] is a key-value store every process of a job reaches, a replacement started
+//!   later included: [`StoreServer`] and [`TcpStore`] are uep's own, which the launcher
+//!   keeps (an elastic job's door lives there).
+//!
 //! The wire protocol is documented in the `proto` module's source.
 #![deny(unsafe_code)]
 
@@ -27,6 +31,7 @@ mod launch;
 mod launcher;
 mod own;
 mod proto;
+mod store;
 
 #[cfg(test)]
 mod tests;
@@ -38,3 +43,4 @@ pub use fdpass::LISTEN_FD_VAR;
 pub use group::{raise_backlog, Group};
 pub use launch::{launch_local, launch_local_with_grace, LaunchOutcome, LaunchSpec, DEFAULT_GRACE};
 pub use proto::PROTOCOL_VERSION;
+pub use store::{Store, StoreServer, TcpStore, STORE_VAR};

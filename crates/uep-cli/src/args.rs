@@ -150,6 +150,10 @@ pub struct BenchArgs {
     /// step STEP (as --rejoin does for one rank).
     #[arg(long, value_name = "NODE@STEP", requires_all = ["soak", "elastic"])]
     pub rejoin_node: Vec<At>,
+    /// With replacements: keep the job's door in shared memory on this host rather than
+    /// in the launcher's store (which every host reaches, and the default).
+    #[arg(long)]
+    pub door_in_shm: bool,
     /// With --elastic --soak: victims, steps and moments (inside calls and agreement
     /// rounds) drawn from SEED; every survivor checks every step and reports a digest
     /// of every mask it agreed on, which must be the same on all of them.

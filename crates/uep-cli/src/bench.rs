@@ -253,6 +253,9 @@ fn open_buffer(
     cfg.elastic = args.elastic;
     if !crate::rejoin::planned(args).is_empty() {
         cfg.door = Some(crate::rejoin::door_name(info));
+        if !args.door_in_shm {
+            cfg.door_store = crate::rejoin::job_store(cfg.timeout)?;
+        }
         cfg.auto_admit = true;
     }
     let provider = cfg.net.fabric.provider.clone();

@@ -22,3 +22,15 @@ pub fn clean() -> anyhow::Result<bool> {
     println!("uep clean: {} stale segment(s) removed", removed.len());
     Ok(true)
 }
+
+/// `uep store`: serve a job's store at `listen` until killed, after printing
+/// `UEP_STORE=HOST:PORT` (the line a launcher script reads).
+pub fn serve_store(listen: &str) -> anyhow::Result<bool> {
+    use std::io::Write;
+    let server = uep_bootstrap::StoreServer::bind(listen)?;
+    println!("{}={}", uep_bootstrap::STORE_VAR, server.addr());
+    std::io::stdout().flush()?;
+    loop {
+        std::thread::park();
+    }
+}

@@ -19,6 +19,15 @@ enum Command {
     Bench(Box<uep_cli::bench::BenchArgs>),
     /// The CUDA device: `info`, the FIFO bench from GPU kernels, the kernels' check.
     Gpu(uep_cli::gpu::GpuArgs),
+    /// Keep a job's store (where an elastic job's door lives, for replacement ranks to
+    /// find it from any host) until killed: what a launcher without one of its own
+    /// needs (torchrun's agent and `uep bench` keep theirs). Ranks find it at
+    /// `UEP_STORE=HOST:PORT`.
+    Store {
+        /// Where to listen (`HOST:PORT`; port 0 picks one). Prints the address it got.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+    },
     /// List the libfabric providers this machine offers and which fit uep.
     Info,
     /// Remove shared-memory segments left by uep processes that no longer exist.
@@ -42,6 +51,7 @@ fn main() -> ExitCode {
             true
         }),
         Command::Clean => uep_cli::clean(),
+        Command::Store { listen } => uep_cli::serve_store(&listen),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -3,7 +3,8 @@
 //!
 //! At the start of step `S2`, the lowest rank that is no victim starts a replacement:
 //! this program again, with the victim's rank and [`REJOIN_VAR`] set to the moment it
-//! was started. The replacement opens the job's door ([`door_name`]), is let in by the
+//! was started. The replacement opens the job's door ([`door_name`], in the launcher's
+//! store, [`job_store`], unless `--door-in-shm`), is let in by the
 //! survivors at the first step boundary after they all mapped its memory, and from then
 //! on runs and checks every step as they do. `--chaos` draws replacements
 //! too ([`crate::chaos::rejoins`]). The survivor that started it waits for it and fails
@@ -13,8 +14,8 @@
 use std::process::{Child, Command};
 use std::time::{Duration, SystemTime};
 
-use uep_bootstrap::{WorldInfo, LISTEN_FD_VAR};
-use uep_ep::Buffer;
+use uep_bootstrap::{TcpStore, WorldInfo, LISTEN_FD_VAR, STORE_VAR};
+use uep_ep::{Buffer, JobStore};
 
 use crate::args::BenchArgs;
 use crate::chaos::{self, Rejoin};
@@ -53,6 +54,16 @@ pub fn door_name(info: &WorldInfo) -> String {
         info.rendezvous_port,
         info.secret.as_deref().unwrap_or("")
     ))
+}
+
+/// The job's store, where its launcher keeps one (`UEP_STORE`, which `uep bench`'s
+/// sets): the door is kept there, where every host reaches it.
+pub fn job_store(timeout: Duration) -> anyhow::Result<Option<JobStore>> {
+    let Ok(addr) = std::env::var(STORE_VAR) else {
+        return Ok(None);
+    };
+    let store = TcpStore::connect(&addr, timeout)?;
+    Ok(Some(JobStore(std::sync::Arc::new(store))))
 }
 
 /// When this process was started as a replacement (`None`: it is a founding rank).

@@ -658,7 +658,7 @@ fn elastic_normal_goes_on_without_a_killed_node_and_with_faults() {
 /// mask with 0 mismatches, all agreed on the same masks (digests), nobody is masked at
 /// the end, and the times are printed: the replacements' waits at the door and the
 /// survivors' longest step while one joined.
-fn elastic_rejoin(mode: &str, nodes: &str, (kill, rejoin): ([&str; 2], [&str; 2])) {
+fn elastic_rejoin(mode: &str, nodes: &str, (kill, rejoin): ([&str; 2], [&str; 2]), extra: &[&str]) {
     let mut more = vec![
         "--ranks",
         "4",
@@ -669,7 +669,7 @@ fn elastic_rejoin(mode: &str, nodes: &str, (kill, rejoin): ([&str; 2], [&str; 2]
         "--mode",
         mode,
     ];
-    more.extend(kill.iter().chain(&rejoin));
+    more.extend(kill.iter().chain(&rejoin).chain(extra));
     let (reports, ctx) = elastic_run(300, &more);
     assert_eq!(reports.len(), 4, "{ctx}");
     let joiners: Vec<_> = reports.iter().filter(|r| !r["joined"].is_null()).collect();
@@ -710,17 +710,18 @@ const REJOIN_2: [&str; 2] = ["--rejoin", "2@8"];
 
 #[test]
 fn elastic_ll_killed_rank_rejoins_on_one_node() {
-    elastic_rejoin("ll", "1", (KILL_2, REJOIN_2));
+    elastic_rejoin("ll", "1", (KILL_2, REJOIN_2), &[]);
 }
 
 #[test]
 fn elastic_normal_killed_rank_rejoins_on_one_node() {
-    elastic_rejoin("normal", "1", (KILL_2, REJOIN_2));
+    elastic_rejoin("normal", "1", (KILL_2, REJOIN_2), &[]);
 }
 
+/// With the door in shared memory on this host rather than in the launcher's store.
 #[test]
-fn elastic_both_modes_killed_rank_rejoins_on_one_node() {
-    elastic_rejoin("all", "1", (KILL_2, REJOIN_2));
+fn elastic_both_modes_killed_rank_rejoins_on_one_node_door_in_shm() {
+    elastic_rejoin("all", "1", (KILL_2, REJOIN_2), &["--door-in-shm"]);
 }
 
 /// Across nodes: rank 2 relays rank 0's tokens into node 1 (normal mode); its
@@ -728,7 +729,7 @@ fn elastic_both_modes_killed_rank_rejoins_on_one_node() {
 /// and agreement counts, and is watched again.
 #[test]
 fn elastic_both_modes_killed_relay_rejoins_across_nodes() {
-    elastic_rejoin("all", "2", (KILL_2, REJOIN_2));
+    elastic_rejoin("all", "2", (KILL_2, REJOIN_2), &[]);
 }
 
 /// A whole node dies and comes back: its two replacements are let in one at a time,
@@ -736,7 +737,7 @@ fn elastic_both_modes_killed_relay_rejoins_across_nodes() {
 #[test]
 fn elastic_both_modes_killed_node_rejoins() {
     let (kill, rejoin) = (["--kill-node", "1@5"], ["--rejoin-node", "1@8"]);
-    elastic_rejoin("all", "2", (kill, rejoin));
+    elastic_rejoin("all", "2", (kill, rejoin), &[]);
 }
 
 /// What one chaos run measured: the replacements' waits at the door, and every

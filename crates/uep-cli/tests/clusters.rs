@@ -37,6 +37,16 @@ fn hosts(n: usize) -> Option<Hosts> {
 /// The rank processes of one job, `per_host` on each host, started as `launcher`
 /// would start them, with rank 0's host as `MASTER_ADDR`.
 fn spawn_job(hosts: &Hosts, per_host: usize, launcher: Launcher, args: &[&str]) -> Vec<Child> {
+    spawn_job_with(hosts, (per_host, launcher), args, &[])
+}
+
+/// [`spawn_job`], with `env` besides the launcher's variables.
+fn spawn_job_with(
+    hosts: &Hosts,
+    (per_host, launcher): (usize, Launcher),
+    args: &[&str],
+    env: &[(&str, String)],
+) -> Vec<Child> {
     let world = hosts.len() * per_host;
     let master: Ipv4Addr = Hosts::addr(0);
     (0..world)
@@ -62,6 +72,7 @@ fn spawn_job(hosts: &Hosts, per_host: usize, launcher: Launcher, args: &[&str]) 
                 ],
             };
             cmd.envs(vars)
+                .envs(env.iter().map(|(k, v)| (k, v)))
                 .env("MASTER_ADDR", master.to_string())
                 .env("MASTER_PORT", "29500");
             start(&mut cmd)
@@ -603,6 +614,98 @@ fn elastic_ll_survives_a_killed_host() {
 #[ignore = "long tier (./dev test runs it): timing-sensitive"]
 fn elastic_ll_survives_a_killed_rank_among_four_hosts() {
     elastic_across_hosts(4, 1, &["--kill", "2@15"], &[2]);
+}
+
+/// A killed rank comes back from another host: on 3 hosts of one rank, rank 2 is
+/// SIGKILLed at step 5 and rank 0 starts its replacement at step 8 on its own host
+/// (host 0), which finds the job at its door in the job's store (`uep store`, kept on
+/// host 0 as a launcher keeps its own) and reaches the others over the links. Every
+/// rank (the replacement too) checks every step against the reference for that step's
+/// mask, all agree on the masks, and nobody is masked at the end.
+#[test]
+#[ignore = "long tier (./dev test runs it): timing-sensitive"]
+fn elastic_killed_rank_rejoins_from_another_host() {
+    use std::io::BufRead;
+    let Some(hosts) = hosts(3) else { return };
+    let listen = format!("{}:29600", Hosts::addr(0));
+    let mut store = start(
+        hosts
+            .command(0, env!("CARGO_BIN_EXE_uep"))
+            .args(["store", "--listen", &listen]),
+    );
+    let mut line = String::new();
+    let out = store.stdout.take().unwrap();
+    std::io::BufReader::new(out).read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("UEP_STORE=")
+        .expect("the store's address")
+        .to_string();
+    let mut args = SMALL.to_vec();
+    args.extend([
+        "--experts",
+        "24",
+        "--topk",
+        "4",
+        "--mode",
+        "all",
+        "--elastic",
+    ]);
+    args.extend([
+        "--soak",
+        "200",
+        "--timeout",
+        "60",
+        "--kill",
+        "2@5",
+        "--rejoin",
+        "2@8",
+    ]);
+    let job = spawn_job_with(
+        &hosts,
+        (1, Launcher::Torchrun),
+        &args,
+        &[("UEP_STORE", addr)],
+    );
+    let outputs = wait_all(job, Duration::from_secs(150));
+    drop(wait_all(vec![store], Duration::ZERO));
+    let log = describe(&outputs);
+    let reports: Vec<serde_json::Value> = (outputs.iter())
+        .flat_map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(String::from)
+                .collect::<Vec<_>>()
+        })
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(&l).unwrap_or_else(|e| panic!("{e}\n{log}")))
+        .collect();
+    assert!(
+        outputs[0].status.success() && outputs[1].status.success(),
+        "{log}"
+    );
+    assert_eq!(
+        reports.len(),
+        3,
+        "ranks 0 and 1 and the replacement report\n{log}"
+    );
+    let joiner = (reports.iter().find(|r| !r["joined"].is_null()))
+        .unwrap_or_else(|| panic!("no replacement reported\n{log}"));
+    assert_eq!(joiner["rank"], 2, "{log}");
+    for r in &reports {
+        assert_eq!(r["mismatches"], 0, "{r}\n{log}");
+        assert_eq!(r["masked"], serde_json::json!([]), "{r}\n{log}");
+        for key in ["agreements", "agreement_digest"] {
+            assert_eq!(r[key], joiner[key], "{key} differs\n{log}");
+        }
+    }
+    let j = &joiner["joined"];
+    eprintln!(
+        "rank 2 back from host 0 at step {}: started → let in {:.0} ms, waited at the door {:.1} ms",
+        j["at_step"],
+        j["started_to_let_in_ms"].as_f64().unwrap_or(f64::NAN),
+        j["waited_at_door_ms"].as_f64().unwrap_or(f64::NAN)
+    );
 }
 
 /// A cut network in elastic mode: each half finds the other unreachable, half of the

@@ -22,7 +22,7 @@ use crate::area::Mem;
 use crate::config::BufferConfig;
 use crate::ctx::{Ctx, ABORT_LINGER};
 use crate::device::{Device, HostDevice};
-use crate::door::{Calls, Door, FirstCall, JoinPoint};
+use crate::door::{Calls, Door, FirstCall, JoinPoint, Process};
 use crate::elastic::join;
 use crate::error::{EpError, Result};
 use crate::exchange;
@@ -139,18 +139,25 @@ impl Buffer {
         Ok(Buffer::from_ctx(cx, Calls::default()))
     }
 
-    /// Take the place of masked rank `rank` of a running elastic job of `world` ranks
-    /// on this host, as a process started to replace it: find the job at the door of
-    /// `cfg` (the founding ranks' config, [`BufferConfig::door`]), ask to be let in,
-    /// and return once the survivors have agreed to (at most `cfg.timeout`), with
-    /// where the job is: the caller's next step, and the call it makes first with them.
+    /// Take the place of masked rank `rank` of a running elastic job of `world` ranks,
+    /// as a process started to replace it: find the job at the door of `cfg` (the
+    /// founding ranks' config, [`BufferConfig::door`], in the job's store
+    /// [`BufferConfig::door_store`] or on this host), ask to be let in, and return
+    /// once the survivors have agreed to (at most `cfg.timeout`), with where the job
+    /// is: the caller's next step, and the call it makes first with them.
     ///
     /// ```no_run
     /// # fn main() -> uep_ep::Result<()> {
-    /// use uep_ep::{Buffer, BufferConfig};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use uep_bootstrap::TcpStore;
+    /// use uep_ep::{Buffer, BufferConfig, JobStore};
     /// let mut cfg = BufferConfig::new(16, 256, 2, 64, 16);
     /// cfg.elastic = true;
     /// cfg.door = Some("uep-door-myjob".into());
+    /// // The store the launcher keeps (`uep store`), which the founding ranks used too.
+    /// let store = TcpStore::connect("10.0.0.1:29600", Duration::from_secs(10))?;
+    /// cfg.door_store = Some(JobStore(Arc::new(store)));
     /// // Rank 3 of 4 died and was masked; this process replaces it.
     /// let (mut buffer, at) = Buffer::join(cfg, 3, 4)?;
     /// println!("serving again from step {} ({:?} first)", at.step, at.first);
@@ -728,28 +735,37 @@ fn share_memory(
     // With a door the names stay, for replacements to map (each goes with its Buffer).
     let door = match (door, &cfg.door) {
         (Some(d), _) => Some(d),
-        (None, Some(name)) => Some(Door::open(name, num_ranks, cfg.timeout)?),
+        (None, Some(name)) => Some(Door::open(door_at(name, cfg), num_ranks, cfg.timeout)?),
         (None, None) => None,
     };
     match &door {
-        Some(d) => d.set_member(rank, std::process::id(), &name)?,
+        Some(d) => d.set_member(rank, Process::me(), &name)?,
         None => symm.unlink()?,
     }
     Ok((symm, door))
 }
 
-/// Rank 0 of an elastic job with a door makes it (`door`). A door is shared memory, so
-/// every rank must be on one host (nodes, if several, emulated by ranks per node).
+/// Rank 0 of an elastic job with a door makes it (`door`). A door in shared memory
+/// needs every rank on one host (nodes, if several, emulated by ranks per node); one in
+/// the job's store does not.
 fn make_door(cfg: &BufferConfig, met: &Met) -> Option<Result<Door>> {
     let (name, topo) = (cfg.door.as_ref()?, met.topo);
-    if !met.one_host {
+    if !met.one_host && cfg.door_store.is_none() {
         return Some(Err(invalid!(
-            "a door (for ranks that rejoin) is shared memory on one host, and this job's \
-             {} nodes are on several hosts",
+            "a door (for ranks that rejoin) without the job's store (BufferConfig::door_store) \
+             is shared memory on one host, and this job's {} nodes are on several hosts",
             topo.num_nodes
         )));
     }
     let digest = join::config_digest(&met.fingerprint);
-    let header = (digest, met.map.total, met.job);
-    (topo.rank == 0).then(|| Door::create(name, topo.num_ranks, cfg, header))
+    let header = (digest, met.map.total, met.job, topo.ranks_per_node);
+    (topo.rank == 0).then(|| Door::create(door_at(name, cfg), topo.num_ranks, cfg, header))
+}
+
+/// Where door `name` of `cfg` is kept.
+fn door_at<'a>(
+    name: &'a str,
+    cfg: &BufferConfig,
+) -> (&'a str, Option<Arc<dyn uep_bootstrap::Store>>) {
+    (name, cfg.door_store.as_ref().map(|s| s.0.clone()))
 }

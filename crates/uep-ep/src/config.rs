@@ -110,16 +110,30 @@ pub struct BufferConfig {
     /// masked on every survivor and the calls of both modes go on without it (see the
     /// `elastic` module). Off: any dead rank fails every call.
     pub elastic: bool,
-    /// Elastic mode: the name of the job's *door* on this host, where a process started
-    /// to replace a masked rank finds the job ([`Buffer::join`](crate::Buffer::join)).
-    /// The same on every rank, and unique to the job (the CLI derives it from the
-    /// launcher's rendezvous address). `None`: a masked rank never comes back. One node
-    /// only, for now.
+    /// Elastic mode: the name of the job's *door*, where a process started to replace a
+    /// masked rank finds the job ([`Buffer::join`](crate::Buffer::join)). The same on
+    /// every rank, and unique to the job (the CLI derives it from the launcher's
+    /// rendezvous address). `None`: a masked rank never comes back.
     pub door: Option<String>,
+    /// Where the door is kept: in this store, which every host of the job reaches
+    /// (the launcher's), or, `None`, in shared memory on this host (then every rank
+    /// must be on one host).
+    pub door_store: Option<JobStore>,
     /// With a door: let in every replacement that asks, at the first agreement after a
     /// combine (or barrier) once every survivor has mapped its memory. Off: only
     /// replacements of ranks the caller admits ([`Buffer::admit`](crate::Buffer::admit)).
     pub auto_admit: bool,
+}
+
+/// The job's key-value store, as a config holds it ([`BufferConfig::door_store`]):
+/// equal to another only if it is the same store.
+#[derive(Clone, Debug)]
+pub struct JobStore(pub std::sync::Arc<dyn uep_bootstrap::Store>);
+
+impl PartialEq for JobStore {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 impl BufferConfig {
@@ -149,6 +163,7 @@ impl BufferConfig {
             net: NetConfig::default(),
             elastic: false,
             door: None,
+            door_store: None,
             auto_admit: false,
         }
     }

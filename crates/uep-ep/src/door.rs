@@ -1,39 +1,54 @@
-//! The door of an elastic job on one host: where a process started to replace a masked
-//! rank finds the job, asks to be let in, and is told where the job is.
+//! The door of an elastic job: where a process started to replace a masked rank finds
+//! the job, asks to be let in, and is told where the job is.
 //!
-//! A small shared-memory segment whose name the caller gives every rank
-//! ([`BufferConfig::door`](crate::BufferConfig::door)), made by rank 0 when the Buffers
-//! are. Every word is read and written atomically; a record is published by its first
-//! word, stored last (release) and read first (acquire):
+//! A set of records that rank 0 makes when the Buffers are, kept in one of two places
+//! ([`BufferConfig::door`](crate::BufferConfig::door) names it, and
+//! [`BufferConfig::door_store`](crate::BufferConfig::door_store) says where):
+//!
+//! * **the job's store** ([`uep_bootstrap::Store`]), which every host reaches and the
+//!   launcher keeps (torchrun's `TCPStore` at `MASTER_ADDR:MASTER_PORT` from Python,
+//!   `uep bench`'s own): a record is one value, read and written whole, at
+//!   `{door}/header` or `{door}/{job token}/{word offset}`, the ready counts at
+//!   `…/{offset}/{stamp}`;
+//! * **a shared-memory segment** on this host, when every rank is on it: every word is
+//!   atomic; a record is published by its first word, stored last (release) and read
+//!   first (acquire).
+//!
+//! Both hold the same records, at the same word offsets:
 //!
 //! | block | words | what |
 //! |---|---|---|
-//! | header | 5 + 9 | magic (stored last), ranks, digest of the config, region bytes, job token; the shapes (normal, low-latency: experts, hidden, top-k, tokens) and ranks per node, for a joiner that does not know them |
-//! | `member[R]` | 1 + 8 | the rank's process id, then the name of its segment (64 bytes) |
-//! | `request[R]` | 2 + 8 | a joiner's stamp (a random non-zero word), its process id, its segment's name |
+//! | header | 5 + 10 | magic, ranks, digest of the config, region bytes, job token; the shapes (normal, low-latency: experts, hidden, top-k, tokens), ranks per node, and ranks of a node in the job's topology, for a joiner that does not know them |
+//! | `member[R]` | 2 + 8 | the rank's [`Process`] (id, host), then the name of its segment (64 bytes) |
+//! | `request[R]` | 3 + 8 | a joiner's stamp (a random non-zero word), its process, its segment's name |
 //! | `welcome[R]` | 7 + W | the stamp of the request it answers, then [`Welcome`] |
-//! | `reach[R]` | 1 + 128 | how a member is reached over the network ([`Reach`]: its proxy endpoints), its length stored last |
+//! | `reach[R]` | 1 + 128 | how a member is reached over the network ([`Reach`]: its proxy endpoints), its length first |
 //! | `asking[R]` | 1 + 128 | a joiner's [`Reach`] (with where its liveness watch listens), written before its request |
 //! | `ready[R]` | 1 | the survivors that let the joiner in and are ready for its traffic: (its stamp's low 32 bits, count) |
 //!
+//! A process id means something on its own host only: whether a member or a joiner is
+//! gone is asked there ([`Process::gone`]); elsewhere the agreement's masks say it.
 //! The survivors keep their segments' names while the door is open, so that a joiner
-//! maps them as a founding rank did.
+//! maps its node's as a founding rank did.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
-use uep_shm::{Region, Segment};
+use uep_bootstrap::Store;
+use uep_shm::Segment;
 
 use crate::config::{BufferConfig, Shape};
 use crate::error::{EpError, Result};
+use crate::wait::process_gone;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"uepdoor1");
-const HEADER: usize = 5 + 9;
+const HEADER: usize = 5 + 10;
 /// Bytes of a segment name in a record.
 const NAME_BYTES: usize = 64;
 const NAME_WORDS: usize = NAME_BYTES / 8;
-const MEMBER: usize = 1 + NAME_WORDS;
-const REQUEST: usize = 2 + NAME_WORDS;
+const MEMBER: usize = 2 + NAME_WORDS;
+const REQUEST: usize = 3 + NAME_WORDS;
 const WELCOME: usize = 7;
 /// Bytes of a [`Reach`] record, and its words with the length word.
 const REACH_BYTES: usize = 1024;
@@ -163,24 +178,97 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// A process, as the door names it: its id and the host it runs on (a digest of
+/// [`uep_bootstrap::host_id`]), since a process id means something only there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Process {
+    pub pid: u32,
+    pub host: u64,
+}
+
+impl Process {
+    /// This process.
+    pub fn me() -> Process {
+        Process {
+            pid: std::process::id(),
+            host: this_host(),
+        }
+    }
+
+    /// Whether it runs on this host.
+    pub fn here(&self) -> bool {
+        self.host == this_host()
+    }
+
+    /// Whether it is gone, if this host can tell (`None`: it runs on another host).
+    pub fn gone(&self) -> Option<bool> {
+        self.here().then(|| process_gone(self.pid))
+    }
+}
+
+/// The digest of this host's identity that door records carry.
+pub(crate) fn this_host() -> u64 {
+    static HOST: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *HOST.get_or_init(|| crate::fnv::hash(uep_bootstrap::host_id().bytes().map(u64::from)))
+}
+
 /// A joiner's request, as the survivors read it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Request {
     pub stamp: u64,
-    pub pid: u32,
+    pub process: Process,
     pub name: String,
 }
 
-/// The door, mapped.
+/// The header: what a joiner learns of the job before it asks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    /// The digest of the config every rank shares, its region bytes, and the job token.
+    pub digest: u64,
+    pub bytes: usize,
+    pub job: u64,
+    /// The shapes and ranks per node of the config (the rest is each rank's own).
+    pub normal: Option<Shape>,
+    pub ll: Option<Shape>,
+    pub ranks_per_node: Option<usize>,
+    /// Ranks of a node in the job's topology (what its hosts and ranks per node made).
+    pub node_ranks: usize,
+}
+
+/// Where the records are kept.
+enum Backing {
+    /// A shared-memory segment on this host: every word atomic, a record published by
+    /// its first word, stored last (release) and read first (acquire).
+    Shm(Segment),
+    /// The job's store, reached from every host: a record is one value (whole, old or
+    /// new), at `{name}/header` or `{name}/{job}/{word offset}`.
+    Store {
+        store: Arc<dyn Store>,
+        name: String,
+        job: u64,
+    },
+}
+
+/// The door, opened.
 pub(crate) struct Door {
-    seg: Segment,
+    backing: Backing,
     ranks: usize,
     words: usize,
+    /// When a survivor last looked for requests (a look at a store is a round trip).
+    looked: std::cell::Cell<Option<std::time::Instant>>,
 }
+
+/// How often a survivor looks for requests at a door in a store: at most once in this
+/// long, so that a rank masked for good costs a serving loop one round trip in many
+/// calls, not one a call. (A joiner is let in up to this much later.)
+const STORE_LOOKS: Duration = Duration::from_millis(10);
 
 impl std::fmt::Debug for Door {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Door({})", self.seg.path().display())
+        match &self.backing {
+            Backing::Shm(seg) => write!(f, "Door({})", seg.path().display()),
+            Backing::Store { name, store, .. } => write!(f, "Door({name} in {store:?})"),
+        }
     }
 }
 
@@ -189,49 +277,71 @@ fn len(ranks: usize, words: usize) -> usize {
 }
 
 impl Door {
-    /// Make door `name` for `ranks` ranks of a job with config `cfg` (rank 0, once),
-    /// replacing a stale one.
+    /// Make door `name` (in `store`, or shared memory on this host) for the `ranks`
+    /// ranks of a job with config `cfg` (rank 0, once), replacing a stale one.
     pub fn create(
-        name: &str,
+        (name, store): (&str, Option<Arc<dyn Store>>),
         ranks: usize,
         cfg: &BufferConfig,
-        (digest, bytes, job): (u64, usize, u64),
+        (digest, bytes, job, node_ranks): (u64, usize, u64, usize),
     ) -> Result<Door> {
-        let path = std::path::Path::new(uep_shm::SHM_DIR).join(name);
-        // A door left by a job that was killed: its ranks are gone.
-        let _ = std::fs::remove_file(path);
         let words = crate::map::mask_words(ranks);
+        let backing = match store {
+            Some(store) => Backing::Store {
+                store,
+                name: name.into(),
+                job,
+            },
+            None => {
+                // A door left by a job that was killed: its ranks are gone.
+                let _ = std::fs::remove_file(std::path::Path::new(uep_shm::SHM_DIR).join(name));
+                Backing::Shm(Segment::create(name, len(ranks, words))?)
+            }
+        };
         let door = Door {
-            seg: Segment::create(name, len(ranks, words))?,
+            backing,
             ranks,
             words,
+            looked: Default::default(),
         };
         let shape = |s: &Option<Shape>| match s {
             Some(s) => [s.num_experts, s.hidden, s.topk, s.max_tokens].map(|v| v as u64),
             None => [0; 4],
         };
-        let header = [ranks as u64, digest, bytes as u64, job]
+        let header: Vec<u64> = [MAGIC, ranks as u64, digest, bytes as u64, job]
             .into_iter()
             .chain(shape(&cfg.normal))
             .chain(shape(&cfg.ll))
-            .chain([cfg.ranks_per_node.unwrap_or(0) as u64]);
-        for (i, v) in header.enumerate() {
-            door.word(1 + i)?.store(v, Ordering::Relaxed);
-        }
-        door.word(0)?.store(MAGIC, Ordering::Release);
+            .chain([cfg.ranks_per_node.unwrap_or(0), node_ranks].map(|v| v as u64))
+            .collect();
+        door.put(0, &header)?;
         Ok(door)
     }
 
-    /// Open door `name` of a job of `ranks` ranks, waiting up to `timeout` for it.
-    pub fn open(name: &str, ranks: usize, timeout: Duration) -> Result<Door> {
+    /// Open door `name` (in `store`, or shared memory on this host) of a job of `ranks`
+    /// ranks, waiting up to `timeout` for it.
+    pub fn open(
+        (name, store): (&str, Option<Arc<dyn Store>>),
+        ranks: usize,
+        timeout: Duration,
+    ) -> Result<Door> {
         let words = crate::map::mask_words(ranks);
+        let backing = match store {
+            Some(store) => Backing::Store {
+                job: find_job(store.as_ref(), name, timeout)?,
+                store,
+                name: name.into(),
+            },
+            None => Backing::Shm(Segment::open(name, len(ranks, words), timeout)?),
+        };
         let door = Door {
-            seg: Segment::open(name, len(ranks, words), timeout)?,
+            backing,
             ranks,
             words,
+            looked: Default::default(),
         };
-        let (magic, found) = (door.word(0)?, door.word(1)?);
-        if magic.load(Ordering::Acquire) != MAGIC || found.load(Ordering::Relaxed) != ranks as u64 {
+        let head = door.get(0, 2)?;
+        if head.as_deref() != Some(&[MAGIC, ranks as u64][..]) {
             return Err(EpError::Protocol(format!(
                 "{name} is not the door of a job of {ranks} ranks"
             )));
@@ -239,56 +349,60 @@ impl Door {
         Ok(door)
     }
 
-    /// `(digest of the config, region bytes, job token)` the founding ranks wrote.
-    pub fn header(&self) -> Result<(u64, usize, u64)> {
-        let w = |i| Ok::<_, EpError>(self.word(i)?.load(Ordering::Relaxed));
-        Ok((w(2)?, w(3)? as usize, w(4)?))
-    }
-
-    /// The shapes and ranks per node of the job's config (the rest is each rank's own):
-    /// `(normal, low-latency, ranks per node)`.
-    pub fn shapes(&self) -> Result<(Option<Shape>, Option<Shape>, Option<usize>)> {
-        let w = |i| Ok::<_, EpError>(self.word(i)?.load(Ordering::Relaxed) as usize);
+    /// What the founding ranks wrote of the job.
+    pub fn header(&self) -> Result<Header> {
+        let w = self.get(0, HEADER)?.ok_or_else(gone_door)?;
         let shape = |at: usize| {
             let s = Shape {
-                num_experts: w(at)?,
-                hidden: w(at + 1)?,
-                topk: w(at + 2)?,
-                max_tokens: w(at + 3)?,
+                num_experts: w[at] as usize,
+                hidden: w[at + 1] as usize,
+                topk: w[at + 2] as usize,
+                max_tokens: w[at + 3] as usize,
             };
-            Ok::<_, EpError>((s.num_experts > 0).then_some(s))
+            (s.num_experts > 0).then_some(s)
         };
-        let per_node = w(13)?;
-        Ok((shape(5)?, shape(9)?, (per_node > 0).then_some(per_node)))
+        Ok(Header {
+            digest: w[2],
+            bytes: w[3] as usize,
+            job: w[4],
+            normal: shape(5),
+            ll: shape(9),
+            ranks_per_node: (w[13] > 0).then_some(w[13] as usize),
+            node_ranks: w[14] as usize,
+        })
     }
 
-    /// Remove the door's name (the job ends): no joiner finds it any more.
+    /// Remove the door (the job ends): no joiner finds it any more.
     pub fn close(&mut self) -> Result<()> {
-        let path = self.seg.path().to_path_buf();
-        match std::fs::remove_file(&path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EpError::Resource(format!(
-                "cannot remove the door {}: {e}",
-                path.display()
-            ))),
-            _ => Ok(()),
+        match &self.backing {
+            Backing::Store { store, name, .. } => Ok(store.delete(&format!("{name}/header"))?),
+            Backing::Shm(seg) => match std::fs::remove_file(seg.path()) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(EpError::Resource(
+                    format!("cannot remove the door {}: {e}", seg.path().display()),
+                )),
+                _ => Ok(()),
+            },
         }
     }
 
-    /// Rank `rank` is process `pid` with segment `name`.
-    pub fn set_member(&self, rank: usize, pid: u32, name: &str) -> Result<()> {
-        let at = self.member_at(rank)?;
-        self.put_name(at + 1, name)?;
-        self.word(at)?.store(pid.into(), Ordering::Release);
-        Ok(())
+    /// Rank `rank` is process `p` with segment `name`.
+    pub fn set_member(&self, rank: usize, p: Process, name: &str) -> Result<()> {
+        let words = [u64::from(p.pid), p.host]
+            .into_iter()
+            .chain(name_words(name)?);
+        self.put(self.member_at(rank)?, &words.collect::<Vec<_>>())
     }
 
     /// Rank `rank`'s process and segment, if it ever had one.
-    pub fn member(&self, rank: usize) -> Result<Option<(u32, String)>> {
-        let at = self.member_at(rank)?;
-        match self.word(at)?.load(Ordering::Acquire) {
-            0 => Ok(None),
-            pid => Ok(Some((pid as u32, self.name(at + 1)?))),
-        }
+    pub fn member(&self, rank: usize) -> Result<Option<(Process, String)>> {
+        let Some(w) = self.get(self.member_at(rank)?, MEMBER)? else {
+            return Ok(None);
+        };
+        let p = Process {
+            pid: w[0] as u32,
+            host: w[1],
+        };
+        Ok(Some((p, words_name(&w[2..])?)))
     }
 
     /// Ask to be let in as `rank` (reached at `reach` when the job has several nodes):
@@ -296,39 +410,38 @@ impl Door {
     pub fn post_request(
         &self,
         rank: usize,
-        (pid, name): (u32, &str),
+        (p, name): (Process, &str),
         reach: Option<&Reach>,
     ) -> Result<u64> {
-        let at = self.request_at(rank)?;
+        let asking = self.reach_at(rank, 1)?;
         match reach {
-            Some(reach) => self.put_reach(self.reach_at(rank, 1)?, reach)?,
-            None => self
-                .word(self.reach_at(rank, 1)?)?
-                .store(0, Ordering::Release),
+            Some(reach) => self.put(asking, &reach_words(reach)?)?,
+            None => self.put(asking, &[0])?,
         }
         let stamp = rand::random::<u64>() | 1;
-        self.word(at + 1)?.store(pid.into(), Ordering::Relaxed);
-        self.put_name(at + 2, name)?;
-        self.word(at)?.store(stamp, Ordering::Release);
+        let head = [stamp, u64::from(p.pid), p.host];
+        let words = head.into_iter().chain(name_words(name)?);
+        self.put(self.request_at(rank)?, &words.collect::<Vec<_>>())?;
         Ok(stamp)
     }
 
     /// The request to be let in as `rank`, if any.
     pub fn request(&self, rank: usize) -> Result<Option<Request>> {
-        let at = self.request_at(rank)?;
-        match self.word(at)?.load(Ordering::Acquire) {
-            0 => Ok(None),
-            stamp => Ok(Some(Request {
-                stamp,
-                pid: self.word(at + 1)?.load(Ordering::Relaxed) as u32,
-                name: self.name(at + 2)?,
-            })),
-        }
+        let Some(w) = self.get(self.request_at(rank)?, REQUEST)? else {
+            return Ok(None);
+        };
+        Ok(Some(Request {
+            stamp: w[0],
+            process: Process {
+                pid: w[1] as u32,
+                host: w[2],
+            },
+            name: words_name(&w[3..])?,
+        }))
     }
 
     /// Answer the request `stamp` of `rank`. Every survivor writes the same words.
     pub fn welcome(&self, rank: usize, stamp: u64, w: &Welcome) -> Result<()> {
-        let at = self.welcome_at(rank)?;
         let c = &w.calls;
         let first = match w.first {
             FirstCall::Barrier => 0,
@@ -336,6 +449,7 @@ impl Door {
             FirstCall::LowLatencyDispatch => 2,
         };
         let fields = [
+            stamp,
             w.round,
             w.digest,
             u64::from(c.ll_dispatch) | u64::from(c.ll_combine) << 32,
@@ -344,33 +458,29 @@ impl Door {
             w.step << 2 | first,
         ];
         let bits = crate::agree::to_bits(&w.masked, self.words);
-        for (i, v) in fields.into_iter().chain(bits).enumerate() {
-            self.word(at + 1 + i)?.store(v, Ordering::Relaxed);
-        }
-        self.word(at)?.store(stamp, Ordering::Release);
-        Ok(())
+        let words: Vec<u64> = fields.into_iter().chain(bits).collect();
+        self.put(self.welcome_at(rank)?, &words)
     }
 
     /// The answer to request `stamp` of `rank`, once it is there.
     pub fn welcomed(&self, rank: usize, stamp: u64) -> Result<Option<Welcome>> {
-        let at = self.welcome_at(rank)?;
-        if self.word(at)?.load(Ordering::Acquire) != stamp {
+        let n = WELCOME + self.words;
+        let Some(f) = self
+            .get(self.welcome_at(rank)?, n)?
+            .filter(|f| f[0] == stamp)
+        else {
             return Ok(None);
-        }
-        let f = |i: usize| Ok::<_, EpError>(self.word(at + 1 + i)?.load(Ordering::Relaxed));
-        let bits = (0..self.words)
-            .map(|i| f(WELCOME - 1 + i))
-            .collect::<Result<Vec<_>>>()?;
-        let (ll, normal, tail) = (f(2)?, f(3)?, f(5)?);
+        };
+        let (ll, normal, tail) = (f[3], f[4], f[6]);
         Ok(Some(Welcome {
-            round: f(0)?,
-            digest: f(1)?,
+            round: f[1],
+            digest: f[2],
             calls: Calls {
                 ll_dispatch: ll as u32,
                 ll_combine: (ll >> 32) as u32,
                 normal_dispatch: normal as u32,
                 normal_combine: (normal >> 32) as u32,
-                barriers: f(4)?,
+                barriers: f[5],
             },
             step: tail >> 2,
             first: match tail & 3 {
@@ -378,7 +488,7 @@ impl Door {
                 1 => FirstCall::Dispatch,
                 _ => FirstCall::LowLatencyDispatch,
             },
-            masked: crate::agree::to_mask(&bits, self.ranks),
+            masked: crate::agree::to_mask(&f[WELCOME..], self.ranks),
         }))
     }
 
@@ -390,7 +500,7 @@ impl Door {
 
     /// Publish how rank `rank` is reached across nodes.
     pub fn set_reach(&self, rank: usize, reach: &Reach) -> Result<()> {
-        self.put_reach(self.reach_at(rank, 0)?, reach)
+        self.put(self.reach_at(rank, 0)?, &reach_words(reach)?)
     }
 
     /// The [`Reach`] a joiner of `rank` posted with its request.
@@ -401,7 +511,13 @@ impl Door {
     /// A survivor let the joiner of `rank` (request `stamp`) in and is ready for its
     /// traffic: one more in the count the joiner waits for.
     pub fn ready(&self, rank: usize, stamp: u64) -> Result<()> {
-        let word = self.word(self.ready_at(rank)?)?;
+        let at = self.ready_at(rank)?;
+        let word = match &self.backing {
+            Backing::Store { store, .. } => {
+                return Ok(store.add(&self.key(at, stamp), 1).map(drop)?)
+            }
+            Backing::Shm(seg) => seg.region().atomic_u64(8 * at)?,
+        };
         let tag = stamp << 32;
         let mut cur = word.load(Ordering::Acquire);
         loop {
@@ -418,36 +534,102 @@ impl Door {
 
     /// How many survivors are ready for the joiner of `rank` with request `stamp`.
     pub fn readied(&self, rank: usize, stamp: u64) -> Result<usize> {
-        let v = self.word(self.ready_at(rank)?)?.load(Ordering::Acquire);
+        let at = self.ready_at(rank)?;
+        let v = match &self.backing {
+            Backing::Store { store, .. } => return Ok(store.add(&self.key(at, stamp), 0)? as usize),
+            Backing::Shm(seg) => seg.region().atomic_u64(8 * at)?.load(Ordering::Acquire),
+        };
         Ok(match v & !0xffff_ffff == stamp << 32 {
             true => (v & 0xffff_ffff) as usize,
             false => 0,
         })
     }
 
-    fn put_reach(&self, at: usize, reach: &Reach) -> Result<()> {
-        let mut bytes = reach.encode()?;
-        let len = bytes.len();
-        bytes.resize(len.div_ceil(8) * 8, 0);
-        for (i, w) in bytes.chunks_exact(8).enumerate() {
-            let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-            self.word(at + 1 + i)?.store(v, Ordering::Relaxed);
+    /// Whether a survivor looks for requests now: always in shared memory, where a look
+    /// is a load; at a store, once per [`STORE_LOOKS`].
+    pub fn worth_a_look(&self) -> bool {
+        if let Backing::Shm(_) = self.backing {
+            return true;
         }
-        self.word(at)?.store(len as u64, Ordering::Release);
+        let now = std::time::Instant::now();
+        let due = (self.looked.get()).is_none_or(|t| now.duration_since(t) >= STORE_LOOKS);
+        if due {
+            self.looked.set(Some(now));
+        }
+        due
+    }
+
+    /// How often a joiner looks at the door while it waits: a look is a load in
+    /// shared memory, a round trip to the store.
+    pub fn poll(&self) -> Duration {
+        match self.backing {
+            Backing::Shm(_) => Duration::from_micros(200),
+            Backing::Store { .. } => Duration::from_millis(2),
+        }
+    }
+
+    /// Publish the record of `words` at word `at` (its first word non-zero, but for an
+    /// empty record `[0]`).
+    fn put(&self, at: usize, words: &[u64]) -> Result<()> {
+        let seg = match &self.backing {
+            Backing::Store { store, .. } => {
+                return Ok(store.set(&self.key(at, 0), bytemuck::cast_slice(words))?);
+            }
+            Backing::Shm(seg) => seg.region(),
+        };
+        for (i, &v) in words.iter().enumerate().skip(1) {
+            seg.atomic_u64(8 * (at + i))?.store(v, Ordering::Relaxed);
+        }
+        seg.atomic_u64(8 * at)?.store(words[0], Ordering::Release);
         Ok(())
     }
 
+    /// The record of `n` words at word `at`, if published (its first word non-zero);
+    /// words a shorter stored record lacks read as zero.
+    fn get(&self, at: usize, n: usize) -> Result<Option<Vec<u64>>> {
+        let mut words = vec![0u64; n];
+        match &self.backing {
+            Backing::Store { store, .. } => {
+                let Some(bytes) = store.get(&self.key(at, 0))? else {
+                    return Ok(None);
+                };
+                let have = (bytes.len() / 8).min(n);
+                bytemuck::cast_slice_mut(&mut words[..have]).copy_from_slice(&bytes[..8 * have]);
+            }
+            Backing::Shm(seg) => {
+                let r = seg.region();
+                words[0] = r.atomic_u64(8 * at)?.load(Ordering::Acquire);
+                if words[0] == 0 {
+                    return Ok(None);
+                }
+                for (i, w) in words.iter_mut().enumerate().skip(1) {
+                    *w = r.atomic_u64(8 * (at + i))?.load(Ordering::Relaxed);
+                }
+            }
+        }
+        Ok((words[0] != 0).then_some(words))
+    }
+
+    /// A store key: the header's, a record's at word `at`, or (`tag` non-zero) a
+    /// counter's for request `tag`.
+    fn key(&self, at: usize, tag: u64) -> String {
+        let Backing::Store { name, job, .. } = &self.backing else {
+            unreachable!("keys are the store's")
+        };
+        match (at, tag) {
+            (0, _) => format!("{name}/header"),
+            (_, 0) => format!("{name}/{job:016x}/{at}"),
+            _ => format!("{name}/{job:016x}/{at}/{tag:016x}"),
+        }
+    }
+
     fn get_reach(&self, at: usize) -> Result<Option<Reach>> {
-        let n = self.word(at)?.load(Ordering::Acquire) as usize;
-        if n == 0 {
+        let Some(w) = self.get(at, REACH)? else {
             return Ok(None);
-        }
-        let mut bytes = Vec::with_capacity(n.div_ceil(8) * 8);
-        for i in 0..n.min(REACH_BYTES).div_ceil(8) {
-            bytes.extend(self.word(at + 1 + i)?.load(Ordering::Relaxed).to_le_bytes());
-        }
-        bytes.truncate(n);
-        Reach::decode(&bytes).map(Some).ok_or_else(|| {
+        };
+        let n = (w[0] as usize).min(REACH_BYTES);
+        let bytes: &[u8] = bytemuck::cast_slice(&w[1..]);
+        Reach::decode(&bytes[..n]).map(Some).ok_or_else(|| {
             EpError::Protocol("a rank's network addresses at the door are not readable".into())
         })
     }
@@ -487,41 +669,60 @@ impl Door {
             ))),
         }
     }
+}
 
-    fn region(&self) -> &Region {
-        self.seg.region()
-    }
-
-    fn word(&self, i: usize) -> Result<&AtomicU64> {
-        Ok(self.region().atomic_u64(8 * i)?)
-    }
-
-    /// A segment name, as words (zero-padded).
-    fn put_name(&self, at: usize, name: &str) -> Result<()> {
-        let bytes = name.as_bytes();
-        if bytes.len() > NAME_BYTES {
-            return Err(EpError::internal(format!(
-                "segment name {name} is longer than {NAME_BYTES} bytes"
+/// The job token of door `name` in `store`, once its header is there (within `timeout`).
+fn find_job(store: &dyn Store, name: &str, timeout: Duration) -> Result<u64> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(b) = store.get(&format!("{name}/header"))? {
+            let job = b
+                .get(32..40)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
+            return job.ok_or_else(|| {
+                EpError::Protocol(format!("the header of door {name} is cut short"))
+            });
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(EpError::Resource(format!(
+                "door {name} is not in the job's store"
             )));
         }
-        let mut padded = [0u8; NAME_BYTES];
-        padded[..bytes.len()].copy_from_slice(bytes);
-        for (i, w) in padded.chunks_exact(8).enumerate() {
-            let v = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-            self.word(at + i)?.store(v, Ordering::Relaxed);
-        }
-        Ok(())
+        std::thread::sleep(Duration::from_millis(20));
     }
+}
 
-    fn name(&self, at: usize) -> Result<String> {
-        let mut bytes = Vec::with_capacity(NAME_BYTES);
-        for i in 0..NAME_WORDS {
-            bytes.extend(self.word(at + i)?.load(Ordering::Relaxed).to_le_bytes());
-        }
-        let end = bytes.iter().position(|&b| b == 0).unwrap_or(NAME_BYTES);
-        String::from_utf8(bytes[..end].to_vec())
-            .map_err(|_| EpError::Protocol("a segment name at the door is not UTF-8".into()))
+fn gone_door() -> EpError {
+    EpError::Resource("the door's header is gone (the job ended)".into())
+}
+
+/// A [`Reach`] as a record: its length in bytes, then the bytes.
+fn reach_words(reach: &Reach) -> Result<Vec<u64>> {
+    let bytes = reach.encode()?;
+    let mut words = vec![0u64; 1 + bytes.len().div_ceil(8)];
+    words[0] = bytes.len() as u64;
+    bytemuck::cast_slice_mut::<u64, u8>(&mut words[1..])[..bytes.len()].copy_from_slice(&bytes);
+    Ok(words)
+}
+
+/// A segment name as words (zero-padded).
+fn name_words(name: &str) -> Result<[u64; NAME_WORDS]> {
+    let bytes = name.as_bytes();
+    if bytes.len() > NAME_BYTES {
+        return Err(EpError::internal(format!(
+            "segment name {name} is longer than {NAME_BYTES} bytes"
+        )));
     }
+    let mut words = [0u64; NAME_WORDS];
+    bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+    Ok(words)
+}
+
+fn words_name(words: &[u64]) -> Result<String> {
+    let bytes: &[u8] = bytemuck::cast_slice(&words[..NAME_WORDS]);
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(NAME_BYTES);
+    String::from_utf8(bytes[..end].to_vec())
+        .map_err(|_| EpError::Protocol("a segment name at the door is not UTF-8".into()))
 }
 
 /// The name of the door of the job whose launcher's rendezvous is `rendezvous` (for
@@ -576,99 +777,169 @@ mod tests {
         format!("{}test-{tag}-{}", uep_shm::DOOR_PREFIX, std::process::id())
     }
 
+    /// A door's name, its store (`None`: shared memory), and the server it talks to.
+    type Backed = (
+        String,
+        Option<Arc<dyn Store>>,
+        Option<uep_bootstrap::StoreServer>,
+    );
+
+    /// Every test runs on both backings: shared memory, and a store over TCP.
+    fn backings(tag: &str) -> Vec<Backed> {
+        let server = uep_bootstrap::StoreServer::bind("127.0.0.1:0").unwrap();
+        let addr = server.addr().to_string();
+        let store = uep_bootstrap::TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
+        let store: Arc<dyn Store> = Arc::new(store);
+        vec![
+            (door_name(tag), None, None),
+            (format!("job/{tag}"), Some(store), Some(server)),
+        ]
+    }
+
+    fn process(pid: u32) -> Process {
+        Process { pid, host: 42 }
+    }
+
     #[test]
     fn records_keep_their_fields() {
-        let name = door_name("records");
-        let mut cfg = BufferConfig::new(64, 512, 8, 0, 128);
-        cfg.ranks_per_node = Some(10);
-        let mut door = Door::create(&name, 70, &cfg, (7, 4096, 9)).unwrap();
-        let other = Door::open(&name, 70, Duration::ZERO).unwrap();
-        assert_eq!(other.header().unwrap(), (7, 4096, 9));
-        assert_eq!(other.shapes().unwrap(), (None, cfg.ll, Some(10)));
-        assert!(Door::open(&name, 71, Duration::ZERO).is_err());
-        door.set_member(69, 1234, "uep-abc-r69-p1234").unwrap();
-        assert_eq!(
-            other.member(69).unwrap(),
-            Some((1234, "uep-abc-r69-p1234".into()))
-        );
-        assert_eq!(other.member(3).unwrap(), None);
-        assert_eq!(other.request(5).unwrap(), None);
-        let stamp = other.post_request(5, (77, "uep-abc-r5-p77"), None).unwrap();
-        let req = door.request(5).unwrap().unwrap();
-        assert_eq!(
-            (req.stamp, req.pid, req.name.as_str()),
-            (stamp, 77, "uep-abc-r5-p77")
-        );
-        assert_eq!(other.welcomed(5, stamp).unwrap(), None);
-        let mut masked = vec![false; 70];
-        masked[66] = true;
-        let w = Welcome {
-            round: 12,
-            digest: 0xfeed,
-            calls: Calls {
-                ll_dispatch: 5,
-                ll_combine: 4,
-                normal_dispatch: 8,
-                normal_combine: 7,
-                barriers: 3,
-            },
-            step: 99,
-            first: FirstCall::LowLatencyDispatch,
-            masked,
-        };
-        door.welcome(5, stamp, &w).unwrap();
-        assert_eq!(other.welcomed(5, stamp).unwrap(), Some(w));
-        assert_eq!(other.welcomed(5, stamp ^ 2).unwrap(), None);
-        assert!(door.set_member(1, 1, &"x".repeat(65)).is_err());
-        // A door with a live member stays; one whose members are all gone goes.
+        for (name, store, _server) in backings("records") {
+            let at = || (name.as_str(), store.clone());
+            let mut cfg = BufferConfig::new(64, 512, 8, 0, 128);
+            cfg.ranks_per_node = Some(10);
+            let mut door = Door::create(at(), 70, &cfg, (7, 4096, 9, 10)).unwrap();
+            let other = Door::open(at(), 70, Duration::ZERO).unwrap();
+            let h = other.header().unwrap();
+            assert_eq!((h.digest, h.bytes, h.job, h.node_ranks), (7, 4096, 9, 10));
+            assert_eq!((h.normal, h.ll, h.ranks_per_node), (None, cfg.ll, Some(10)));
+            assert!(Door::open(at(), 71, Duration::ZERO).is_err());
+            door.set_member(69, process(1234), "uep-abc-r69-p1234")
+                .unwrap();
+            assert_eq!(
+                other.member(69).unwrap(),
+                Some((process(1234), "uep-abc-r69-p1234".into()))
+            );
+            assert_eq!(other.member(3).unwrap(), None);
+            assert_eq!(other.request(5).unwrap(), None);
+            let stamp = other
+                .post_request(5, (process(77), "uep-abc-r5-p77"), None)
+                .unwrap();
+            let req = door.request(5).unwrap().unwrap();
+            assert_eq!(
+                (req.stamp, req.process, req.name.as_str()),
+                (stamp, process(77), "uep-abc-r5-p77")
+            );
+            assert_eq!(other.welcomed(5, stamp).unwrap(), None);
+            let mut masked = vec![false; 70];
+            masked[66] = true;
+            let w = Welcome {
+                round: 12,
+                digest: 0xfeed,
+                calls: Calls {
+                    ll_dispatch: 5,
+                    ll_combine: 4,
+                    normal_dispatch: 8,
+                    normal_combine: 7,
+                    barriers: 3,
+                },
+                step: 99,
+                first: FirstCall::LowLatencyDispatch,
+                masked,
+            };
+            door.welcome(5, stamp, &w).unwrap();
+            assert_eq!(other.welcomed(5, stamp).unwrap(), Some(w));
+            assert_eq!(other.welcomed(5, stamp ^ 2).unwrap(), None);
+            assert!(door.set_member(1, process(1), &"x".repeat(65)).is_err());
+            door.close().unwrap();
+            assert!(Door::open(at(), 70, Duration::ZERO).is_err());
+        }
+    }
+
+    #[test]
+    fn a_door_whose_members_are_gone_is_stale() {
+        let cfg = BufferConfig::new(64, 512, 8, 0, 128);
         let (a, b) = (door_name("alive"), door_name("dead"));
-        let alive = Door::create(&a, 4, &cfg, (1, 1, 1)).unwrap();
-        alive.set_member(2, std::process::id(), "uep-x").unwrap();
-        let dead = Door::create(&b, 4, &cfg, (1, 1, 1)).unwrap();
-        dead.set_member(1, u32::MAX - 1, "uep-y").unwrap();
+        let alive = Door::create((&a, None), 4, &cfg, (1, 1, 1, 4)).unwrap();
+        alive.set_member(2, Process::me(), "uep-x").unwrap();
+        let dead = Door::create((&b, None), 4, &cfg, (1, 1, 1, 4)).unwrap();
+        dead.set_member(1, process(u32::MAX - 1), "uep-y").unwrap();
         let removed = remove_stale_doors().unwrap();
         assert!(removed.iter().any(|p| p.ends_with(&b)), "{removed:?}");
         assert!(!removed.iter().any(|p| p.ends_with(&a)), "{removed:?}");
         drop((alive, dead)); // their makers' drop removes their names
-        door.close().unwrap();
-        assert!(Door::open(&name, 70, Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn a_process_is_asked_about_on_its_own_host_only() {
+        assert_eq!(Process::me().gone(), Some(false));
+        let elsewhere = Process {
+            pid: std::process::id(),
+            host: this_host() ^ 1,
+        };
+        assert_eq!(elsewhere.gone(), None);
+        let dead_here = Process {
+            pid: u32::MAX - 1,
+            host: this_host(),
+        };
+        assert_eq!(dead_here.gone(), Some(true));
+    }
+
+    #[test]
+    fn a_store_door_is_waited_for_and_a_job_token_keys_its_records() {
+        let (name, store, _server) = backings("token").pop().unwrap();
+        let cfg = BufferConfig::new(64, 512, 8, 0, 128);
+        let opener = {
+            let (name, store) = (name.clone(), store.clone());
+            std::thread::spawn(move || Door::open((&name, store), 4, Duration::from_secs(5)))
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        let old = Door::create((&name, store.clone()), 4, &cfg, (1, 1, 1, 2)).unwrap();
+        old.set_member(3, process(5), "uep-old").unwrap();
+        assert_eq!(opener.join().unwrap().unwrap().header().unwrap().job, 1);
+        // A later job at the same name sees none of the earlier one's records.
+        let new = Door::create((&name, store.clone()), 4, &cfg, (1, 1, 2, 2)).unwrap();
+        assert_eq!(new.member(3).unwrap(), None);
+        assert!(Door::open((&name, store), 5, Duration::ZERO).is_err());
     }
 
     #[test]
     fn reach_records_and_the_ready_count_keep_their_fields() {
-        let name = door_name("reach");
-        let cfg = BufferConfig::new(64, 512, 8, 0, 128);
-        let mut door = Door::create(&name, 6, &cfg, (1, 1, 1)).unwrap();
-        let member = Reach {
-            addrs: vec![vec![7; 90], vec![], vec![1, 2, 3]],
-            watch: None,
-        };
-        assert_eq!(door.reach(4).unwrap(), None);
-        door.set_reach(4, &member).unwrap();
-        assert_eq!(door.reach(4).unwrap(), Some(member.clone()));
-        let joiner = Reach {
-            watch: Some(crate::liveness::Advert {
-                host: "127.0.0.1".into(),
-                port: 4242,
-                nonce: u64::MAX - 3,
-            }),
-            ..member
-        };
-        let stamp = door.post_request(5, (9, "uep-j"), Some(&joiner)).unwrap();
-        assert_eq!(door.asking_reach(5).unwrap(), Some(joiner));
-        assert_eq!(door.reach(5).unwrap(), None);
-        let too_many = Reach {
-            addrs: vec![vec![0; 600]; 2],
-            watch: None,
-        };
-        assert!(door.set_reach(0, &too_many).is_err());
-        // Survivors count in; an older request's count does not carry over.
-        assert_eq!(door.readied(5, stamp).unwrap(), 0);
-        door.ready(5, stamp ^ 2).unwrap();
-        door.ready(5, stamp).unwrap();
-        door.ready(5, stamp).unwrap();
-        assert_eq!(door.readied(5, stamp).unwrap(), 2);
-        assert_eq!(door.readied(5, stamp ^ 2).unwrap(), 0);
-        door.close().unwrap();
+        for (name, store, _server) in backings("reach") {
+            let cfg = BufferConfig::new(64, 512, 8, 0, 128);
+            let mut door = Door::create((&name, store), 6, &cfg, (1, 1, 1, 3)).unwrap();
+            let member = Reach {
+                addrs: vec![vec![7; 90], vec![], vec![1, 2, 3]],
+                watch: None,
+            };
+            assert_eq!(door.reach(4).unwrap(), None);
+            door.set_reach(4, &member).unwrap();
+            assert_eq!(door.reach(4).unwrap(), Some(member.clone()));
+            let joiner = Reach {
+                watch: Some(crate::liveness::Advert {
+                    host: "127.0.0.1".into(),
+                    port: 4242,
+                    nonce: u64::MAX - 3,
+                }),
+                ..member
+            };
+            let stamp = door
+                .post_request(5, (process(9), "uep-j"), Some(&joiner))
+                .unwrap();
+            assert_eq!(door.asking_reach(5).unwrap(), Some(joiner));
+            door.post_request(5, (process(9), "uep-j"), None).unwrap();
+            assert_eq!(door.asking_reach(5).unwrap(), None);
+            assert_eq!(door.reach(5).unwrap(), None);
+            let too_many = Reach {
+                addrs: vec![vec![0; 600]; 2],
+                watch: None,
+            };
+            assert!(door.set_reach(0, &too_many).is_err());
+            // Survivors count in; an older request's count does not carry over.
+            assert_eq!(door.readied(5, stamp).unwrap(), 0);
+            door.ready(5, stamp ^ 2).unwrap();
+            door.ready(5, stamp).unwrap();
+            door.ready(5, stamp).unwrap();
+            assert_eq!(door.readied(5, stamp).unwrap(), 2);
+            door.close().unwrap();
+        }
     }
 }

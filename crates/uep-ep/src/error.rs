@@ -232,6 +232,7 @@ fn bootstrap_kind(e: &uep_bootstrap::BootstrapError) -> ErrorKind {
     match e {
         B::RankFailed { .. } => ErrorKind::PeerAborted,
         B::ConnectTimeout { .. }
+        | B::StoreUnreachable { .. }
         | B::JoinTimeout { .. }
         | B::Timeout { .. }
         | B::LaunchTimeout { .. } => ErrorKind::Timeout,

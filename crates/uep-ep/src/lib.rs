@@ -62,7 +62,8 @@ mod buffer;
 pub use area::Area;
 pub use buffer::Buffer;
 pub use config::{
-    ranks_per_node_from_env, timeout_from_env, BufferConfig, Connect, Shape, DEFAULT_TIMEOUT,
+    ranks_per_node_from_env, timeout_from_env, BufferConfig, Connect, JobStore, Shape,
+    DEFAULT_TIMEOUT,
 };
 pub use door::{door_name, remove_stale_doors, FirstCall, JoinPoint};
 pub use error::{EpError, ErrorKind, Gone, Lost, Result};

@@ -60,7 +60,7 @@ pub(crate) struct Elastic {
 pub(crate) struct Joiner {
     /// Its request (`elastic::door`).
     pub(crate) stamp: u64,
-    pub(crate) pid: u32,
+    pub(crate) process: crate::door::Process,
     pub(crate) name: String,
     /// Its memory, mapped here (a joiner on this node).
     pub(crate) region: Option<uep_shm::Region>,

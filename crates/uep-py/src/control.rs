@@ -8,7 +8,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use uep_bootstrap::{BootstrapError, ControlPlane};
+use uep_bootstrap::{BootstrapError, ControlPlane, Store};
 
 /// A [`ControlPlane`] over a Python `all_gather(bytes) -> list[bytes]`.
 pub struct PyControlPlane {
@@ -74,5 +74,69 @@ impl ControlPlane for PyControlPlane {
         // A process group cannot be aborted from here; the data path's own abort
         // signal tells the other ranks (and gloo's timeout ends its collectives).
         tracing::warn!(rank = self.rank, reason, "giving up");
+    }
+}
+
+/// A [`Store`] over a Python `torch.distributed.Store` (torchrun's `TCPStore`, which the
+/// launcher's agent keeps at `MASTER_ADDR:MASTER_PORT`): where an elastic job's door
+/// lives, reached from every host and by a replacement that has no process group.
+pub struct PyStore {
+    store: Py<PyAny>,
+}
+
+impl std::fmt::Debug for PyStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the launcher's store")
+    }
+}
+
+impl PyStore {
+    /// Over `store`, an object with torch's `Store` methods (`set`, `get`, `check`,
+    /// `add`, `delete_key`).
+    pub fn new(store: Py<PyAny>) -> Self {
+        PyStore { store }
+    }
+
+    fn call<T>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(Python<'_>, &Bound<'_, PyAny>) -> PyResult<T>,
+    ) -> Result<T, BootstrapError> {
+        Python::attach(|py| f(py, self.store.bind(py))).map_err(|e| BootstrapError::External {
+            collective: what,
+            reason: e.to_string(),
+        })
+    }
+}
+
+impl Store for PyStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), BootstrapError> {
+        self.call("store set", |py, s| {
+            s.call_method1("set", (key, PyBytes::new(py, value)))
+                .map(drop)
+        })
+    }
+
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, BootstrapError> {
+        // torch's get waits for a key that is not there: ask first.
+        self.call("store get", |_, s| {
+            if !s.call_method1("check", (vec![key],))?.extract::<bool>()? {
+                return Ok(None);
+            }
+            let v = s.call_method1("get", (key,))?;
+            Ok(Some(v.cast::<PyBytes>()?.as_bytes().to_vec()))
+        })
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64, BootstrapError> {
+        self.call("store add", |_, s| {
+            s.call_method1("add", (key, delta))?.extract()
+        })
+    }
+
+    fn delete(&self, key: &str) -> Result<(), BootstrapError> {
+        self.call("store delete", |_, s| {
+            s.call_method1("delete_key", (key,)).map(drop)
+        })
     }
 }

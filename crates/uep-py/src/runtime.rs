@@ -29,11 +29,11 @@ use uep_bootstrap::Group;
 use uep_ep::quant::Nvfp4;
 use uep_ep::{
     Buffer, BufferConfig, Cast, CombineArgs, DispatchArgs, DispatchLayout, EpError, ErrorKind,
-    FirstCall, Lease, LlCombineInput, LlCombinePending, LlDispatchArgs, LlHandle, LlPending,
-    NormalHandle, Shape, TokenFormat, Tokens, Topology, WeightLanes,
+    FirstCall, JobStore, Lease, LlCombineInput, LlCombinePending, LlDispatchArgs, LlHandle,
+    LlPending, NormalHandle, Shape, TokenFormat, Tokens, Topology, WeightLanes,
 };
 
-use crate::control::PyControlPlane;
+use crate::control::{PyControlPlane, PyStore};
 use crate::dlpack::{export_block, export_lease, export_vec, peek_shape, DType, In, Pool};
 use crate::errors;
 use uep_ep::exchange::{self, Record};
@@ -140,8 +140,10 @@ pub struct Runtime {
     emulate: Option<usize>,
     /// Elastic low-latency mode (`enable_shrink`).
     elastic: bool,
-    /// Elastic mode on one node: the job's door, where replacements find it.
+    /// Elastic mode: the job's door, where replacements find it, and the store that
+    /// keeps it (the launcher's; without one, shared memory on one host).
     door: Option<String>,
+    door_store: Option<JobStore>,
     state: Mutex<State>,
 }
 
@@ -206,6 +208,7 @@ impl Runtime {
         cfg.ranks_per_node = self.emulate;
         cfg.elastic = self.elastic;
         cfg.door = self.door.clone();
+        cfg.door_store = self.door_store.clone();
         cfg
     }
 
@@ -634,7 +637,7 @@ impl Runtime {
     /// A runtime for rank `rank` of `world_size`, exchanging through `all_gather`
     /// (collective: it finds which ranks share a host).
     #[new]
-    #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None, elastic=false, door=None))]
+    #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None, elastic=false, door=None, store=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -647,6 +650,7 @@ impl Runtime {
         ranks_per_node: Option<usize>,
         elastic: bool,
         door: Option<String>,
+        store: Option<Py<PyAny>>,
     ) -> PyResult<Runtime> {
         if rank >= world_size {
             return Err(errors::invalid(format!(
@@ -669,6 +673,11 @@ impl Runtime {
         let cp = Arc::new(cp);
         let topo = Topology::discover(cp.as_ref(), ranks_per_node).map_err(ep_err)?;
         let device_threads = kernel_threads(device_threads, topo.ranks_per_node);
+        let door_store = store.map(|s| JobStore(Arc::new(PyStore::new(s))));
+        // Without the launcher's store a door is shared memory: replacements find the
+        // job through it only when every rank is on one host.
+        let one_host = topo.num_nodes == 1 || ranks_per_node.is_some();
+        let door = door.filter(|_| elastic && (door_store.is_some() || one_host));
         Ok(Runtime {
             cp: Some(cp),
             topo,
@@ -677,9 +686,8 @@ impl Runtime {
             threads: device_threads,
             emulate: ranks_per_node,
             elastic,
-            // A door is shared memory: replacements find a job through it when every
-            // rank is on one host (one node, or nodes emulated by ranks per node).
-            door: door.filter(|_| elastic && (topo.num_nodes == 1 || ranks_per_node.is_some())),
+            door,
+            door_store,
             state: Mutex::new(State {
                 buffer: None,
                 outputs: Pool::default(),
@@ -690,8 +698,8 @@ impl Runtime {
     }
 
     /// Take the place of masked rank `rank` of the running elastic job of
-    /// `world_size` ranks at door `door` on this host (a process started to replace
-    /// it): its Buffer as the job sized it. Returns the runtime, the survivors' step
+    /// `world_size` ranks at door `door` (in `store`, the launcher's; else on this
+    /// host), as a process started to replace it: its Buffer as the job sized it. Returns the runtime, the survivors' step
     /// (`set_step`) and the call it makes first (`"barrier"`, `"dispatch"` or
     /// `"low_latency_dispatch"`).
     #[staticmethod]
@@ -700,13 +708,15 @@ impl Runtime {
         rank: usize,
         world_size: usize,
         door: String,
+        store: Option<Py<PyAny>>,
         timeout_s: f64,
         device_threads: usize,
     ) -> PyResult<(Runtime, u64, &'static str)> {
         let timeout = Duration::from_secs_f64(timeout_s);
+        let store = store.map(|s| JobStore(Arc::new(PyStore::new(s))));
         let (buffer, at) = py
             .detach(|| {
-                let mut cfg = BufferConfig::from_door(&door, world_size, timeout)?;
+                let mut cfg = BufferConfig::from_door(&door, store, world_size, timeout)?;
                 let per_node = cfg.ranks_per_node.unwrap_or(world_size);
                 cfg.device_threads = kernel_threads(device_threads, per_node);
                 Buffer::join(cfg, rank, world_size)
@@ -727,6 +737,7 @@ impl Runtime {
             emulate: cfg.ranks_per_node,
             elastic: true,
             door: cfg.door.clone(),
+            door_store: cfg.door_store.clone(),
             state: Mutex::new(State {
                 buffer: Some(buffer),
                 outputs: Pool::default(),

@@ -37,10 +37,10 @@ use uep_shm::{Region, Segment};
 use uep_transport::PeerAddr;
 
 use crate::area::Mem;
-use crate::config::BufferConfig;
+use crate::config::{BufferConfig, JobStore};
 use crate::ctx::Ctx;
 use crate::device::Device;
-use crate::door::{Calls, Door, FirstCall, Reach, Welcome};
+use crate::door::{Calls, Door, FirstCall, Process, Reach, Welcome};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::RegionMap;
@@ -64,13 +64,16 @@ impl Ctx {
         let (Some(door), Some(el)) = (&self.door, &self.elastic) else {
             return Ok(());
         };
+        if !door.worth_a_look() {
+            return Ok(());
+        }
         let mut e = el.borrow_mut();
         for r in 0..self.topo.num_ranks {
             if !(e.masked[r] && e.agreed[r]) || e.doorway.let_in[r].is_some() {
                 continue;
             }
             if let Some(j) = &e.doorway.asking[r] {
-                if process_gone(j.pid) {
+                if j.process.gone() == Some(true) {
                     tracing::warn!(rank = self.topo.rank, "rank {r}'s replacement died asking");
                     forget_segment(&j.name);
                     e.doorway.asking[r] = None;
@@ -82,7 +85,10 @@ impl Ctx {
             };
             // Cheap tests first: this runs at every combine while a rank is masked.
             let wanted = e.doorway.auto || e.doorway.admit[r];
-            if req.stamp == e.doorway.answered[r] || !wanted || process_gone(req.pid) {
+            // A joiner on another host is taken as alive: if it died, the first wait
+            // on it after it is let in masks it again.
+            let gone = req.process.gone() == Some(true);
+            if req.stamp == e.doorway.answered[r] || !wanted || gone {
                 continue;
             }
             if !member_gone(door, r)? {
@@ -96,7 +102,7 @@ impl Ctx {
                 Ok(Some((region, reach))) => {
                     e.doorway.asking[r] = Some(Joiner {
                         stamp: req.stamp,
-                        pid: req.pid,
+                        process: req.process,
                         name: req.name,
                         region,
                         reach,
@@ -182,7 +188,7 @@ impl Ctx {
             tracing::info!(
                 rank = self.topo.rank,
                 "rank {r} rejoins (process {})",
-                j.pid
+                j.process.pid
             );
         }
         let welcome = Welcome {
@@ -200,7 +206,7 @@ impl Ctx {
         // Every joiner's segment is named before any joiner reads its welcome (and
         // maps the others by those names).
         for (r, j) in &joiners {
-            door.set_member(*r, j.pid, &j.name)?;
+            door.set_member(*r, j.process, &j.name)?;
             if let Some(reach) = &j.reach {
                 let addrs = reach.addrs.clone();
                 door.set_reach(*r, &Reach { addrs, watch: None })?;
@@ -243,11 +249,17 @@ impl Ctx {
     pub(crate) fn close_door(&mut self) {
         let me = self.topo.rank;
         let lowest = (0..me).all(|r| self.masked(r));
-        let Some(door) = self.door.as_mut().filter(|_| lowest) else {
+        // Each host's segment names are removed there: by the lowest live rank of each node.
+        let node = self.topo.node_ranks(self.topo.node);
+        let node_lowest = node.take_while(|&r| r < me).all(|r| self.masked(r));
+        let Some(door) = self.door.as_mut().filter(|_| node_lowest) else {
             return;
         };
-        if let Ok((_, _, job)) = door.header() {
-            forget_dead_segments(job);
+        if let Ok(h) = door.header() {
+            forget_dead_segments(h.job);
+        }
+        if !lowest {
+            return;
         }
         if let Err(e) = door.close() {
             tracing::warn!(rank = me, "{e}");
@@ -261,15 +273,18 @@ impl Ctx {
             .door
             .as_ref()
             .and_then(|d| d.member(rank).ok().flatten());
-        if let Some((_, name)) = member {
+        if let Some((_, name)) = member.filter(|(p, _)| p.here()) {
             forget_segment(&name);
         }
     }
 }
 
-/// Whether the process the door names for `rank` is gone.
+/// Whether the process the door names for `rank` is gone (on another host: the
+/// agreement masked it, which is all this host can know).
 fn member_gone(door: &Door, rank: usize) -> Result<bool> {
-    Ok(door.member(rank)?.is_none_or(|(pid, _)| process_gone(pid)))
+    Ok(door
+        .member(rank)?
+        .is_none_or(|(p, _)| p.gone() != Some(false)))
 }
 
 /// Remove the names of job `job`'s segments whose process is gone (`uep-JOB-rR-pPID`).
@@ -326,22 +341,34 @@ impl ControlPlane for Detached {
 }
 
 impl BufferConfig {
-    /// The config of the elastic job of `world` ranks at door `name` on this host, for
-    /// a replacement that does not know its shapes ([`Buffer::join`](crate::Buffer::join)):
-    /// its shapes and ranks per node, elastic, with that door; the rest (deadline
-    /// `timeout`, kernel threads, admission) as [`BufferConfig::new`] makes them.
-    pub fn from_door(name: &str, world: usize, timeout: Duration) -> Result<BufferConfig> {
-        let door = Door::open(name, world, timeout).map_err(|e| no_job(name, &e))?;
-        let (normal, ll, ranks_per_node) = door.shapes()?;
+    /// The config of the elastic job of `world` ranks at door `name` (in `store`, or
+    /// on this host), for a replacement that does not know its shapes
+    /// ([`Buffer::join`](crate::Buffer::join)): its shapes and ranks per node, elastic,
+    /// with that door; the rest (deadline `timeout`, kernel threads, admission) as
+    /// [`BufferConfig::new`] makes them.
+    pub fn from_door(
+        name: &str,
+        store: Option<JobStore>,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<BufferConfig> {
+        let at = (name, store.as_ref().map(|s| s.0.clone()));
+        let door = Door::open(at, world, timeout).map_err(|e| no_job(name, &store, &e))?;
+        let h = door.header()?;
         let mut cfg = BufferConfig::new(1, 8, 1, 0, 0);
-        (cfg.normal, cfg.ll, cfg.ranks_per_node) = (normal, ll, ranks_per_node);
-        (cfg.elastic, cfg.door, cfg.timeout) = (true, Some(name.into()), timeout);
+        (cfg.normal, cfg.ll, cfg.ranks_per_node) = (h.normal, h.ll, h.ranks_per_node);
+        (cfg.elastic, cfg.door, cfg.door_store) = (true, Some(name.into()), store);
+        cfg.timeout = timeout;
         Ok(cfg)
     }
 }
 
-fn no_job(name: &str, e: &EpError) -> EpError {
-    EpError::Resource(format!("no running job at door {name} on this host: {e}"))
+fn no_job(name: &str, store: &Option<JobStore>, e: &EpError) -> EpError {
+    let place = match store {
+        Some(s) => format!("in {:?}", s.0),
+        None => "on this host".into(),
+    };
+    EpError::Resource(format!("no running job at door {name} {place}: {e}"))
 }
 
 /// What a joiner needs to know before it asks.
@@ -367,24 +394,26 @@ fn enter(cfg: &BufferConfig, rank: usize, world: usize) -> Result<Entry> {
     if rank >= world {
         return Err(invalid!("rank {rank} cannot join a job of {world} ranks"));
     }
-    let door = Door::open(name, world, cfg.timeout).map_err(|e| no_job(name, &e))?;
-    // Every rank is on this host (the door's): nodes are emulated by ranks per node.
-    let hosts = vec![uep_bootstrap::host_id(); world];
-    let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
+    let store = cfg.door_store.as_ref().map(|s| s.0.clone());
+    let door = Door::open((name, store), world, cfg.timeout)
+        .map_err(|e| no_job(name, &cfg.door_store, &e))?;
+    let h = door.header()?;
+    // The job's nodes as its founding ranks found them (from their hosts).
+    let topo = Topology::new(rank, world, h.node_ranks)?;
     let map = RegionMap::new(cfg, world, topo.num_nodes > 1);
-    let (digest, bytes, job) = door.header()?;
-    if digest != config_digest(&cfg.fingerprint(map.total)) || bytes != map.total {
+    if h.digest != config_digest(&cfg.fingerprint(map.total)) || h.bytes != map.total {
         return Err(invalid!(
             "rank {rank} was given another Buffer config than the job at door {name} \
-             ({} bytes here, {bytes} there)",
-            map.total
+             ({} bytes here, {} there)",
+            map.total,
+            h.bytes
         ));
     }
     Ok(Entry {
         door,
         map,
         topo,
-        job,
+        job: h.job,
     })
 }
 
@@ -402,7 +431,7 @@ pub(crate) fn join(
         topo,
         job,
     } = enter(&cfg, rank, world)?;
-    let pid = std::process::id();
+    let (me, pid) = (Process::me(), std::process::id());
     let name = uep_shm::segment_name(&format!("{job:016x}"), rank, pid);
     let own = Segment::create(&name, map.total)?;
     own.region()
@@ -419,7 +448,7 @@ pub(crate) fn join(
         .transpose()?;
     let asked = Instant::now();
     let reach = joining.as_ref().map(Joining::reach);
-    let stamp = door.post_request(rank, (pid, &name), reach.as_ref())?;
+    let stamp = door.post_request(rank, (me, &name), reach.as_ref())?;
     let welcome = wait_welcome(&door, rank, stamp, cfg.timeout)?;
     wait_ready(&door, (rank, stamp), &welcome, cfg.timeout)?;
     // A rank that rejoined since this one opened its endpoints has new ones.
@@ -440,7 +469,7 @@ pub(crate) fn join(
         _ => None,
     };
     let e = joiner_state(rank, cfg.auto_admit, &welcome);
-    door.set_member(rank, pid, &name)?;
+    door.set_member(rank, me, &name)?;
     let cx = Ctx {
         device,
         cp: Arc::new(Detached { rank, world }),
@@ -563,14 +592,14 @@ fn wait_ready(
                 waited: timeout,
             });
         }
-        std::thread::sleep(Duration::from_micros(200));
+        std::thread::sleep(door.poll());
     }
 }
 
 /// Map rank `r`'s segment as the door names it, if its process lives.
 fn map_member(door: &Door, r: usize, bytes: usize) -> Result<Option<Region>> {
     Ok(match door.member(r)? {
-        Some((pid, name)) if !process_gone(pid) => Segment::open(&name, bytes, Duration::ZERO)
+        Some((p, name)) if p.gone() == Some(false) => Segment::open(&name, bytes, Duration::ZERO)
             .ok()
             .map(|s| s.region().clone()),
         _ => None,
@@ -593,7 +622,7 @@ fn wait_welcome(door: &Door, rank: usize, stamp: u64, timeout: Duration) -> Resu
                 waited: timeout,
             });
         }
-        std::thread::sleep(Duration::from_micros(200));
+        std::thread::sleep(door.poll());
     }
 }
 
