@@ -110,6 +110,8 @@ pub(crate) struct Reach {
     pub addrs: Vec<Vec<u8>>,
     /// A joiner's: where its liveness watch listens for the survivors.
     pub watch: Option<crate::liveness::Advert>,
+    /// Its host as the network path names it (in messages).
+    pub host: String,
 }
 
 impl Reach {
@@ -123,7 +125,10 @@ impl Reach {
             put_bytes(&mut b, w.host.as_bytes())?;
             b.extend(w.port.to_le_bytes());
             b.extend(w.nonce.to_le_bytes());
+        } else {
+            b.push(0);
         }
+        put_bytes(&mut b, self.host.as_bytes())?;
         match b.len() <= REACH_BYTES {
             true => Ok(b),
             false => Err(too_long("addresses")),
@@ -142,7 +147,8 @@ impl Reach {
             }),
             _ => None,
         };
-        Some(Reach { addrs, watch })
+        let host = String::from_utf8(r.bytes()?).ok()?;
+        Some(Reach { addrs, watch, host })
     }
 }
 
@@ -909,6 +915,7 @@ mod tests {
             let member = Reach {
                 addrs: vec![vec![7; 90], vec![], vec![1, 2, 3]],
                 watch: None,
+                host: "10.0.0.7".into(),
             };
             assert_eq!(door.reach(4).unwrap(), None);
             door.set_reach(4, &member).unwrap();
@@ -930,7 +937,7 @@ mod tests {
             assert_eq!(door.reach(5).unwrap(), None);
             let too_many = Reach {
                 addrs: vec![vec![0; 600]; 2],
-                watch: None,
+                ..Reach::default()
             };
             assert!(door.set_reach(0, &too_many).is_err());
             // Survivors count in; an older request's count does not carry over.

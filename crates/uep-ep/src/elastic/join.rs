@@ -208,8 +208,14 @@ impl Ctx {
         for (r, j) in &joiners {
             door.set_member(*r, j.process, &j.name)?;
             if let Some(reach) = &j.reach {
-                let addrs = reach.addrs.clone();
-                door.set_reach(*r, &Reach { addrs, watch: None })?;
+                let watch = None;
+                door.set_reach(
+                    *r,
+                    &Reach {
+                        watch,
+                        ..reach.clone()
+                    },
+                )?;
             }
         }
         for (r, j) in &joiners {
@@ -453,7 +459,9 @@ pub(crate) fn join(
     wait_ready(&door, (rank, stamp), &welcome, cfg.timeout)?;
     // A rank that rejoined since this one opened its endpoints has new ones.
     if let Some(j) = &mut joining {
-        j.refresh(&member_addrs(&door, world)?)?;
+        let reaches = member_reaches(&door, world)?;
+        j.refresh(&member_addrs(&reaches))?;
+        j.name_hosts(reaches.iter().map(|r| r.as_ref().map(|r| r.host.clone())));
     }
     let waited = asked.elapsed();
     map_node(&door, (topo, rank), &welcome, &mut peers, map.total)?;
@@ -539,7 +547,7 @@ fn joiner_net(
     if topo.num_nodes == 1 {
         return Ok(None);
     }
-    let peers = member_addrs(door, topo.num_ranks)?;
+    let peers = member_addrs(&member_reaches(door, topo.num_ranks)?);
     if peers.is_empty() {
         return Err(EpError::Protocol(
             "no rank of the job published its network addresses at the door".into(),
@@ -551,21 +559,23 @@ fn joiner_net(
     Ok(Some((net, peers)))
 }
 
+/// `[rank]`: how each member is reached, as the door names it now.
+fn member_reaches(door: &Door, world: usize) -> Result<Vec<Option<Reach>>> {
+    (0..world).map(|r| door.reach(r)).collect()
+}
+
 /// `[thread][rank]`: every member's endpoint of each proxy thread of the job (as many
-/// as the members publish), as the door names them now (empty where it names none).
-fn member_addrs(door: &Door, world: usize) -> Result<Vec<Vec<PeerAddr>>> {
-    let reaches = (0..world)
-        .map(|r| door.reach(r))
-        .collect::<Result<Vec<_>>>()?;
+/// as the members publish; empty where the door names none).
+fn member_addrs(reaches: &[Option<Reach>]) -> Vec<Vec<PeerAddr>> {
     let threads = (reaches.iter().flatten().map(|r| r.addrs.len()).max()).unwrap_or(0);
     let addr = |r: &Option<Reach>, t: usize| r.as_ref().and_then(|r| r.addrs.get(t)).cloned();
-    Ok((0..threads)
+    (0..threads)
         .map(|t| {
             (reaches.iter())
                 .map(|r| PeerAddr(addr(r, t).unwrap_or_default()))
                 .collect()
         })
-        .collect())
+        .collect()
 }
 
 /// Wait until every rank that let this one in (request `stamp`) is ready for its

@@ -32,6 +32,7 @@ impl NetPath {
         Reach {
             addrs: self.addrs.iter().map(|a| a.0.clone()).collect(),
             watch: None,
+            host: self.hosts[self.me].clone(),
         }
     }
 
@@ -79,6 +80,8 @@ pub(crate) struct Joining {
     listening: Listening,
     faults: Arc<AtomicU64>,
     host: String,
+    /// `[rank]`: the members' hosts, as the door names them (for messages).
+    hosts: Vec<String>,
 }
 
 impl Joining {
@@ -101,6 +104,7 @@ impl Joining {
             peers: peers.to_vec(),
             listening,
             faults,
+            hosts: vec![String::new(); peers.first().map_or(0, Vec::len)],
             host,
         })
     }
@@ -127,11 +131,17 @@ impl Joining {
         Ok(())
     }
 
+    /// The members' hosts (`None`: unnamed), which name them in messages.
+    pub(crate) fn name_hosts(&mut self, hosts: impl Iterator<Item = Option<String>>) {
+        self.hosts = hosts.map(Option::unwrap_or_default).collect();
+    }
+
     /// How the survivors reach this joiner: its endpoints and its watch.
     pub(crate) fn reach(&self) -> Reach {
         Reach {
             addrs: (self.transports.iter()).map(|t| t.local_addr().0).collect(),
             watch: Some(self.listening.advert.clone()),
+            host: self.host.clone(),
         }
     }
 
@@ -149,8 +159,9 @@ impl Joining {
         let watched: Vec<usize> = (0..topo.num_ranks)
             .filter(|&r| r != me && !masked[r] && topo.node_of(r) != topo.node)
             .collect();
-        // Every rank is on this host: the door that let this one in is there.
-        let hosts = vec![self.host.clone(); topo.num_ranks];
+        let mut hosts = self.hosts;
+        hosts.resize(topo.num_ranks, String::new());
+        hosts[me] = self.host.clone();
         let liveness =
             (self.listening).accept(&topo, &watched, &hosts, (cfg.liveness, cfg.proxy.timeout))?;
         for src in 0..topo.num_ranks {
