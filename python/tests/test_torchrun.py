@@ -81,3 +81,58 @@ def test_torchrun_worker_killed_and_replaced_rejoins(tmp_path, update, nodes):
     print(f"replacement let in {joined['started_to_let_in_s']:.2f} s after it started (python and torch "
           f"imports included), at step {joined['back_since']}; survivors' longest step while it joined: "
           f"{max(r['longest_step_ms_while_joining'] for r in results[:3]):.1f} ms")
+
+
+def test_torchrun_job_grows_into_reserved_ranks(tmp_path):
+    """Under a real torchrun, 4 workers (two emulated nodes of two) make an elastic
+    Buffer with room for 6 ranks (``max_group_size=6``); the test starts two more
+    processes as ranks 4 and 5 of 6, which find the job at its door in torchrun's store
+    (``join_group``), and the workers let them in (``recover_ranks([4, 5])``) while they
+    serve. Every step of every rank is exact against the torch reference for that step's
+    mask, and all six end with nobody masked."""
+    import json
+    import signal
+    import time
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    job = os.path.join(HERE, "torchrun_rejoin_job.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", UEP_TIMEOUT_S="60", JOB_OUT=str(tmp_path),
+               JOB_GROW="1", UEP_RANKS_PER_NODE="2")
+    agent = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "4", job], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    newcomers = []
+    files = [tmp_path / f"result{r}.json" for r in range(6)]
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "env.json").exists():
+            assert time.monotonic() < deadline and agent.poll() is None, "the job never started"
+            time.sleep(0.05)
+        rendezvous = json.loads((tmp_path / "env.json").read_text())
+        for r in (4, 5):
+            joiner_env = dict(env, **rendezvous, RANK=str(r), LOCAL_RANK=str(r % 2), WORLD_SIZE="6",
+                              LOCAL_WORLD_SIZE="2", UEP_REJOIN="1", UEP_REJOIN_STARTED=repr(time.time()))
+            newcomers.append(subprocess.Popen([sys.executable, job], env=joiner_env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))
+        while not all(f.exists() for f in files):
+            assert time.monotonic() < deadline, f"results: {[f.name for f in files if f.exists()]}"
+            time.sleep(0.1)
+        for p in newcomers:
+            assert p.wait(timeout=60) == 0, p.stdout.read()
+        assert agent.wait(timeout=60) == 0
+    finally:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+        log = agent.communicate(timeout=60)[0]
+        for p in newcomers:
+            if p.poll() is None:
+                p.kill()
+    results = [json.loads(f.read_text()) for f in files]
+    for r in results:
+        assert "error" not in r, f"{r.get('error')}\n{log}"
+    assert len({(r["last_step"], r["back_since"]) for r in results}) == 1, results
+    assert all(r["masked_at_end"] == [] for r in results), results
+    assert [r["joined_at"] is not None for r in results] == [False] * 4 + [True] * 2, results
+    grown = results[4]
+    print(f"ranks 4 and 5 let in {grown['started_to_let_in_s']:.2f} s after they started, at step "
+          f"{grown['back_since']}; workers' longest step meanwhile: "
+          f"{max(r['longest_step_ms_while_joining'] for r in results[:4]):.1f} ms")

@@ -9,6 +9,11 @@ then starts this script again with ``UEP_REJOIN=1`` and rank 3's variables: it c
 rank stops once rank 3 has been back for 5 steps (and after step 30): the same step
 everywhere, since they read the same masks. Each writes ``result<rank>.json``.
 
+With ``JOB_GROW=1`` nobody dies: the Buffer has room for 6 ranks
+(``max_group_size``), of which ranks 4 and 5 are reserved; the test starts two
+processes as them (``WORLD_SIZE=6``), which call ``join_group()`` and are let in
+(the workers call ``recover_ranks([4, 5])`` at once), growing the job by a node.
+
 With ``JOB_UPDATE=1`` the survivors follow Mooncake's flow instead: on seeing rank 3
 masked they call ``recover_ranks([3])`` and then ``update_ep_member()``, which returns
 once the replacement is in (it makes the same call first); then all serve on.
@@ -27,7 +32,10 @@ import torch.distributed as dist
 import uep
 
 VICTIM, KILL_STEP, MIN_STEPS, AFTER_BACK = 3, 5, 30, 5
-TOKENS, HIDDEN, EXPERTS, TOPK = 16, 256, 16, 4
+GROW = os.environ.get("JOB_GROW") == "1"
+TOKENS, HIDDEN, EXPERTS, TOPK = 16, 256, 24 if GROW else 16, 4
+#: The ranks that come (back): the victim's replacement, or the reserved ranks.
+COMING = {4, 5} if GROW else {VICTIM}
 
 
 def inputs(r: int, step: int):
@@ -70,7 +78,7 @@ def serve(buffer: uep.Buffer, rank: int, world: int, first: int, out: str) -> di
         assert buffer.update_ep_member() == [], "a replacement recovers nobody"
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
-        if rank == VICTIM and step == KILL_STEP and not replacement:
+        if rank == VICTIM and step == KILL_STEP and not replacement and not GROW:
             open(os.path.join(out, "dying"), "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         buffer.set_step(step)
@@ -78,14 +86,14 @@ def serve(buffer: uep.Buffer, rank: int, world: int, first: int, out: str) -> di
         masked = check_step(buffer, rank, world, step)
         if recovering:
             longest = max(longest, time.monotonic() - start)
-        if VICTIM in masked and not recovering:
-            buffer.recover_ranks([VICTIM])
+        if COMING <= masked and not recovering:
+            buffer.recover_ranks(sorted(COMING))
             recovering = True
             if update:
                 buffer.set_step(step + 1)
                 assert buffer.update_ep_member() == [VICTIM], "rank 3 did not come back"
                 back_since = step + 1
-        elif VICTIM not in masked and (recovering or replacement) and back_since is None:
+        elif not COMING & masked and (recovering or replacement) and back_since is None:
             back_since = step
         step += 1
         if step >= MIN_STEPS and back_since is not None and step - back_since >= AFTER_BACK:
@@ -108,24 +116,25 @@ def door_in_agent_store() -> bool:
 
 def main() -> None:
     out = os.environ["JOB_OUT"]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     try:
         if os.environ.get("UEP_REJOIN") == "1":
             started = float(os.environ["UEP_REJOIN_STARTED"])
             buffer = uep.Buffer.join_group()
             let_in = time.time() - started
-            result = serve(buffer, rank, world, buffer.joined_at[0], out)
+            result = serve(buffer, rank, buffer.group_size, buffer.joined_at[0], out)
             result["started_to_let_in_s"] = let_in
         else:
             dist.init_process_group("gloo")
             if rank == 0:
                 with open(os.path.join(out, "env.json"), "w") as f:
                     json.dump({k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT")}, f)
-            buffer = uep.Buffer(dist.group.WORLD, int(1e9), int(1e9), enable_shrink=True)
+            buffer = uep.Buffer(dist.group.WORLD, int(1e9), int(1e9), enable_shrink=True,
+                                max_group_size=6 if GROW else None)
             buffer.clean_low_latency_buffer(TOKENS, HIDDEN, EXPERTS)
             door = door_in_agent_store() if rank == 0 else None
-            result = serve(buffer, rank, world, 0, out)
+            result = serve(buffer, rank, buffer.group_size, 0, out)
             result["door_in_agent_store"] = door
     except BaseException:  # noqa: B902 - reported to the test
         result = {"rank": rank, "error": traceback.format_exc()}

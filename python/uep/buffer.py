@@ -262,12 +262,17 @@ class Buffer:
             ``low_latency_*_mask_buffer`` methods (the mask read right after a call is
             the one it used) and the ``active_ranks`` keyword of the low-latency calls.
         comm: an mpi4py communicator to bootstrap over instead of ``group``.
+        max_group_size: with ``enable_shrink``, room for this many ranks (Mooncake's
+            name): the ranks past the group's are *reserved*, whole nodes of the group's
+            node size, masked until a process joins as one (:meth:`join_group`, with
+            ``WORLD_SIZE`` this size) and the survivors let it in. ``group_size``, the
+            masks and the expert placement (``num_experts`` a multiple of it) count them.
 
-    Rejoin (elastic mode on one node, under a launcher that sets ``MASTER_ADDR`` and
-    ``MASTER_PORT``): a process started to replace a dead rank calls
-    :meth:`Buffer.join_group` instead of the constructor; the survivors let it in
-    (:meth:`recover_ranks`, Mooncake's name) at a step boundary they all agree on, and
-    ``active_ranks`` turns back to 1 for it.
+    Rejoin (elastic mode, under a launcher that sets ``MASTER_ADDR`` and
+    ``MASTER_PORT`` and keeps its store there): a process started to replace a dead
+    rank, or to take a reserved one, calls :meth:`Buffer.join_group` instead of the
+    constructor; the survivors let it in (:meth:`recover_ranks`, Mooncake's name) at a
+    step boundary they all agree on, and ``active_ranks`` turns to 1 for it.
 
     Environment: ``UEP_TIMEOUT_S`` (deadline of every wait, default 100 s),
     ``UEP_RANKS_PER_NODE`` (emulate nodes of that many ranks on one host),
@@ -283,7 +288,7 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm: Optional[Any] = None) -> None:
+                 comm: Optional[Any] = None, max_group_size: Optional[int] = None) -> None:
         if group is None and comm is None:
             raise ValueError("Buffer needs a torch.distributed group or an mpi4py comm")
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -314,8 +319,9 @@ class Buffer:
         self.runtime = _uep.Runtime(self.rank, self.group_size, all_gather,
                                     num_nvl_bytes + num_rdma_bytes, timeout, threads,
                                     int(per_node) if per_node else None, bool(enable_shrink),
-                                    door, store)
-        _, _, self._ranks_per_node, self._num_nodes = self.runtime.topology()
+                                    door, store, max_group_size)
+        # With reserved ranks the job's room is larger than the group.
+        _, self.group_size, self._ranks_per_node, self._num_nodes = self.runtime.topology()
         #: Where this Buffer joined a running job (``join_group``): ``(step, first call)``.
         self.joined_at: Optional[Tuple[int, str]] = None
         self._recovering: List[int] = []

@@ -150,6 +150,15 @@ pub struct BenchArgs {
     /// step STEP (as --rejoin does for one rank).
     #[arg(long, value_name = "NODE@STEP", requires_all = ["soak", "elastic"])]
     pub rejoin_node: Vec<At>,
+    /// With --elastic --soak: room for this many ranks (Mooncake's `max_group_size`);
+    /// the ranks past --ranks are reserved, whole nodes of --ranks / --nodes, masked
+    /// until a process joins as one (--grow). --experts must be a multiple of it.
+    #[arg(long, value_name = "RANKS", requires_all = ["soak", "elastic"])]
+    pub max_ranks: Option<usize>,
+    /// With --max-ranks: start a process that joins as reserved rank RANK at step STEP
+    /// (repeatable); from then on it checks every step as the founding ranks do.
+    #[arg(long, value_name = "RANK@STEP", requires = "max_ranks")]
+    pub grow: Vec<At>,
     /// With replacements: keep the job's door in shared memory on this host rather than
     /// in the launcher's store (which every host reaches, and the default).
     #[arg(long)]
@@ -223,9 +232,10 @@ pub(crate) fn validate(args: &BenchArgs) -> anyhow::Result<()> {
             args.ranks, args.nodes
         ));
     }
-    if args.experts % args.ranks != 0 {
+    let room = validate_room(args)?;
+    if args.experts % room != 0 {
         return bad(format!(
-            "--experts ({}) must be a multiple of --ranks ({})",
+            "--experts ({}) must be a multiple of --ranks ({}) and --max-ranks ({room})",
             args.experts, args.ranks
         ));
     }
@@ -245,47 +255,83 @@ pub(crate) fn validate(args: &BenchArgs) -> anyhow::Result<()> {
     if args.iters == 0 {
         return bad("--iters must be at least 1".into());
     }
-    for k in &args.kill {
-        if k.who >= args.ranks {
-            return bad(format!(
-                "--kill {}@{}: there are {} ranks",
-                k.who, k.step, args.ranks
-            ));
-        }
-    }
-    for j in &args.rejoin {
-        if !args.kill.iter().any(|k| k.who == j.who && k.step < j.step) {
-            return bad(format!(
-                "--rejoin {}@{}: rank {} is not killed (--kill) before step {}",
-                j.who, j.step, j.who, j.step
-            ));
-        }
-    }
-    for j in &args.rejoin_node {
-        if !args
-            .kill_node
-            .iter()
-            .any(|k| k.who == j.who && k.step < j.step)
-        {
-            return bad(format!(
-                "--rejoin-node {}@{}: node {} is not killed (--kill-node) before step {}",
-                j.who, j.step, j.who, j.step
-            ));
-        }
-    }
-    for k in &args.kill_node {
-        if k.who >= args.nodes {
-            return bad(format!(
-                "--kill-node {}@{}: there are {} nodes",
-                k.who, k.step, args.nodes
-            ));
-        }
-    }
     if !(0.0..=1.0).contains(&args.drop_prob) {
         return bad(format!(
             "--drop-prob must be in [0, 1], got {}",
             args.drop_prob
         ));
+    }
+    validate_deaths(args)
+}
+
+/// The job's room (`--max-ranks`, else `--ranks`), and the reserved ranks `--grow` names.
+fn validate_room(args: &BenchArgs) -> anyhow::Result<usize> {
+    let (room, per_node) = (
+        args.max_ranks.unwrap_or(args.ranks),
+        args.ranks / args.nodes,
+    );
+    if room < args.ranks || room % per_node != 0 {
+        anyhow::bail!(
+            "--max-ranks ({room}) must be at least --ranks ({}), in whole nodes of {per_node}",
+            args.ranks
+        );
+    }
+    if let Some(g) = args
+        .grow
+        .iter()
+        .find(|g| !(args.ranks..room).contains(&g.who))
+    {
+        anyhow::bail!(
+            "--grow {}@{}: the reserved ranks are {}..{room}",
+            g.who,
+            g.step,
+            args.ranks
+        );
+    }
+    Ok(room)
+}
+
+/// The victims (`--kill`, `--kill-node`) and their replacements (`--rejoin`,
+/// `--rejoin-node`): ranks and nodes that exist, each replacement after its death.
+fn validate_deaths(args: &BenchArgs) -> anyhow::Result<()> {
+    if let Some(k) = args.kill.iter().find(|k| k.who >= args.ranks) {
+        anyhow::bail!(
+            "--kill {}@{}: there are {} ranks",
+            k.who,
+            k.step,
+            args.ranks
+        );
+    }
+    if let Some(k) = args.kill_node.iter().find(|k| k.who >= args.nodes) {
+        anyhow::bail!(
+            "--kill-node {}@{}: there are {} nodes",
+            k.who,
+            k.step,
+            args.nodes
+        );
+    }
+    let before = |kills: &[At], j: &At| kills.iter().any(|k| k.who == j.who && k.step < j.step);
+    if let Some(j) = args.rejoin.iter().find(|j| !before(&args.kill, j)) {
+        anyhow::bail!(
+            "--rejoin {}@{}: rank {} is not killed (--kill) before step {}",
+            j.who,
+            j.step,
+            j.who,
+            j.step
+        );
+    }
+    if let Some(j) = args
+        .rejoin_node
+        .iter()
+        .find(|j| !before(&args.kill_node, j))
+    {
+        anyhow::bail!(
+            "--rejoin-node {}@{}: node {} is not killed (--kill-node) before step {}",
+            j.who,
+            j.step,
+            j.who,
+            j.step
+        );
     }
     Ok(())
 }

@@ -132,7 +132,11 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
             None
         }
     };
-    let world = info.world_size;
+    // The job's room: its ranks, and those reserved for processes that join later.
+    let world = args
+        .max_ranks
+        .unwrap_or(info.world_size)
+        .max(info.world_size);
     // uep's own launcher runs every rank on this host and says how many form a node
     // (`--nodes`); under another launcher the Buffer finds the nodes from the hosts.
     let emulated = (info.source == EnvSource::Uep).then_some(info.local_world_size);
@@ -251,8 +255,10 @@ fn open_buffer(
         cfg.timeout = t;
     }
     cfg.elastic = args.elastic;
-    if !crate::rejoin::planned(args).is_empty() {
+    // A door for the processes that join: replacements, and reserved ranks'.
+    if !crate::rejoin::planned(args).is_empty() || args.max_ranks.is_some() {
         cfg.door = Some(crate::rejoin::door_name(info));
+        cfg.max_ranks = args.max_ranks;
         if !args.door_in_shm {
             cfg.door_store = crate::rejoin::job_store(cfg.timeout)?;
         }

@@ -22,7 +22,9 @@ use crate::chaos::{self, Rejoin};
 
 /// Every replacement this run starts: `--rejoin`'s and `--chaos`'s.
 pub fn planned(args: &BenchArgs) -> Vec<Rejoin> {
-    let mut all: Vec<Rejoin> = args.rejoin.iter().map(|&at| at.into()).collect();
+    let mut all: Vec<Rejoin> = (args.rejoin.iter().chain(&args.grow))
+        .map(|&at| at.into())
+        .collect();
     let per_node = args.ranks / args.nodes.max(1);
     for at in &args.rejoin_node {
         let ranks = at.who * per_node..(at.who + 1) * per_node;
@@ -108,8 +110,9 @@ impl Replacements {
         if starter(args) != Some(buffer.rank()) {
             return Ok(());
         }
+        let world = buffer.num_ranks();
         for &j in due {
-            self.children.push((j, spawn(j)?));
+            self.children.push((j, spawn(j, world)?));
         }
         Ok(())
     }
@@ -141,11 +144,12 @@ pub fn due(buffer: &Buffer, plan: &[Rejoin], step: u64) -> Vec<Rejoin> {
         .collect()
 }
 
-/// Start this program again as `j`'s rank, with this process's arguments and
-/// environment (so the same rendezvous and door), output to the same places.
-fn spawn(j: Rejoin) -> anyhow::Result<Child> {
+/// Start this program again as `j`'s rank of `world` (the job's room, reserved ranks
+/// included), with this process's arguments and environment (so the same rendezvous
+/// and door), output to the same places.
+fn spawn(j: Rejoin, world: usize) -> anyhow::Result<Child> {
     let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH)?;
-    eprintln!("uep soak: starting a replacement of rank {}", j.rank);
+    eprintln!("uep soak: starting a process for rank {}", j.rank);
     // The victim's place among the launcher's ranks of its node, as the launcher
     // numbered it.
     let local_world_size: usize = (std::env::var("LOCAL_WORLD_SIZE").ok())
@@ -155,6 +159,7 @@ fn spawn(j: Rejoin) -> anyhow::Result<Child> {
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1))
         .env("RANK", j.rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
         .env("LOCAL_RANK", (j.rank % local_world_size).to_string())
         .env(REJOIN_VAR, now.as_millis().to_string())
         .env_remove(LISTEN_FD_VAR);

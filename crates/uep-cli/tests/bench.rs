@@ -171,6 +171,42 @@ fn bad_flags_are_rejected_with_a_reason() {
         (vec!["--fp8", "--hidden", "200"], "multiple of 128"),
         (vec!["--ranks", "4", "--nodes", "3"], "multiple of --nodes"),
         (vec!["--routing", "sideways"], "uniform"),
+        (
+            vec![
+                "--elastic",
+                "--soak",
+                "5",
+                "--ranks",
+                "4",
+                "--max-ranks",
+                "5",
+            ],
+            "in whole nodes of 4",
+        ),
+        (
+            vec![
+                "--elastic",
+                "--soak",
+                "5",
+                "--ranks",
+                "4",
+                "--max-ranks",
+                "2",
+            ],
+            "at least --ranks (4)",
+        ),
+        (
+            vec![
+                "--elastic",
+                "--soak",
+                "5",
+                "--max-ranks",
+                "8",
+                "--grow",
+                "2@3",
+            ],
+            "the reserved ranks are 4..8",
+        ),
         // The proxy's fence has 1024 keys: 3 LL buffers of at most 341 local experts.
         (
             vec![
@@ -738,6 +774,56 @@ fn elastic_both_modes_killed_relay_rejoins_across_nodes() {
 fn elastic_both_modes_killed_node_rejoins() {
     let (kill, rejoin) = (["--kill-node", "1@5"], ["--rejoin-node", "1@8"]);
     elastic_rejoin("all", "2", (kill, rejoin), &[]);
+}
+
+/// A job made with room for more ranks than it starts with (`--max-ranks`) grows into
+/// them: a process started for each reserved rank (`--grow`) joins at a step boundary
+/// while the founding ranks serve, and from then on every rank checks every step
+/// against the reference for that step's mask: 0 mismatches, the same agreements on
+/// all, nobody masked at the end. `nodes` founding nodes, `room` ranks in all.
+fn elastic_grows(ranks: &str, nodes: &str, room: &str, grow: &[&str]) {
+    let mut more = vec!["--ranks", ranks, "--nodes", nodes, "--max-ranks", room];
+    more.extend(["--mode", "all", "--timeout", "60", "--experts", "24"]);
+    for g in grow {
+        more.extend(["--grow", g]);
+    }
+    let (reports, ctx) = elastic_run(300, &more);
+    let room: usize = room.parse().unwrap();
+    assert_eq!(reports.len(), room, "{ctx}");
+    let joined: Vec<_> = reports.iter().filter(|r| !r["joined"].is_null()).collect();
+    assert_eq!(joined.len(), grow.len(), "{ctx}");
+    for r in &reports {
+        assert_eq!(r["mismatches"], 0, "{ctx}");
+        assert_eq!(r["masked"], serde_json::json!([]), "{ctx}");
+        for key in ["agreements", "agreement_digest"] {
+            assert_eq!(r[key], reports[0][key], "{key} differs: {ctx}");
+        }
+    }
+    for j in &joined {
+        assert!(
+            j["steps"].as_u64() > Some(0),
+            "a grown rank served no step: {ctx}"
+        );
+    }
+    let j = &joined[0]["joined"];
+    eprintln!(
+        "{nodes} node(s) of {ranks} ranks grown to {room}: in at step {}, started → let in {:.0} ms",
+        j["at_step"],
+        j["started_to_let_in_ms"].as_f64().unwrap_or(f64::NAN)
+    );
+}
+
+/// Two nodes of two ranks grow by a node.
+#[test]
+fn elastic_job_grows_by_a_node() {
+    elastic_grows("4", "2", "6", &["4@5", "5@5"]);
+}
+
+/// One node grows into a second: the founding ranks start a network path to a node
+/// nobody is on yet.
+#[test]
+fn elastic_job_on_one_node_grows_into_a_second() {
+    elastic_grows("2", "1", "4", &["2@5", "3@9"]);
 }
 
 /// What one chaos run measured: the replacements' waits at the door, and every

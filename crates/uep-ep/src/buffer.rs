@@ -611,8 +611,9 @@ impl Buffer {
 /// Meet the other ranks, make and map the registered memory, connect the other nodes:
 /// the context of a new Buffer. Collective.
 fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -> Result<Ctx> {
-    let (rank, num_ranks) = (cp.rank(), cp.world_size());
-    if let Err(e) = cfg.validate(num_ranks) {
+    let (rank, founding) = (cp.rank(), cp.world_size());
+    let num_ranks = cfg.max_ranks.unwrap_or(founding);
+    if let Err(e) = room(founding, num_ranks).and_then(|()| cfg.validate(num_ranks)) {
         cp.abort(&e.to_string());
         return Err(e);
     }
@@ -637,9 +638,13 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -
     if let (Some(door), Some(net)) = (&door, &net) {
         door.set_reach(rank, &net.reach())?;
     }
-    let elastic = cfg
-        .elastic
-        .then(|| RefCell::new(Elastic::new(num_ranks, cfg.auto_admit)));
+    let elastic = cfg.elastic.then(|| {
+        let mut e = Elastic::new(num_ranks, cfg.auto_admit);
+        for r in founding..num_ranks {
+            e.mask_absent(r, "reserved: no process has joined as it yet".into());
+        }
+        RefCell::new(e)
+    });
     let cx = Ctx {
         device,
         cp,
@@ -653,6 +658,17 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -
         door,
     };
     Ok(cx)
+}
+
+/// Room for `num_ranks` ranks (`BufferConfig::max_ranks`), of which the control plane
+/// has `founding`.
+fn room(founding: usize, num_ranks: usize) -> Result<()> {
+    match num_ranks >= founding {
+        true => Ok(()),
+        false => Err(invalid!(
+            "room for {num_ranks} ranks (max_ranks) is less than the job's {founding}"
+        )),
+    }
 }
 
 /// What the ranks learn of each other first.
@@ -670,13 +686,16 @@ struct Met {
 /// Hosts (which ranks share memory) and a job id for the segment names (rank 0's
 /// token) in one exchange, then the configs compared. Collective.
 fn meet(cp: &dyn ControlPlane, cfg: &BufferConfig) -> Result<Met> {
-    let (rank, num_ranks) = (cp.rank(), cp.world_size());
+    let rank = cp.rank();
+    let num_ranks = cfg.max_ranks.unwrap_or(cp.world_size());
     let hello = (rand::random::<u64>(), uep_bootstrap::host_id());
     let hellos = exchange::all_gather(cp, "hello", &hello)?;
     let job = hellos[0].0;
     let hosts: Vec<String> = hellos.into_iter().map(|(_, host)| host).collect();
     let one_host = hosts.iter().all(|h| *h == hosts[0]);
     let topo = Topology::from_hosts(rank, &hosts, cfg.ranks_per_node)?;
+    // Reserved ranks (past the founding ones) form nodes of the same size.
+    let topo = Topology::new(rank, num_ranks, topo.ranks_per_node)?;
     let map = RegionMap::new(cfg, num_ranks, topo.num_nodes > 1);
     // Every rank must agree on the shapes: compare them first, so a mismatch is a
     // clear error rather than a size mismatch of segments.
@@ -702,7 +721,7 @@ fn share_memory(
     cfg: &BufferConfig,
     met: &Met,
 ) -> Result<(Symmetric, Option<Door>)> {
-    let (rank, num_ranks, map, topo) = (cp.rank(), cp.world_size(), &met.map, &met.topo);
+    let (rank, num_ranks, map, topo) = (cp.rank(), met.topo.num_ranks, &met.map, &met.topo);
     let name = uep_shm::segment_name(&format!("{:016x}", met.job), rank, std::process::id());
     let own = uep_shm::Segment::create(&name, map.total);
     // Everyone takes part in every exchange, failed or not, so nobody waits.

@@ -119,6 +119,13 @@ pub struct BufferConfig {
     /// (the launcher's), or, `None`, in shared memory on this host (then every rank
     /// must be on one host).
     pub door_store: Option<JobStore>,
+    /// Elastic mode with a door: room for this many ranks (Mooncake's
+    /// `max_group_size`), more than the control plane's. The ranks past it are
+    /// *reserved*: whole nodes of the founding ranks' size, masked from the start, each
+    /// taken by a process that joins as that rank ([`Buffer::join`](crate::Buffer::join))
+    /// once it asks. Experts are placed over all of them (`num_experts` a multiple of
+    /// this). `None`: the control plane's ranks.
+    pub max_ranks: Option<usize>,
     /// With a door: let in every replacement that asks, at the first agreement after a
     /// combine (or barrier) once every survivor has mapped its memory. Off: only
     /// replacements of ranks the caller admits ([`Buffer::admit`](crate::Buffer::admit)).
@@ -164,6 +171,7 @@ impl BufferConfig {
             elastic: false,
             door: None,
             door_store: None,
+            max_ranks: None,
             auto_admit: false,
         }
     }
@@ -178,13 +186,14 @@ impl BufferConfig {
             None => "off".into(),
         };
         format!(
-            "normal: {}; low-latency: {}; ranks per node {:?}; elastic {}; door {:?}; liveness \
-             watch {}; {bytes} bytes",
+            "normal: {}; low-latency: {}; ranks per node {:?}; elastic {}; door {:?}; at most \
+             {:?} ranks; liveness watch {}; {bytes} bytes",
             mode(&self.normal),
             mode(&self.ll),
             self.ranks_per_node,
             self.elastic,
             self.door,
+            self.max_ranks,
             self.net.liveness.watch
         )
     }
@@ -213,6 +222,11 @@ impl BufferConfig {
         if self.door.is_some() && !self.elastic {
             return Err(invalid!(
                 "a door (for ranks that rejoin) needs elastic mode: without it no rank is masked"
+            ));
+        }
+        if self.max_ranks.is_some() && self.door.is_none() {
+            return Err(invalid!(
+                "room for more ranks (max_ranks) needs a door, where they join (and elastic mode)"
             ));
         }
         if let Some(l) = self.ranks_per_node {

@@ -18,7 +18,7 @@
 //!
 //! | block | words | what |
 //! |---|---|---|
-//! | header | 5 + 10 | magic, ranks, digest of the config, region bytes, job token; the shapes (normal, low-latency: experts, hidden, top-k, tokens), ranks per node, and ranks of a node in the job's topology, for a joiner that does not know them |
+//! | header | 5 + 11 | magic, ranks, digest of the config, region bytes, job token; the shapes (normal, low-latency: experts, hidden, top-k, tokens), ranks per node, the room for ranks (`max_ranks`), and ranks of a node in the job's topology, for a joiner that does not know them |
 //! | `member[R]` | 2 + 8 | the rank's [`Process`] (id, host), then the name of its segment (64 bytes) |
 //! | `request[R]` | 3 + 8 | a joiner's stamp (a random non-zero word), its process, its segment's name |
 //! | `welcome[R]` | 7 + W | the stamp of the request it answers, then [`Welcome`] |
@@ -43,7 +43,7 @@ use crate::error::{EpError, Result};
 use crate::wait::process_gone;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"uepdoor1");
-const HEADER: usize = 5 + 10;
+const HEADER: usize = 5 + 11;
 /// Bytes of a segment name in a record.
 const NAME_BYTES: usize = 64;
 const NAME_WORDS: usize = NAME_BYTES / 8;
@@ -237,6 +237,7 @@ pub(crate) struct Header {
     pub normal: Option<Shape>,
     pub ll: Option<Shape>,
     pub ranks_per_node: Option<usize>,
+    pub max_ranks: Option<usize>,
     /// Ranks of a node in the job's topology (what its hosts and ranks per node made).
     pub node_ranks: usize,
 }
@@ -318,7 +319,8 @@ impl Door {
             .into_iter()
             .chain(shape(&cfg.normal))
             .chain(shape(&cfg.ll))
-            .chain([cfg.ranks_per_node.unwrap_or(0), node_ranks].map(|v| v as u64))
+            .chain([cfg.ranks_per_node, cfg.max_ranks].map(|v| v.unwrap_or(0) as u64))
+            .chain([node_ranks as u64])
             .collect();
         door.put(0, &header)?;
         Ok(door)
@@ -374,7 +376,8 @@ impl Door {
             normal: shape(5),
             ll: shape(9),
             ranks_per_node: (w[13] > 0).then_some(w[13] as usize),
-            node_ranks: w[14] as usize,
+            max_ranks: (w[14] > 0).then_some(w[14] as usize),
+            node_ranks: w[15] as usize,
         })
     }
 
@@ -811,12 +814,13 @@ mod tests {
         for (name, store, _server) in backings("records") {
             let at = || (name.as_str(), store.clone());
             let mut cfg = BufferConfig::new(64, 512, 8, 0, 128);
-            cfg.ranks_per_node = Some(10);
+            (cfg.ranks_per_node, cfg.max_ranks) = (Some(10), Some(70));
             let mut door = Door::create(at(), 70, &cfg, (7, 4096, 9, 10)).unwrap();
             let other = Door::open(at(), 70, Duration::ZERO).unwrap();
             let h = other.header().unwrap();
             assert_eq!((h.digest, h.bytes, h.job, h.node_ranks), (7, 4096, 9, 10));
             assert_eq!((h.normal, h.ll, h.ranks_per_node), (None, cfg.ll, Some(10)));
+            assert_eq!(h.max_ranks, Some(70));
             assert!(Door::open(at(), 71, Duration::ZERO).is_err());
             door.set_member(69, process(1234), "uep-abc-r69-p1234")
                 .unwrap();

@@ -182,7 +182,8 @@ impl Liveness {
     /// Connects this rank to every rank on another node and starts the watcher.
     /// Collective. `host` is the address to listen on and advertise (this rank's
     /// address on the network the job uses); `hosts[r]` names rank `r`'s host in
-    /// messages.
+    /// messages. Ranks past the control plane's are reserved (no process yet): a
+    /// joiner of one is watched from its let-in ([`Liveness::readmit`]).
     pub fn start(
         cp: &dyn ControlPlane,
         topo: &Topology,
@@ -201,7 +202,7 @@ impl Liveness {
         }
         let listening = Listening::new(me, host)?;
         let adverts = exchange(cp, &listening.advert)?;
-        let remote = |r: &usize| topo.node_of(*r) != topo.node;
+        let remote = |r: &usize| topo.node_of(*r) != topo.node && *r < adverts.len();
         let deadline = Instant::now() + timeout;
         // Connect to the higher ranks (their listeners exist: they were bound before
         // the exchange), then accept the lower ones: nobody waits on a connect.

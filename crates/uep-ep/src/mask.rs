@@ -100,6 +100,16 @@ impl Elastic {
         self.masked_at[rank].get_or_insert_with(std::time::SystemTime::now);
     }
 
+    /// `rank` has no process, as every rank agrees without a round (a rank masked
+    /// before a joiner came in, a reserved rank): masked by the agreements so far,
+    /// because `why`.
+    pub(crate) fn mask_absent(&mut self, rank: usize, why: String) {
+        self.mask(rank);
+        self.gone[rank] = true;
+        self.agreed[rank] = true;
+        self.why[rank] = Some(why);
+    }
+
     /// Unmask `rank`.
     pub(crate) fn unmask(&mut self, rank: usize) {
         self.masked[rank] = false;

@@ -99,3 +99,47 @@ fn a_door_spans_nodes_emulated_on_one_host() {
         o.unwrap();
     }
 }
+
+/// Room for more ranks than the job starts with (`max_ranks`): the reserved ones are a
+/// node of their own, masked from the start (with the reason), and the job works
+/// without them; a process that joins as one is checked end to end by the CLI
+/// (`uep bench --max-ranks --grow`). Too little room, or room without a door, is refused.
+#[test]
+fn room_for_more_ranks_reserves_masked_nodes() {
+    let mut cfg = config(&door("room"));
+    (cfg.ranks_per_node, cfg.max_ranks) = (Some(2), Some(4));
+    cfg.timeout = Duration::from_secs(30);
+    let outcomes = run_ranks(2, |group| {
+        let mut buffer = Buffer::new(group, cfg.clone())?;
+        buffer.barrier()?;
+        Ok::<_, uep_ep::EpError>((
+            buffer.num_ranks(),
+            buffer.low_latency_mask(),
+            buffer.low_latency_mask_reasons(),
+        ))
+    });
+    for o in outcomes.expect("two ranks") {
+        let (ranks, mask, why) = o.unwrap();
+        assert_eq!((ranks, mask), (4, vec![false, false, true, true]));
+        assert!(
+            why[3].as_deref().unwrap_or("").contains("reserved"),
+            "{why:?}"
+        );
+    }
+    for (max, door, needle) in [
+        (Some(1), true, "less than"),
+        (Some(4), false, "needs a door"),
+    ] {
+        let mut bad = config(&self::door("bad"));
+        bad.max_ranks = max;
+        if !door {
+            bad.door = None;
+        }
+        let outcomes = run_ranks(2, |group| Buffer::new(group, bad.clone()).map(drop));
+        for o in outcomes.expect("two ranks") {
+            let e = o.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+            assert!(e.to_string().contains(needle), "{e}");
+        }
+    }
+}

@@ -144,6 +144,8 @@ pub struct Runtime {
     /// keeps it (the launcher's; without one, shared memory on one host).
     door: Option<String>,
     door_store: Option<JobStore>,
+    /// Room for this many ranks (`max_group_size`): the group's, and reserved ones.
+    max_ranks: Option<usize>,
     state: Mutex<State>,
 }
 
@@ -209,6 +211,7 @@ impl Runtime {
         cfg.elastic = self.elastic;
         cfg.door = self.door.clone();
         cfg.door_store = self.door_store.clone();
+        cfg.max_ranks = self.max_ranks;
         cfg
     }
 
@@ -637,7 +640,7 @@ impl Runtime {
     /// A runtime for rank `rank` of `world_size`, exchanging through `all_gather`
     /// (collective: it finds which ranks share a host).
     #[new]
-    #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None, elastic=false, door=None, store=None))]
+    #[pyo3(signature = (rank, world_size, all_gather, capacity, timeout_s, device_threads, ranks_per_node=None, elastic=false, door=None, store=None, max_ranks=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -651,10 +654,17 @@ impl Runtime {
         elastic: bool,
         door: Option<String>,
         store: Option<Py<PyAny>>,
+        max_ranks: Option<usize>,
     ) -> PyResult<Runtime> {
         if rank >= world_size {
             return Err(errors::invalid(format!(
                 "rank {rank} of a group of {world_size}"
+            )));
+        }
+        if max_ranks.is_some_and(|m| m < world_size || door.is_none() || !elastic) {
+            return Err(errors::invalid(format!(
+                "max_group_size = {max_ranks:?} needs enable_shrink, the launcher's rendezvous \
+                 (MASTER_ADDR, MASTER_PORT) and at least the group's {world_size} ranks"
             )));
         }
         if !(timeout_s > 0.0 && timeout_s.is_finite()) {
@@ -678,6 +688,11 @@ impl Runtime {
         // job through it only when every rank is on one host.
         let one_host = topo.num_nodes == 1 || ranks_per_node.is_some();
         let door = door.filter(|_| elastic && (door_store.is_some() || one_host));
+        // Reserved ranks form nodes of the group's size.
+        let topo = match max_ranks {
+            Some(m) => Topology::new(rank, m, topo.ranks_per_node).map_err(ep_err)?,
+            None => topo,
+        };
         Ok(Runtime {
             cp: Some(cp),
             topo,
@@ -688,6 +703,7 @@ impl Runtime {
             elastic,
             door,
             door_store,
+            max_ranks,
             state: Mutex::new(State {
                 buffer: None,
                 outputs: Pool::default(),
@@ -719,6 +735,11 @@ impl Runtime {
                 let mut cfg = BufferConfig::from_door(&door, store, world_size, timeout)?;
                 let per_node = cfg.ranks_per_node.unwrap_or(world_size);
                 cfg.device_threads = kernel_threads(device_threads, per_node);
+                // A joiner lets in whoever the others let in (recover_ranks is the
+                // founding ranks' call): a rank comes in only once every live rank
+                // proposes it, so this never admits one they did not, and the next
+                // joiner of its node is not held out by it.
+                cfg.auto_admit = true;
                 Buffer::join(cfg, rank, world_size)
             })
             .map_err(ep_err)?;
@@ -738,6 +759,7 @@ impl Runtime {
             elastic: true,
             door: cfg.door.clone(),
             door_store: cfg.door_store.clone(),
+            max_ranks: cfg.max_ranks,
             state: Mutex::new(State {
                 buffer: Some(buffer),
                 outputs: Pool::default(),

@@ -347,9 +347,10 @@ impl ControlPlane for Detached {
 }
 
 impl BufferConfig {
-    /// The config of the elastic job of `world` ranks at door `name` (in `store`, or
-    /// on this host), for a replacement that does not know its shapes
-    /// ([`Buffer::join`](crate::Buffer::join)): its shapes and ranks per node, elastic,
+    /// The config of the elastic job of `world` ranks (its room, reserved ranks
+    /// included) at door `name` (in `store`, or on this host), for a process that does
+    /// not know its shapes ([`Buffer::join`](crate::Buffer::join)): its shapes, ranks
+    /// per node and room, elastic,
     /// with that door; the rest (deadline `timeout`, kernel threads, admission) as
     /// [`BufferConfig::new`] makes them.
     pub fn from_door(
@@ -363,6 +364,7 @@ impl BufferConfig {
         let h = door.header()?;
         let mut cfg = BufferConfig::new(1, 8, 1, 0, 0);
         (cfg.normal, cfg.ll, cfg.ranks_per_node) = (h.normal, h.ll, h.ranks_per_node);
+        cfg.max_ranks = h.max_ranks;
         (cfg.elastic, cfg.door, cfg.door_store) = (true, Some(name.into()), store);
         cfg.timeout = timeout;
         Ok(cfg)
@@ -526,10 +528,7 @@ fn joiner_state(rank: usize, auto_admit: bool, welcome: &Welcome) -> Elastic {
     let world = welcome.masked.len();
     let mut e = Elastic::new(world, auto_admit);
     for r in (0..world).filter(|&r| welcome.masked[r]) {
-        e.mask(r);
-        e.gone[r] = true;
-        e.agreed[r] = true;
-        e.why[r] = Some(format!("masked when rank {rank} rejoined"));
+        e.mask_absent(r, format!("masked when rank {rank} rejoined"));
     }
     (e.round, e.digest) = (welcome.round, welcome.digest);
     e.decided_base = vec![welcome.round; world];

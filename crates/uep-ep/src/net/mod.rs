@@ -269,7 +269,8 @@ impl std::fmt::Debug for NetPath {
 impl NetPath {
     /// Register `region`, connect one endpoint per proxy thread to the same thread of
     /// every peer (addresses exchanged over the control plane), and start the proxy.
-    /// Collective.
+    /// Collective. Ranks of `topo` past the control plane's are reserved: no process
+    /// has them yet, so they are given up on until one joins (`NetPath::readmit`).
     ///
     /// The proxy's FIFOs are made by `fifos`: memory the device's kernels push into.
     pub fn start(
@@ -282,13 +283,19 @@ impl NetPath {
     ) -> Result<NetPath> {
         let me = topo.rank;
         let host = own_host(cfg);
-        let hosts = crate::exchange::all_gather(cp, "host", &host)?;
+        let (founding, num_ranks) = (cp.world_size(), topo.num_ranks);
+        let mut hosts = crate::exchange::all_gather(cp, "host", &host)?;
         let liveness = Liveness::start(cp, &topo, &host, &hosts, cfg.liveness, cfg.proxy.timeout)?;
+        hosts.resize(num_ranks, String::new());
         let endpoints = open_endpoints(me, region, cfg)?;
         let mut peers = Vec::with_capacity(endpoints.len());
         for tr in &endpoints {
-            let addrs = cp.all_gather(&tr.local_addr().0)?;
-            peers.push(addrs.into_iter().map(PeerAddr).collect());
+            let mut addrs: Vec<PeerAddr> = (cp.all_gather(&tr.local_addr().0)?)
+                .into_iter()
+                .map(PeerAddr)
+                .collect();
+            addrs.resize(num_ranks, PeerAddr(Vec::new()));
+            peers.push(addrs);
         }
         let faults = Arc::new(AtomicU64::new(0));
         let transports = connect_endpoints(me, endpoints, &peers, cfg, &faults)?;
@@ -298,7 +305,11 @@ impl NetPath {
             faults,
             transports,
         };
-        NetPath::assemble(topo, region, areas, cfg, fifos, parts)
+        let net = NetPath::assemble(topo, region, areas, cfg, fifos, parts)?;
+        for r in founding..num_ranks {
+            net.mark_lost(r);
+        }
+        Ok(net)
     }
 
     /// Start the proxy over `parts` and make the path.
