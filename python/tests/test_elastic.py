@@ -54,3 +54,38 @@ def test_normal_mode_goes_on_without_a_killed_rank(nodes, after_dispatch):
 def test_the_mask_api_needs_enable_shrink():
     results = launch("mask_without_shrink", 2)
     assert all(r["raised"] for r in results), results
+
+
+def test_the_door_is_kept_in_the_launchers_store_or_says_why_not(monkeypatch):
+    """The door lives in the ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` (a real one
+    here, as a launcher keeps it); where none answers, it falls back to shared memory
+    with a warning, at once, rather than after retries for uep's deadline."""
+    import datetime
+    import socket
+    import time
+    import warnings
+
+    import torch.distributed as dist
+
+    import uep.buffer as ub
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    name, store = ub._door(30.0)
+    assert name == ub._uep.door_name(f"127.0.0.1:{server.port}") and store is not None
+    store.set(name + "/probe", b"x")
+    assert server.get(name + "/probe") == b"x"
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        name, store = ub._door(30.0)
+    assert name is not None and store is None
+    assert any("shared memory" in str(w.message) for w in caught), caught
+    assert time.monotonic() - start < 6
+    monkeypatch.delenv("MASTER_ADDR")
+    assert ub._door(30.0) == (None, None)

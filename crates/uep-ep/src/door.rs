@@ -115,6 +115,14 @@ pub(crate) struct Reach {
 }
 
 impl Reach {
+    /// As a member publishes it: without the watch, which only a joiner announces.
+    pub fn as_member(&self) -> Reach {
+        Reach {
+            watch: None,
+            ..self.clone()
+        }
+    }
+
     fn encode(&self) -> Result<Vec<u8>> {
         let mut b = vec![u8::try_from(self.addrs.len()).map_err(|_| too_long("threads"))?];
         for a in &self.addrs {

@@ -208,14 +208,7 @@ impl Ctx {
         for (r, j) in &joiners {
             door.set_member(*r, j.process, &j.name)?;
             if let Some(reach) = &j.reach {
-                let watch = None;
-                door.set_reach(
-                    *r,
-                    &Reach {
-                        watch,
-                        ..reach.clone()
-                    },
-                )?;
+                door.set_reach(*r, &reach.as_member())?;
             }
         }
         for (r, j) in &joiners {
@@ -510,8 +503,13 @@ fn map_node(
         if peers[r].is_none() && !welcome.masked[r] {
             peers[r] = map_member(door, r, bytes)?;
             if peers[r].is_none() {
+                let elsewhere = door.member(r)?.is_some_and(|(p, _)| !p.here());
+                let why = match elsewhere {
+                    true => ", which runs on another host: a rank starts on its node's host",
+                    false => "",
+                };
                 return Err(EpError::Resource(format!(
-                    "rank {rank} rejoined, but cannot map the memory of rank {r}"
+                    "rank {rank} rejoined, but cannot map the memory of rank {r}{why}"
                 )));
             }
         }
