@@ -289,7 +289,7 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm: Optional[Any] = None, max_group_size: Optional[int] = None) -> None:
+                 comm: Optional[Any] = None, *, max_group_size: Optional[int] = None) -> None:
         if group is None and comm is None:
             raise ValueError("Buffer needs a torch.distributed group or an mpi4py comm")
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
