@@ -59,7 +59,7 @@ def test_the_mask_api_needs_enable_shrink():
 def test_the_door_is_kept_in_the_launchers_store_or_says_why_not(monkeypatch):
     """The door lives in the ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` (a real one
     here, as a launcher keeps it); where none answers, it falls back to shared memory
-    with a warning, at once, rather than after retries for uep's deadline."""
+    with a warning, within seconds, rather than after retries for uep's deadline."""
     import datetime
     import socket
     import time
@@ -86,6 +86,6 @@ def test_the_door_is_kept_in_the_launchers_store_or_says_why_not(monkeypatch):
         name, store = ub._door(30.0)
     assert name is not None and store is None
     assert any("shared memory" in str(w.message) for w in caught), caught
-    assert time.monotonic() - start < 6
+    assert time.monotonic() - start < 15
     monkeypatch.delenv("MASTER_ADDR")
     assert ub._door(30.0) == (None, None)

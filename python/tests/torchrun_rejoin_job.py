@@ -19,6 +19,7 @@ masked they call ``recover_ranks([3])`` and then ``update_ep_member()``, which r
 once the replacement is in (it makes the same call first); then all serve on.
 """
 
+import faulthandler
 import json
 import os
 import signal
@@ -117,6 +118,8 @@ def door_in_agent_store() -> bool:
 def main() -> None:
     out = os.environ["JOB_OUT"]
     rank = int(os.environ["RANK"])
+    # A job that should take seconds and hangs says where (in the test's failure).
+    faulthandler.dump_traceback_later(90, exit=False)
     torch.set_num_threads(1)
     try:
         if os.environ.get("UEP_REJOIN") == "1":

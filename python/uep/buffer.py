@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
 import time
 import warnings
 from typing import Any, Callable, List, Optional, Tuple, Union
@@ -110,12 +109,14 @@ def _door(timeout: float) -> Tuple[Optional[str], Optional[Any]]:
         return None, None
     name = _uep.door_name(f"{addr}:{port}")
     try:
-        # A launcher's store is up before its workers start: one plain connect says
-        # whether anything listens (torch's client would retry for its whole timeout).
-        socket.create_connection((addr, int(port)), timeout=min(timeout, 5.0)).close()
+        # A launcher's store is up before its workers start: connect within seconds
+        # (torch's client retries for twice its timeout), then wait as long as uep.
+        # Not a plain socket probe: torch's libuv server stalls its clients after
+        # connections that close without its handshake.
         store = dist.TCPStore(addr, int(port), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout))
-    except (OSError, RuntimeError, ValueError) as e:  # no store answers there
+                              timeout=datetime.timedelta(seconds=min(timeout, 3.0)))
+        store.set_timeout(datetime.timedelta(seconds=timeout))
+    except (RuntimeError, ValueError) as e:  # no store answers there
         warnings.warn(f"uep: no store at {addr}:{port} ({e}); the door is shared memory on this host")
         store = None
     return name, store

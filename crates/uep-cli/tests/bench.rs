@@ -688,6 +688,18 @@ fn elastic_normal_goes_on_without_a_killed_node_and_with_faults() {
     );
 }
 
+/// Every rank's report: 0 mismatches, nobody masked at the end, and the same
+/// agreements (count and digest of their masks) as every other rank's.
+fn all_in_and_agreed(reports: &[serde_json::Value], ctx: &str) {
+    for r in reports {
+        assert_eq!(r["mismatches"], 0, "{ctx}");
+        assert_eq!(r["masked"], serde_json::json!([]), "{ctx}");
+        for key in ["agreements", "agreement_digest"] {
+            assert_eq!(r[key], reports[0][key], "{key} differs: {ctx}");
+        }
+    }
+}
+
 /// Victims are SIGKILLed at step 5 and replacement processes started at step 8 take
 /// their places (`kill`, `rejoin`: the flags saying so): every rank (the survivors and
 /// the replacements) checks every step it ran against the reference for that step's
@@ -710,13 +722,7 @@ fn elastic_rejoin(mode: &str, nodes: &str, (kill, rejoin): ([&str; 2], [&str; 2]
     assert_eq!(reports.len(), 4, "{ctx}");
     let joiners: Vec<_> = reports.iter().filter(|r| !r["joined"].is_null()).collect();
     assert!(!joiners.is_empty(), "{ctx}");
-    for r in &reports {
-        assert_eq!(r["mismatches"], 0, "{ctx}");
-        assert_eq!(r["masked"], serde_json::json!([]), "{ctx}");
-        for key in ["agreements", "agreement_digest"] {
-            assert_eq!(r[key], joiners[0][key], "{key} differs: {ctx}");
-        }
-    }
+    all_in_and_agreed(&reports, &ctx);
     for j in &joiners {
         let waited = j["joined"]["waited_at_door_ms"].as_f64().expect(&ctx);
         assert!(waited < 1000.0, "waited {waited} ms at the door: {ctx}");
@@ -792,13 +798,7 @@ fn elastic_grows(ranks: &str, nodes: &str, room: &str, grow: &[&str]) {
     assert_eq!(reports.len(), room, "{ctx}");
     let joined: Vec<_> = reports.iter().filter(|r| !r["joined"].is_null()).collect();
     assert_eq!(joined.len(), grow.len(), "{ctx}");
-    for r in &reports {
-        assert_eq!(r["mismatches"], 0, "{ctx}");
-        assert_eq!(r["masked"], serde_json::json!([]), "{ctx}");
-        for key in ["agreements", "agreement_digest"] {
-            assert_eq!(r[key], reports[0][key], "{key} differs: {ctx}");
-        }
-    }
+    all_in_and_agreed(&reports, &ctx);
     for j in &joined {
         assert!(
             j["steps"].as_u64() > Some(0),
