@@ -92,3 +92,22 @@ def launch(case: str, world: int, timeout: float = 240.0, env: Optional[Dict[str
         with open(path, "rb") as f:
             results.append(pickle.load(f))
     return results
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the shared-memory names of uep processes that are gone (as ``uep clean``
+    does): the torchrun jobs end with ``os._exit`` (their gloo group has a dead member),
+    so their Buffers never close, and a leftover name whose process id is later reused
+    would look like a live rank's to another test."""
+    import re
+    for name in os.listdir("/dev/shm"):
+        m = re.fullmatch(r"uep-[0-9a-f]+-r\d+-p(\d+)", name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
+        except PermissionError:
+            pass  # alive, someone else's
