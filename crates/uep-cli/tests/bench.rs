@@ -4,6 +4,9 @@
 
 use std::process::Command;
 
+mod common;
+use common::all_in_and_agreed;
+
 /// Run `uep bench` with `args` (small defaults first, so later flags win) and return
 /// the parsed JSON report, failing with the ranks' output on a non-zero exit.
 fn bench(args: &[&str]) -> Vec<serde_json::Value> {
@@ -686,18 +689,6 @@ fn elastic_normal_goes_on_without_a_killed_node_and_with_faults() {
         &[2, 3],
         &["--mode", "normal", "--faults", "5"],
     );
-}
-
-/// Every rank's report: 0 mismatches, nobody masked at the end, and the same
-/// agreements (count and digest of their masks) as every other rank's.
-fn all_in_and_agreed(reports: &[serde_json::Value], ctx: &str) {
-    for r in reports {
-        assert_eq!(r["mismatches"], 0, "{ctx}");
-        assert_eq!(r["masked"], serde_json::json!([]), "{ctx}");
-        for key in ["agreements", "agreement_digest"] {
-            assert_eq!(r[key], reports[0][key], "{key} differs: {ctx}");
-        }
-    }
 }
 
 /// Victims are SIGKILLed at step 5 and replacement processes started at step 8 take

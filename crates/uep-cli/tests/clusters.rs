@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use uep_harness::netns::Hosts;
 
 mod common;
-use common::{find, free_port_pair, mpirun_4, skip, torchrun_4, MPI_AS_ROOT};
+use common::{all_in_and_agreed, find, free_port_pair, mpirun_4, skip, torchrun_4, MPI_AS_ROOT};
 
 /// The launcher whose variables the ranks get.
 #[derive(Clone, Copy, Debug)]
@@ -692,13 +692,7 @@ fn elastic_killed_rank_rejoins_from_another_host() {
     let joiner = (reports.iter().find(|r| !r["joined"].is_null()))
         .unwrap_or_else(|| panic!("no replacement reported\n{log}"));
     assert_eq!(joiner["rank"], 2, "{log}");
-    for r in &reports {
-        assert_eq!(r["mismatches"], 0, "{r}\n{log}");
-        assert_eq!(r["masked"], serde_json::json!([]), "{r}\n{log}");
-        for key in ["agreements", "agreement_digest"] {
-            assert_eq!(r[key], joiner[key], "{key} differs\n{log}");
-        }
-    }
+    all_in_and_agreed(&reports, &log);
     let j = &joiner["joined"];
     eprintln!(
         "rank 2 back from host 0 at step {}: started → let in {:.0} ms, waited at the door {:.1} ms",

@@ -754,7 +754,10 @@ fn share_memory(
     // With a door the names stay, for replacements to map (each goes with its Buffer).
     let door = match (door, &cfg.door) {
         (Some(d), _) => Some(d),
-        (None, Some(name)) => Some(Door::open(door_at(name, cfg), num_ranks, cfg.timeout)?),
+        (None, Some(name)) => {
+            let at = (name.as_str(), cfg.door_store.as_ref());
+            Some(Door::open(at, num_ranks, cfg.timeout)?)
+        }
         (None, None) => None,
     };
     match &door {
@@ -778,13 +781,6 @@ fn make_door(cfg: &BufferConfig, met: &Met) -> Option<Result<Door>> {
     }
     let digest = join::config_digest(&met.fingerprint);
     let header = (digest, met.map.total, met.job, topo.ranks_per_node);
-    (topo.rank == 0).then(|| Door::create(door_at(name, cfg), topo.num_ranks, cfg, header))
-}
-
-/// Where door `name` of `cfg` is kept.
-fn door_at<'a>(
-    name: &'a str,
-    cfg: &BufferConfig,
-) -> (&'a str, Option<Arc<dyn uep_bootstrap::Store>>) {
-    (name, cfg.door_store.as_ref().map(|s| s.0.clone()))
+    let at = (name.as_str(), cfg.door_store.as_ref());
+    (topo.rank == 0).then(|| Door::create(at, topo.num_ranks, cfg, header))
 }

@@ -38,7 +38,7 @@ use std::time::Duration;
 use uep_bootstrap::Store;
 use uep_shm::Segment;
 
-use crate::config::{BufferConfig, Shape};
+use crate::config::{BufferConfig, JobStore, Shape};
 use crate::error::{EpError, Result};
 use crate::wait::process_gone;
 
@@ -295,7 +295,7 @@ impl Door {
     /// Make door `name` (in `store`, or shared memory on this host) for the `ranks`
     /// ranks of a job with config `cfg` (rank 0, once), replacing a stale one.
     pub fn create(
-        (name, store): (&str, Option<Arc<dyn Store>>),
+        (name, store): (&str, Option<&JobStore>),
         ranks: usize,
         cfg: &BufferConfig,
         (digest, bytes, job, node_ranks): (u64, usize, u64, usize),
@@ -303,7 +303,7 @@ impl Door {
         let words = crate::map::mask_words(ranks);
         let backing = match store {
             Some(store) => Backing::Store {
-                store,
+                store: store.0.clone(),
                 name: name.into(),
                 job,
             },
@@ -337,15 +337,15 @@ impl Door {
     /// Open door `name` (in `store`, or shared memory on this host) of a job of `ranks`
     /// ranks, waiting up to `timeout` for it.
     pub fn open(
-        (name, store): (&str, Option<Arc<dyn Store>>),
+        (name, store): (&str, Option<&JobStore>),
         ranks: usize,
         timeout: Duration,
     ) -> Result<Door> {
         let words = crate::map::mask_words(ranks);
         let backing = match store {
             Some(store) => Backing::Store {
-                job: find_job(store.as_ref(), name, timeout)?,
-                store,
+                job: find_job(store.0.as_ref(), name, timeout)?,
+                store: store.0.clone(),
                 name: name.into(),
             },
             None => Backing::Shm(Segment::open(name, len(ranks, words), timeout)?),
@@ -795,18 +795,14 @@ mod tests {
     }
 
     /// A door's name, its store (`None`: shared memory), and the server it talks to.
-    type Backed = (
-        String,
-        Option<Arc<dyn Store>>,
-        Option<uep_bootstrap::StoreServer>,
-    );
+    type Backed = (String, Option<JobStore>, Option<uep_bootstrap::StoreServer>);
 
     /// Every test runs on both backings: shared memory, and a store over TCP.
     fn backings(tag: &str) -> Vec<Backed> {
         let server = uep_bootstrap::StoreServer::bind("127.0.0.1:0").unwrap();
         let addr = server.addr().to_string();
         let store = uep_bootstrap::TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
-        let store: Arc<dyn Store> = Arc::new(store);
+        let store = JobStore(Arc::new(store));
         vec![
             (door_name(tag), None, None),
             (format!("job/{tag}"), Some(store), Some(server)),
@@ -820,7 +816,7 @@ mod tests {
     #[test]
     fn records_keep_their_fields() {
         for (name, store, _server) in backings("records") {
-            let at = || (name.as_str(), store.clone());
+            let at = || (name.as_str(), store.as_ref());
             let mut cfg = BufferConfig::new(64, 512, 8, 0, 128);
             (cfg.ranks_per_node, cfg.max_ranks) = (Some(10), Some(70));
             let mut door = Door::create(at(), 70, &cfg, (7, 4096, 9, 10)).unwrap();
@@ -907,23 +903,25 @@ mod tests {
         let cfg = BufferConfig::new(64, 512, 8, 0, 128);
         let opener = {
             let (name, store) = (name.clone(), store.clone());
-            std::thread::spawn(move || Door::open((&name, store), 4, Duration::from_secs(5)))
+            std::thread::spawn(move || {
+                Door::open((&name, store.as_ref()), 4, Duration::from_secs(5))
+            })
         };
         std::thread::sleep(Duration::from_millis(100));
-        let old = Door::create((&name, store.clone()), 4, &cfg, (1, 1, 1, 2)).unwrap();
+        let old = Door::create((&name, store.as_ref()), 4, &cfg, (1, 1, 1, 2)).unwrap();
         old.set_member(3, process(5), "uep-old").unwrap();
         assert_eq!(opener.join().unwrap().unwrap().header().unwrap().job, 1);
         // A later job at the same name sees none of the earlier one's records.
-        let new = Door::create((&name, store.clone()), 4, &cfg, (1, 1, 2, 2)).unwrap();
+        let new = Door::create((&name, store.as_ref()), 4, &cfg, (1, 1, 2, 2)).unwrap();
         assert_eq!(new.member(3).unwrap(), None);
-        assert!(Door::open((&name, store), 5, Duration::ZERO).is_err());
+        assert!(Door::open((&name, store.as_ref()), 5, Duration::ZERO).is_err());
     }
 
     #[test]
     fn reach_records_and_the_ready_count_keep_their_fields() {
         for (name, store, _server) in backings("reach") {
             let cfg = BufferConfig::new(64, 512, 8, 0, 128);
-            let mut door = Door::create((&name, store), 6, &cfg, (1, 1, 1, 3)).unwrap();
+            let mut door = Door::create((&name, store.as_ref()), 6, &cfg, (1, 1, 1, 3)).unwrap();
             let member = Reach {
                 addrs: vec![vec![7; 90], vec![], vec![1, 2, 3]],
                 watch: None,

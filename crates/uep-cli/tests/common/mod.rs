@@ -1,5 +1,6 @@
 //! What the CLI's integration tests share: finding a launcher, skipping where one is
-//! missing (failing in CI instead), a free port pair for a launcher's store.
+//! missing (failing in CI instead), a free port pair for a launcher's store, the
+//! check of an elastic run's reports.
 #![allow(dead_code)] // each test binary uses its own part of it
 
 use std::net::{Ipv4Addr, TcpListener};
@@ -89,4 +90,16 @@ pub fn mpirun_4(mpirun: &Path) -> Command {
     .env("MASTER_PORT", &port)
     .envs(MPI_AS_ROOT);
     cmd
+}
+
+/// Every rank's report: 0 mismatches, nobody masked at the end, and the same
+/// agreements (count and digest of their masks) as every other rank's.
+pub fn all_in_and_agreed(reports: &[serde_json::Value], ctx: &str) {
+    for r in reports {
+        assert_eq!(r["mismatches"], 0, "{ctx}");
+        assert_eq!(r["masked"], serde_json::json!([]), "{ctx}");
+        for key in ["agreements", "agreement_digest"] {
+            assert_eq!(r[key], reports[0][key], "{key} differs: {ctx}");
+        }
+    }
 }

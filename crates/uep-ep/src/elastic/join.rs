@@ -352,7 +352,7 @@ impl BufferConfig {
         world: usize,
         timeout: Duration,
     ) -> Result<BufferConfig> {
-        let at = (name, store.as_ref().map(|s| s.0.clone()));
+        let at = (name, store.as_ref());
         let door = Door::open(at, world, timeout).map_err(|e| no_job(name, &store, &e))?;
         let h = door.header()?;
         let mut cfg = BufferConfig::new(1, 8, 1, 0, 0);
@@ -395,8 +395,7 @@ fn enter(cfg: &BufferConfig, rank: usize, world: usize) -> Result<Entry> {
     if rank >= world {
         return Err(invalid!("rank {rank} cannot join a job of {world} ranks"));
     }
-    let store = cfg.door_store.as_ref().map(|s| s.0.clone());
-    let door = Door::open((name, store), world, cfg.timeout)
+    let door = Door::open((name.as_str(), cfg.door_store.as_ref()), world, cfg.timeout)
         .map_err(|e| no_job(name, &cfg.door_store, &e))?;
     let h = door.header()?;
     // The job's nodes as its founding ranks found them (from their hosts).
