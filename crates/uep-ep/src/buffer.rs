@@ -21,7 +21,7 @@ use uep_bootstrap::ControlPlane;
 use crate::area::Mem;
 use crate::config::BufferConfig;
 use crate::ctx::{Ctx, ABORT_LINGER};
-use crate::device::{Device, HostDevice};
+use crate::device::{Device, HostDevice, MemHandle, SymmetricAlloc};
 use crate::door::{Calls, Door, FirstCall, JoinPoint, Process};
 use crate::elastic::join;
 use crate::error::{EpError, Result};
@@ -618,7 +618,7 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -
         return Err(e);
     }
     let met = meet(cp.as_ref(), &cfg)?;
-    let (symm, door) = share_memory(cp.as_ref(), &cfg, &met)?;
+    let (symm, door) = share_memory(cp.as_ref(), (&cfg, device.symmetric_alloc()), &met)?;
     let (topo, map) = (met.topo, met.map);
     // An elastic job's proxies outlive a peer's failure.
     let mut net_cfg = cfg.net.clone();
@@ -715,43 +715,50 @@ fn meet(cp: &dyn ControlPlane, cfg: &BufferConfig) -> Result<Met> {
     })
 }
 
-/// Make this rank's segment, map the node's, and open the door (if any). Collective.
+/// Make this rank's symmetric memory through `alloc`, map the node's by their handles,
+/// and open the door (if any). Collective.
 fn share_memory(
     cp: &dyn ControlPlane,
-    cfg: &BufferConfig,
+    (cfg, alloc): (&BufferConfig, &dyn SymmetricAlloc),
     met: &Met,
 ) -> Result<(Symmetric, Option<Door>)> {
     let (rank, num_ranks, map, topo) = (cp.rank(), met.topo.num_ranks, &met.map, &met.topo);
-    let name = uep_shm::segment_name(&format!("{:016x}", met.job), rank, std::process::id());
-    let own = uep_shm::Segment::create(&name, map.total);
+    let own = alloc.create(met.job, rank, map.total);
     // Everyone takes part in every exchange, failed or not, so nobody waits.
-    let mine = own.as_ref().ok().map(|_| name.clone());
-    let names = exchange::all_gather(cp, "segment", &mine)?;
-    let own = own?;
+    let mine = own.as_ref().ok().map(|(_, handle)| handle.clone());
+    let handles = exchange::all_gather(cp, "memory handle", &mine)?;
+    let (own, handle) = own?;
     own.region()
         .word(map.control.pid, 0)?
         .store(std::process::id() as u64, Ordering::Release);
-    if let Some(peer) = names.iter().position(Option::is_none) {
+    if let Some(peer) = handles.iter().position(Option::is_none) {
         return Err(EpError::Resource(format!(
-            "rank {peer} could not create its shared memory segment of {} bytes",
+            "rank {peer} could not make its symmetric memory of {} bytes",
             map.total
         )));
     }
-    let names: Vec<String> = names.into_iter().flatten().collect();
+    let handles: Vec<MemHandle> = handles.into_iter().flatten().collect();
     let local: Vec<usize> = topo.node_ranks(topo.node).collect();
-    let symm = Symmetric::map_peers(rank, own, &names, &local, map.total, cfg.timeout);
+    let symm = Symmetric::map_peers(
+        (rank, own),
+        &handles,
+        &local,
+        map.total,
+        (alloc, cfg.timeout),
+    );
     let door = make_door(cfg, met);
-    // Everyone has mapped everything (or failed) past this exchange; then the names go.
+    // Everyone has mapped everything (or failed) past this exchange; then the handles go.
     let ok = symm.is_ok() && door.as_ref().is_none_or(Result::is_ok);
     let verdicts = exchange::all_gather(cp, "mapped", &ok)?;
     let mut symm = symm?;
     let door = door.transpose()?;
     if let Some(peer) = verdicts.iter().position(|&mapped| !mapped) {
         return Err(EpError::Resource(format!(
-            "rank {peer} could not map the shared memory of its node (or make its door)"
+            "rank {peer} could not map the symmetric memory of its node (or make its door)"
         )));
     }
-    // With a door the names stay, for replacements to map (each goes with its Buffer).
+    // With a door the handles stay open, for replacements to map (each goes with its
+    // Buffer).
     let door = match (door, &cfg.door) {
         (Some(d), _) => Some(d),
         (None, Some(name)) => {
@@ -761,7 +768,7 @@ fn share_memory(
         (None, None) => None,
     };
     match &door {
-        Some(d) => d.set_member(rank, Process::me(), &name)?,
+        Some(d) => d.set_member(rank, Process::me(), &handle)?,
         None => symm.unlink()?,
     }
     Ok((symm, door))

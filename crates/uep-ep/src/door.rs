@@ -19,8 +19,8 @@
 //! | block | words | what |
 //! |---|---|---|
 //! | header | 5 + 11 | magic, ranks, digest of the config, region bytes, job token; the shapes (normal, low-latency: experts, hidden, top-k, tokens), ranks per node, the room for ranks (`max_ranks`), and ranks of a node in the job's topology, for a joiner that does not know them |
-//! | `member[R]` | 2 + 8 | the rank's [`Process`] (id, host), then the name of its segment (64 bytes) |
-//! | `request[R]` | 3 + 8 | a joiner's stamp (a random non-zero word), its process, its segment's name |
+//! | `member[R]` | 2 + 1 + 8 | the rank's [`Process`] (id, host), then the [`MemHandle`] its node peers map its memory by (length, 64 bytes) |
+//! | `request[R]` | 3 + 1 + 8 | a joiner's stamp (a random non-zero word), its process, its memory's handle |
 //! | `welcome[R]` | 7 + W | the stamp of the request it answers, then [`Welcome`] |
 //! | `reach[R]` | 1 + 128 | how a member is reached over the network ([`Reach`]: its proxy endpoints), its length first |
 //! | `asking[R]` | 1 + 128 | a joiner's [`Reach`] (with where its liveness watch listens), written before its request |
@@ -28,7 +28,7 @@
 //!
 //! A process id means something on its own host only: whether a member or a joiner is
 //! gone is asked there ([`Process::gone`]); elsewhere the agreement's masks say it.
-//! The survivors keep their segments' names while the door is open, so that a joiner
+//! The survivors keep their memory's handles open while the door is, so that a joiner
 //! maps its node's as a founding rank did.
 
 use std::sync::atomic::Ordering;
@@ -40,15 +40,15 @@ use uep_shm::Segment;
 
 use crate::config::{BufferConfig, JobStore, Shape};
 use crate::error::{EpError, Result};
+use crate::symm::{MemHandle, HANDLE_BYTES};
 use crate::wait::process_gone;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"uepdoor1");
+const MAGIC: u64 = u64::from_le_bytes(*b"uepdoor2");
 const HEADER: usize = 5 + 11;
-/// Bytes of a segment name in a record.
-const NAME_BYTES: usize = 64;
-const NAME_WORDS: usize = NAME_BYTES / 8;
-const MEMBER: usize = 2 + NAME_WORDS;
-const REQUEST: usize = 3 + NAME_WORDS;
+/// Words of a memory handle in a record: its length, then its bytes.
+const HANDLE_WORDS: usize = 1 + HANDLE_BYTES / 8;
+const MEMBER: usize = 2 + HANDLE_WORDS;
+const REQUEST: usize = 3 + HANDLE_WORDS;
 const WELCOME: usize = 7;
 /// Bytes of a [`Reach`] record, and its words with the length word.
 const REACH_BYTES: usize = 1024;
@@ -231,7 +231,7 @@ pub(crate) fn this_host() -> u64 {
 pub(crate) struct Request {
     pub stamp: u64,
     pub process: Process,
-    pub name: String,
+    pub handle: MemHandle,
 }
 
 /// The header: what a joiner learns of the job before it asks.
@@ -402,16 +402,16 @@ impl Door {
         }
     }
 
-    /// Rank `rank` is process `p` with segment `name`.
-    pub fn set_member(&self, rank: usize, p: Process, name: &str) -> Result<()> {
+    /// Rank `rank` is process `p` whose memory opens by `handle`.
+    pub fn set_member(&self, rank: usize, p: Process, handle: &MemHandle) -> Result<()> {
         let words = [u64::from(p.pid), p.host]
             .into_iter()
-            .chain(name_words(name)?);
+            .chain(handle_words(handle));
         self.put(self.member_at(rank)?, &words.collect::<Vec<_>>())
     }
 
-    /// Rank `rank`'s process and segment, if it ever had one.
-    pub fn member(&self, rank: usize) -> Result<Option<(Process, String)>> {
+    /// Rank `rank`'s process and memory handle, if it ever had one.
+    pub fn member(&self, rank: usize) -> Result<Option<(Process, MemHandle)>> {
         let Some(w) = self.get(self.member_at(rank)?, MEMBER)? else {
             return Ok(None);
         };
@@ -419,7 +419,7 @@ impl Door {
             pid: w[0] as u32,
             host: w[1],
         };
-        Ok(Some((p, words_name(&w[2..])?)))
+        Ok(Some((p, words_handle(&w[2..])?)))
     }
 
     /// Ask to be let in as `rank` (reached at `reach` when the job has several nodes):
@@ -427,7 +427,7 @@ impl Door {
     pub fn post_request(
         &self,
         rank: usize,
-        (p, name): (Process, &str),
+        (p, handle): (Process, &MemHandle),
         reach: Option<&Reach>,
     ) -> Result<u64> {
         let asking = self.reach_at(rank, 1)?;
@@ -437,7 +437,7 @@ impl Door {
         }
         let stamp = rand::random::<u64>() | 1;
         let head = [stamp, u64::from(p.pid), p.host];
-        let words = head.into_iter().chain(name_words(name)?);
+        let words = head.into_iter().chain(handle_words(handle));
         self.put(self.request_at(rank)?, &words.collect::<Vec<_>>())?;
         Ok(stamp)
     }
@@ -453,7 +453,7 @@ impl Door {
                 pid: w[1] as u32,
                 host: w[2],
             },
-            name: words_name(&w[3..])?,
+            handle: words_handle(&w[3..])?,
         }))
     }
 
@@ -722,24 +722,24 @@ fn reach_words(reach: &Reach) -> Result<Vec<u64>> {
     Ok(words)
 }
 
-/// A segment name as words (zero-padded).
-fn name_words(name: &str) -> Result<[u64; NAME_WORDS]> {
-    let bytes = name.as_bytes();
-    if bytes.len() > NAME_BYTES {
-        return Err(EpError::internal(format!(
-            "segment name {name} is longer than {NAME_BYTES} bytes"
-        )));
-    }
-    let mut words = [0u64; NAME_WORDS];
-    bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
-    Ok(words)
+/// A memory handle as words: its length, then its bytes (zero-padded).
+fn handle_words(handle: &MemHandle) -> [u64; HANDLE_WORDS] {
+    let bytes = handle.as_bytes();
+    let mut words = [0u64; HANDLE_WORDS];
+    words[0] = bytes.len() as u64;
+    bytemuck::cast_slice_mut::<u64, u8>(&mut words[1..])[..bytes.len()].copy_from_slice(bytes);
+    words
 }
 
-fn words_name(words: &[u64]) -> Result<String> {
-    let bytes: &[u8] = bytemuck::cast_slice(&words[..NAME_WORDS]);
-    let end = bytes.iter().position(|&b| b == 0).unwrap_or(NAME_BYTES);
-    String::from_utf8(bytes[..end].to_vec())
-        .map_err(|_| EpError::Protocol("a segment name at the door is not UTF-8".into()))
+fn words_handle(words: &[u64]) -> Result<MemHandle> {
+    let bytes: &[u8] = bytemuck::cast_slice(&words[1..HANDLE_WORDS]);
+    let len = words[0] as usize;
+    match bytes.get(..len) {
+        Some(handle) => MemHandle::new(handle.to_vec()),
+        None => Err(EpError::Protocol(format!(
+            "a memory handle at the door says it has {len} bytes, more than {HANDLE_BYTES}"
+        ))),
+    }
 }
 
 /// The name of the door of the job whose launcher's rendezvous is `rendezvous` (for
@@ -790,6 +790,10 @@ fn door_lives(name: &str) -> bool {
 mod tests {
     use super::*;
 
+    fn handle(name: &str) -> MemHandle {
+        MemHandle::new(name.as_bytes().to_vec()).unwrap()
+    }
+
     fn door_name(tag: &str) -> String {
         format!("{}test-{tag}-{}", uep_shm::DOOR_PREFIX, std::process::id())
     }
@@ -826,21 +830,25 @@ mod tests {
             assert_eq!((h.normal, h.ll, h.ranks_per_node), (None, cfg.ll, Some(10)));
             assert_eq!(h.max_ranks, Some(70));
             assert!(Door::open(at(), 71, Duration::ZERO).is_err());
-            door.set_member(69, process(1234), "uep-abc-r69-p1234")
+            door.set_member(69, process(1234), &handle("uep-abc-r69-p1234"))
                 .unwrap();
             assert_eq!(
                 other.member(69).unwrap(),
-                Some((process(1234), "uep-abc-r69-p1234".into()))
+                Some((process(1234), handle("uep-abc-r69-p1234")))
             );
+            // A handle is bytes, trailing zeros and all (a GPU's IPC handle).
+            let ipc = MemHandle::new([7u8, 0, 0, 0].repeat(16)).unwrap();
+            door.set_member(68, process(1), &ipc).unwrap();
+            assert_eq!(other.member(68).unwrap(), Some((process(1), ipc)));
             assert_eq!(other.member(3).unwrap(), None);
             assert_eq!(other.request(5).unwrap(), None);
             let stamp = other
-                .post_request(5, (process(77), "uep-abc-r5-p77"), None)
+                .post_request(5, (process(77), &handle("uep-abc-r5-p77")), None)
                 .unwrap();
             let req = door.request(5).unwrap().unwrap();
             assert_eq!(
-                (req.stamp, req.process, req.name.as_str()),
-                (stamp, process(77), "uep-abc-r5-p77")
+                (req.stamp, req.process, req.handle),
+                (stamp, process(77), handle("uep-abc-r5-p77"))
             );
             assert_eq!(other.welcomed(5, stamp).unwrap(), None);
             let mut masked = vec![false; 70];
@@ -862,7 +870,6 @@ mod tests {
             door.welcome(5, stamp, &w).unwrap();
             assert_eq!(other.welcomed(5, stamp).unwrap(), Some(w));
             assert_eq!(other.welcomed(5, stamp ^ 2).unwrap(), None);
-            assert!(door.set_member(1, process(1), &"x".repeat(65)).is_err());
             door.close().unwrap();
             assert!(Door::open(at(), 70, Duration::ZERO).is_err());
         }
@@ -873,9 +880,12 @@ mod tests {
         let cfg = BufferConfig::new(64, 512, 8, 0, 128);
         let (a, b) = (door_name("alive"), door_name("dead"));
         let alive = Door::create((&a, None), 4, &cfg, (1, 1, 1, 4)).unwrap();
-        alive.set_member(2, Process::me(), "uep-x").unwrap();
+        alive
+            .set_member(2, Process::me(), &handle("uep-x"))
+            .unwrap();
         let dead = Door::create((&b, None), 4, &cfg, (1, 1, 1, 4)).unwrap();
-        dead.set_member(1, process(u32::MAX - 1), "uep-y").unwrap();
+        dead.set_member(1, process(u32::MAX - 1), &handle("uep-y"))
+            .unwrap();
         let removed = remove_stale_doors().unwrap();
         assert!(removed.iter().any(|p| p.ends_with(&b)), "{removed:?}");
         assert!(!removed.iter().any(|p| p.ends_with(&a)), "{removed:?}");
@@ -909,7 +919,7 @@ mod tests {
         };
         std::thread::sleep(Duration::from_millis(100));
         let old = Door::create((&name, store.as_ref()), 4, &cfg, (1, 1, 1, 2)).unwrap();
-        old.set_member(3, process(5), "uep-old").unwrap();
+        old.set_member(3, process(5), &handle("uep-old")).unwrap();
         assert_eq!(opener.join().unwrap().unwrap().header().unwrap().job, 1);
         // A later job at the same name sees none of the earlier one's records.
         let new = Door::create((&name, store.as_ref()), 4, &cfg, (1, 1, 2, 2)).unwrap();
@@ -939,10 +949,11 @@ mod tests {
                 ..member
             };
             let stamp = door
-                .post_request(5, (process(9), "uep-j"), Some(&joiner))
+                .post_request(5, (process(9), &handle("uep-j")), Some(&joiner))
                 .unwrap();
             assert_eq!(door.asking_reach(5).unwrap(), Some(joiner));
-            door.post_request(5, (process(9), "uep-j"), None).unwrap();
+            door.post_request(5, (process(9), &handle("uep-j")), None)
+                .unwrap();
             assert_eq!(door.asking_reach(5).unwrap(), None);
             assert_eq!(door.reach(5).unwrap(), None);
             let too_many = Reach {

@@ -61,7 +61,8 @@ pub(crate) struct Joiner {
     /// Its request (`elastic::door`).
     pub(crate) stamp: u64,
     pub(crate) process: crate::door::Process,
-    pub(crate) name: String,
+    /// How its memory is opened.
+    pub(crate) handle: crate::symm::MemHandle,
     /// Its memory, mapped here (a joiner on this node).
     pub(crate) region: Option<uep_shm::Region>,
     /// How it is reached across nodes (a job of several nodes).

@@ -20,6 +20,10 @@ use crate::error::{EpError, Result};
 use crate::map::BankArea;
 use crate::wait::Seen;
 
+mod alloc;
+
+pub use alloc::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};
+
 /// This rank's region and the regions of the ranks it shares memory with.
 pub struct Symmetric {
     rank: usize,
@@ -37,20 +41,19 @@ impl std::fmt::Debug for Symmetric {
 }
 
 impl Symmetric {
-    /// Map the segments `names[p]` of the peers `p` in `local` (rank ids on this node,
-    /// `rank` included), each of `bytes` bytes.
+    /// Map the memory of the peers `p` in `local` (rank ids on this node, `rank`
+    /// included) through `alloc` by their handles `handles[p]`, each of `bytes` bytes.
     pub fn map_peers(
-        rank: usize,
-        own: Segment,
-        names: &[String],
+        (rank, own): (usize, Segment),
+        handles: &[MemHandle],
         local: &[usize],
         bytes: usize,
-        timeout: Duration,
+        (alloc, timeout): (&dyn SymmetricAlloc, Duration),
     ) -> Result<Symmetric> {
-        let mut peers: Vec<Option<Region>> = vec![None; names.len()];
+        let mut peers: Vec<Option<Region>> = vec![None; handles.len()];
         for &p in local {
             if p != rank {
-                peers[p] = Some(Segment::open(&names[p], bytes, timeout)?.region().clone());
+                peers[p] = Some(alloc.open(&handles[p], bytes, timeout)?);
             }
         }
         Ok(Symmetric { rank, own, peers })

@@ -12,6 +12,9 @@
 //!   live in memory the kernels can store into and the proxy can read (pinned, mapped
 //!   host memory on a GPU; a shared mapping for CPU kernels), instead of the proxy's
 //!   own heap;
+//! * **symmetric memory** ([`Device::symmetric_alloc`]): this rank's region and its
+//!   node peers' opened by a [`MemHandle`] exchanged over the control plane (a
+//!   `/dev/shm` name here, an IPC handle on a GPU);
 //! * **the compute phases** as whole methods over typed descriptors ([`LayoutPhase`],
 //!   [`CastPhase`], [`ReducePhase`]): each names the caller's tensors and areas of
 //!   symmetric memory, so a GPU implements it with its own kernel and matches the
@@ -40,6 +43,7 @@ use uep_fifo::FifoAlloc;
 use crate::error::Result;
 use crate::layout::DispatchLayout;
 
+pub use crate::symm::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};
 pub use host::{HostDevice, HostFifos};
 pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase};
 pub use pack::{LlCombinePackPhase, LlPackPhase, LlTokens, LlUnpackPhase, LlUnpacked};
@@ -81,6 +85,14 @@ pub trait Device: std::fmt::Debug + Send + Sync {
 
     /// Makes the proxy's command FIFOs in memory this device's kernels store into.
     fn fifo_alloc(&self) -> &dyn FifoAlloc;
+
+    /// Makes this rank's symmetric memory and opens its node peers' by the handles
+    /// exchanged over the control plane (and kept at an elastic job's door). By default
+    /// the host's shared memory ([`ShmSymmetric`]), which every device can use while
+    /// the host reads what its waits acquire.
+    fn symmetric_alloc(&self) -> &dyn SymmetricAlloc {
+        &ShmSymmetric
+    }
 
     /// Phase *layout*: the dispatch layout of a routing, exactly as
     /// [`crate::get_dispatch_layout`] defines it (its errors too).

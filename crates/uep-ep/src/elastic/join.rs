@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use uep_bootstrap::{BootstrapError, ControlPlane};
-use uep_shm::{Region, Segment};
+use uep_shm::Region;
 use uep_transport::PeerAddr;
 
 use crate::area::Mem;
@@ -46,9 +46,8 @@ use crate::invalid;
 use crate::map::RegionMap;
 use crate::mask::{Elastic, Joiner};
 use crate::net::Joining;
-use crate::symm::Symmetric;
+use crate::symm::{MemHandle, Symmetric, SymmetricAlloc};
 use crate::topology::Topology;
-use crate::wait::process_gone;
 
 /// The digest of the config every rank must share: the door's check of a joiner.
 pub(crate) fn config_digest(fingerprint: &str) -> u64 {
@@ -75,7 +74,7 @@ impl Ctx {
             if let Some(j) = &e.doorway.asking[r] {
                 if j.process.gone() == Some(true) {
                     tracing::warn!(rank = self.topo.rank, "rank {r}'s replacement died asking");
-                    forget_segment(&j.name);
+                    self.device.symmetric_alloc().forget(&j.handle);
                     e.doorway.asking[r] = None;
                 }
                 continue;
@@ -98,12 +97,12 @@ impl Ctx {
                 );
                 continue;
             }
-            match self.reach_joiner(door, r, &req.name) {
+            match self.reach_joiner(door, r, &req.handle) {
                 Ok(Some((region, reach))) => {
                     e.doorway.asking[r] = Some(Joiner {
                         stamp: req.stamp,
                         process: req.process,
-                        name: req.name,
+                        handle: req.handle,
                         region,
                         reach,
                     })
@@ -118,14 +117,14 @@ impl Ctx {
         Ok(())
     }
 
-    /// What this rank needs of the joiner of `rank` whose segment is `name`: its memory
+    /// What this rank needs of the joiner of `rank` whose memory opens by `handle`: it
     /// mapped (on this node) and how it is reached across nodes (a job of several
     /// nodes; `None` until its request carries it).
     fn reach_joiner(
         &self,
         door: &Door,
         rank: usize,
-        name: &str,
+        handle: &MemHandle,
     ) -> Result<Option<(Option<Region>, Option<Reach>)>> {
         let reach = match self.topo.num_nodes > 1 {
             true => match door.asking_reach(rank)? {
@@ -135,11 +134,11 @@ impl Ctx {
             false => None,
         };
         let region = match self.topo.is_local(rank) {
-            true => Some(
-                Segment::open(name, self.map.total, Duration::ZERO)?
-                    .region()
-                    .clone(),
-            ),
+            true => Some(self.device.symmetric_alloc().open(
+                handle,
+                self.map.total,
+                Duration::ZERO,
+            )?),
             false => None,
         };
         Ok(Some((region, reach)))
@@ -206,7 +205,7 @@ impl Ctx {
         // Every joiner's segment is named before any joiner reads its welcome (and
         // maps the others by those names).
         for (r, j) in &joiners {
-            door.set_member(*r, j.process, &j.name)?;
+            door.set_member(*r, j.process, &j.handle)?;
             if let Some(reach) = &j.reach {
                 door.set_reach(*r, &reach.as_member())?;
             }
@@ -255,7 +254,7 @@ impl Ctx {
             return;
         };
         if let Ok(h) = door.header() {
-            forget_dead_segments(h.job);
+            self.device.symmetric_alloc().forget_dead(h.job);
         }
         if !lowest {
             return;
@@ -272,8 +271,8 @@ impl Ctx {
             .door
             .as_ref()
             .and_then(|d| d.member(rank).ok().flatten());
-        if let Some((_, name)) = member.filter(|(p, _)| p.here()) {
-            forget_segment(&name);
+        if let Some((_, handle)) = member.filter(|(p, _)| p.here()) {
+            self.device.symmetric_alloc().forget(&handle);
         }
     }
 }
@@ -284,29 +283,6 @@ fn member_gone(door: &Door, rank: usize) -> Result<bool> {
     Ok(door
         .member(rank)?
         .is_none_or(|(p, _)| p.gone() != Some(false)))
-}
-
-/// Remove the names of job `job`'s segments whose process is gone (`uep-JOB-rR-pPID`).
-fn forget_dead_segments(job: u64) {
-    let prefix = format!("{}{job:016x}-", uep_shm::NAME_PREFIX);
-    let Ok(entries) = std::fs::read_dir(uep_shm::SHM_DIR) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let pid = name
-            .strip_prefix(&prefix)
-            .and_then(|rest| rest.rsplit_once("-p"));
-        if let Some(pid) = pid.and_then(|(_, pid)| pid.parse::<u32>().ok()) {
-            if process_gone(pid) {
-                forget_segment(&name);
-            }
-        }
-    }
-}
-
-fn forget_segment(name: &str) {
-    let _ = std::fs::remove_file(std::path::Path::new(uep_shm::SHM_DIR).join(name));
 }
 
 /// A joiner's control plane: its founding group's collectives are over (it has none
@@ -432,14 +408,14 @@ pub(crate) fn join(
         job,
     } = enter(&cfg, rank, world)?;
     let (me, pid) = (Process::me(), std::process::id());
-    let name = uep_shm::segment_name(&format!("{job:016x}"), rank, pid);
-    let own = Segment::create(&name, map.total)?;
+    let alloc = device.symmetric_alloc();
+    let (own, handle) = alloc.create(job, rank, map.total)?;
     own.region()
         .word(map.control.pid, 0)?
         .store(pid.into(), std::sync::atomic::Ordering::Release);
     let mut peers = vec![None; world];
     for r in topo.node_ranks(topo.node).filter(|&r| r != rank) {
-        peers[r] = map_member(&door, r, map.total)?;
+        peers[r] = map_member((&door, alloc), r, map.total)?;
     }
     // Across nodes: endpoints the survivors connect to when they let this one in.
     let net_cfg = joiner_net(&cfg, &door, topo)?;
@@ -448,7 +424,7 @@ pub(crate) fn join(
         .transpose()?;
     let asked = Instant::now();
     let reach = joining.as_ref().map(Joining::reach);
-    let stamp = door.post_request(rank, (me, &name), reach.as_ref())?;
+    let stamp = door.post_request(rank, (me, &handle), reach.as_ref())?;
     let welcome = wait_welcome(&door, rank, stamp, cfg.timeout)?;
     wait_ready(&door, (rank, stamp), &welcome, cfg.timeout)?;
     // A rank that rejoined since this one opened its endpoints has new ones.
@@ -458,7 +434,13 @@ pub(crate) fn join(
         j.name_hosts(reaches.iter().map(|r| r.as_ref().map(|r| r.host.clone())));
     }
     let waited = asked.elapsed();
-    map_node(&door, (topo, rank), &welcome, &mut peers, map.total)?;
+    map_node(
+        (&door, alloc),
+        (topo, rank),
+        &welcome,
+        &mut peers,
+        map.total,
+    )?;
     let symm = Symmetric::from_parts(rank, own, peers);
     start_words(&symm, &map, &welcome.calls)?;
     let net = match (joining, net_cfg, map.net) {
@@ -471,7 +453,7 @@ pub(crate) fn join(
         _ => None,
     };
     let e = joiner_state(rank, cfg.auto_admit, &welcome);
-    door.set_member(rank, me, &name)?;
+    door.set_member(rank, me, &handle)?;
     let cx = Ctx {
         device,
         cp: Arc::new(Detached { rank, world }),
@@ -492,7 +474,7 @@ pub(crate) fn join(
 /// still masked: writes to it go nowhere, as they do into a dead rank's memory on the
 /// ranks that mapped it alive.
 fn map_node(
-    door: &Door,
+    (door, alloc): (&Door, &dyn SymmetricAlloc),
     (topo, rank): (Topology, usize),
     welcome: &Welcome,
     peers: &mut [Option<Region>],
@@ -500,7 +482,7 @@ fn map_node(
 ) -> Result<()> {
     for r in topo.node_ranks(topo.node).filter(|&r| r != rank) {
         if peers[r].is_none() && !welcome.masked[r] {
-            peers[r] = map_member(door, r, bytes)?;
+            peers[r] = map_member((door, alloc), r, bytes)?;
             if peers[r].is_none() {
                 let elsewhere = door.member(r)?.is_some_and(|(p, _)| !p.here());
                 let why = match elsewhere {
@@ -602,12 +584,16 @@ fn wait_ready(
     }
 }
 
-/// Map rank `r`'s segment as the door names it, if its process lives.
-fn map_member(door: &Door, r: usize, bytes: usize) -> Result<Option<Region>> {
+/// Map rank `r`'s memory by the handle the door names, if its process lives.
+fn map_member(
+    (door, alloc): (&Door, &dyn SymmetricAlloc),
+    r: usize,
+    bytes: usize,
+) -> Result<Option<Region>> {
     Ok(match door.member(r)? {
-        Some((p, name)) if p.gone() == Some(false) => Segment::open(&name, bytes, Duration::ZERO)
-            .ok()
-            .map(|s| s.region().clone()),
+        Some((p, handle)) if p.gone() == Some(false) => {
+            alloc.open(&handle, bytes, Duration::ZERO).ok()
+        }
         _ => None,
     })
 }
