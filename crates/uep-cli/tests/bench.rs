@@ -784,7 +784,9 @@ fn elastic_grows(ranks: &str, nodes: &str, room: &str, grow: &[&str]) {
     for g in grow {
         more.extend(["--grow", g]);
     }
-    let (reports, ctx) = elastic_run(300, &more);
+    // Long enough that the founding ranks still serve when the newcomers are let in
+    // (~350 ms after they start; one node of two runs 300 steps in about as long).
+    let (reports, ctx) = elastic_run(1000, &more);
     let room: usize = room.parse().unwrap();
     assert_eq!(reports.len(), room, "{ctx}");
     let joined: Vec<_> = reports.iter().filter(|r| !r["joined"].is_null()).collect();

@@ -252,7 +252,8 @@ impl Liveness {
     }
 
     /// A new process took rank `rank` (on `node`, host `host`) and listens at `advert`:
-    /// connect to it, watch it from the next tick, and forget the old process's verdict.
+    /// forget the old process's verdict, connect to it and watch it from the next tick;
+    /// where it cannot be reached, it died since it asked and is lost at once.
     pub(crate) fn readmit(
         &self,
         me: usize,
@@ -260,12 +261,27 @@ impl Liveness {
         advert: &Advert,
         deadline: Instant,
     ) -> Result<()> {
-        if self.thread.is_some() {
-            let stream = connect(me, rank, advert, deadline)?;
-            let conn = Conn::new(me, rank, node, host, stream, self.cfg)?;
-            lock(&self.shared.inbox).push(conn);
-        }
         self.shared.forget(rank);
+        if self.thread.is_none() {
+            return Ok(());
+        }
+        let conn = connect(me, rank, advert, deadline)
+            .and_then(|stream| Conn::new(me, rank, node, host, stream, self.cfg));
+        match conn {
+            Ok(conn) => lock(&self.shared.inbox).push(conn),
+            // The new process died since it asked (its watch's listener went with it):
+            // lost, as if its connection had closed, so the waits on it fail over and
+            // the agreement masks it again, rather than this rank failing.
+            Err(e) => self.shared.report(Lost {
+                rank,
+                node,
+                host: host.to_owned(),
+                how: Gone::Died {
+                    detail: e.to_string(),
+                },
+                at: Instant::now(),
+            }),
+        }
         Ok(())
     }
 
@@ -670,5 +686,36 @@ mod tests {
             assert_eq!(beat(&mut a, &mut buf, cfg), None);
         }
         assert!(a.left);
+    }
+
+    /// A rank's new process that died before it was let in (its watch's listener
+    /// gone) is lost at once, not an error of the rank letting it in; one that
+    /// listens is watched, its old verdict forgotten.
+    #[test]
+    fn a_joiner_that_died_since_it_asked_is_lost_at_once() {
+        let topo = Topology::new(0, 2, 1).unwrap();
+        let hosts = vec!["127.0.0.1".to_string(); 2];
+        let live = Liveness::watch_streams(&topo, Vec::new(), &hosts, LivenessConfig::default());
+        let live = live.unwrap();
+        let closed = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let advert = |port| Advert {
+            host: "127.0.0.1".into(),
+            port,
+            nonce: 7,
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        live.readmit(0, (1, 1, "127.0.0.1"), &advert(port), deadline)
+            .unwrap();
+        let lost = live.lost(1).expect("a joiner whose watch is gone is lost");
+        assert!(matches!(lost.how, Gone::Died { .. }), "{lost}");
+
+        let listening = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let port = listening.local_addr().unwrap().port();
+        live.readmit(0, (1, 1, "127.0.0.1"), &advert(port), deadline)
+            .unwrap();
+        assert_eq!(live.lost(1), None);
+        assert!(!live.any_lost());
     }
 }
