@@ -1,7 +1,7 @@
 """Launching ranks for the tests: real processes, a real gloo group, real uep Buffers.
 
 Each test runs a function of ``workers.py`` on every rank of a fresh job started with
-``torch.multiprocessing`` (spawn), bounded in time: a rank that raises fails the test
+``torch.multiprocessing`` (forkserver), bounded in time: a rank that raises fails the test
 with its traceback, and a job that does not finish in time is killed and fails it.
 """
 
@@ -25,26 +25,16 @@ if HERE not in sys.path:
 
 import workers  # noqa: E402
 
+# Ranks start as forks of a server that imported torch and uep once (a spawned rank
+# imports them itself: seconds each on a small machine). Nothing in that server ever
+# makes a thread, a Buffer or a group, so what a rank inherits is the imports alone.
+mp.set_forkserver_preload(["workers"])
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def environment(env: Optional[Dict[str, str]]):
-    """Set `env` for the children (spawned processes inherit it), then restore."""
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def launch(case: str, world: int, timeout: float = 240.0, env: Optional[Dict[str, str]] = None,
@@ -59,20 +49,21 @@ def launch(case: str, world: int, timeout: float = 240.0, env: Optional[Dict[str
     # interface of the test machine.
     base_env = {"UEP_TIMEOUT_S": "30", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     base_env.update(env or {})
-    with environment(base_env):
-        ctx = mp.start_processes(workers.entry, args=(world, port, case, kwargs, out, expect_failure),
-                                 nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            # Not ctx.join(): it stops every rank as soon as one dies.
-            while any(p.is_alive() for p in ctx.processes):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{case} on {world} ranks did not finish within {timeout} s")
-                time.sleep(0.1)
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+    # A forked rank has the environment of the fork server, not this process's: it sets
+    # `base_env` itself, first thing.
+    ctx = mp.start_processes(workers.entry, args=(world, port, case, kwargs, out, expect_failure, base_env),
+                             nprocs=world, join=False, start_method="forkserver")
+    deadline = time.monotonic() + timeout
+    try:
+        # Not ctx.join(): it stops every rank as soon as one dies.
+        while any(p.is_alive() for p in ctx.processes):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{case} on {world} ranks did not finish within {timeout} s")
+            time.sleep(0.1)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
     failures = []
     for r, p in enumerate(ctx.processes):
         if p.exitcode != 0 and r not in killed:

@@ -35,7 +35,8 @@ class Ctx:
 
 
 def entry(rank: int, world: int, port: int, case: str, kwargs: Dict[str, Any], out: str,
-          expect_failure: bool) -> None:
+          expect_failure: bool, env: Dict[str, str]) -> None:
+    os.environ.update(env)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
     torch.set_num_threads(1)
     result: Any = None
