@@ -8,8 +8,7 @@
 //! * **the job's store** ([`uep_bootstrap::Store`]), which every host reaches and the
 //!   launcher keeps (torchrun's `TCPStore` at `MASTER_ADDR:MASTER_PORT` from Python,
 //!   `uep bench`'s own): a record is one value, read and written whole, at
-//!   `{door}/header` or `{door}/{job token}/{word offset}`, the ready counts at
-//!   `…/{offset}/{stamp}`;
+//!   `{door}/header` or `{door}/{job token}/{word offset}`;
 //! * **a shared-memory segment** on this host, when every rank is on it: every word is
 //!   atomic; a record is published by its first word, stored last (release) and read
 //!   first (acquire).
@@ -24,7 +23,8 @@
 //! | `welcome[R]` | 7 + W | the stamp of the request it answers, then [`Welcome`] |
 //! | `reach[R]` | 1 + 128 | how a member is reached over the network ([`Reach`]: its proxy endpoints), its length first |
 //! | `asking[R]` | 1 + 128 | a joiner's [`Reach`] (with where its liveness watch listens), written before its request |
-//! | `ready[R]` | 1 | the survivors that let the joiner in and are ready for its traffic: (its stamp's low 32 bits, count) |
+//! | `ready[R][S]` | 1 | survivor `S` let the joiner of `R` in and is ready for its traffic: the stamp of the request it answered |
+//! | `lost[R]` | 2 | the [`Process`] of `R` that a survivor found lost (for a joiner that waits for it to be ready and cannot ask its host) |
 //!
 //! A process id means something on its own host only: whether a member or a joiner is
 //! gone is asked there ([`Process::gone`]); elsewhere the agreement's masks say it.
@@ -43,7 +43,7 @@ use crate::error::{EpError, Result};
 use crate::symm::{MemHandle, HANDLE_BYTES};
 use crate::wait::process_gone;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"uepdoor2");
+const MAGIC: u64 = u64::from_le_bytes(*b"uepdoor3");
 const HEADER: usize = 5 + 11;
 /// Words of a memory handle in a record: its length, then its bytes.
 const HANDLE_WORDS: usize = 1 + HANDLE_BYTES / 8;
@@ -53,6 +53,7 @@ const WELCOME: usize = 7;
 /// Bytes of a [`Reach`] record, and its words with the length word.
 const REACH_BYTES: usize = 1024;
 const REACH: usize = 1 + REACH_BYTES / 8;
+const LOST: usize = 2;
 
 /// Which call a joiner makes first: the one the survivors let it in at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -288,7 +289,7 @@ impl std::fmt::Debug for Door {
 }
 
 fn len(ranks: usize, words: usize) -> usize {
-    8 * (HEADER + ranks * (MEMBER + REQUEST + WELCOME + words + 2 * REACH + 1))
+    8 * (HEADER + ranks * (MEMBER + REQUEST + WELCOME + words + 2 * REACH + ranks + LOST))
 }
 
 impl Door {
@@ -525,41 +526,32 @@ impl Door {
         self.get_reach(self.reach_at(rank, 1)?)
     }
 
-    /// A survivor let the joiner of `rank` (request `stamp`) in and is ready for its
-    /// traffic: one more in the count the joiner waits for.
-    pub fn ready(&self, rank: usize, stamp: u64) -> Result<()> {
-        let at = self.ready_at(rank)?;
-        let word = match &self.backing {
-            Backing::Store { store, .. } => {
-                return Ok(store.add(&self.key(at, stamp), 1).map(drop)?)
-            }
-            Backing::Shm(seg) => seg.region().atomic_u64(8 * at)?,
-        };
-        let tag = stamp << 32;
-        let mut cur = word.load(Ordering::Acquire);
-        loop {
-            let next = match cur & !0xffff_ffff == tag {
-                true => cur + 1,
-                false => tag | 1,
-            };
-            match word.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Ok(()),
-                Err(now) => cur = now,
-            }
-        }
+    /// Survivor `by` let the joiner of `rank` (request `stamp`) in and is ready for its
+    /// traffic. A record per survivor, not a count, so that the joiner can tell which
+    /// survivors it still waits for (and skip one that died).
+    pub fn ready(&self, rank: usize, by: usize, stamp: u64) -> Result<()> {
+        self.put(self.ready_at(rank, by)?, &[stamp])
     }
 
-    /// How many survivors are ready for the joiner of `rank` with request `stamp`.
-    pub fn readied(&self, rank: usize, stamp: u64) -> Result<usize> {
-        let at = self.ready_at(rank)?;
-        let v = match &self.backing {
-            Backing::Store { store, .. } => return Ok(store.add(&self.key(at, stamp), 0)? as usize),
-            Backing::Shm(seg) => seg.region().atomic_u64(8 * at)?.load(Ordering::Acquire),
-        };
-        Ok(match v & !0xffff_ffff == stamp << 32 {
-            true => (v & 0xffff_ffff) as usize,
-            false => 0,
-        })
+    /// Whether survivor `by` is ready for the joiner of `rank` with request `stamp` (an
+    /// older request's record does not count).
+    pub fn is_ready(&self, rank: usize, by: usize, stamp: u64) -> Result<bool> {
+        let words = self.get(self.ready_at(rank, by)?, 1)?;
+        Ok(words.is_some_and(|w| w[0] == stamp))
+    }
+
+    /// A survivor found process `p` of `rank` lost.
+    pub fn set_lost(&self, rank: usize, p: Process) -> Result<()> {
+        self.put(self.lost_at(rank)?, &[u64::from(p.pid), p.host])
+    }
+
+    /// The process of `rank` that a survivor found lost last, if any.
+    pub fn lost(&self, rank: usize) -> Result<Option<Process>> {
+        let words = self.get(self.lost_at(rank)?, LOST)?;
+        Ok(words.map(|w| Process {
+            pid: w[0] as u32,
+            host: w[1],
+        }))
     }
 
     /// Whether a survivor looks for requests now: always in shared memory, where a look
@@ -590,7 +582,7 @@ impl Door {
     fn put(&self, at: usize, words: &[u64]) -> Result<()> {
         let seg = match &self.backing {
             Backing::Store { store, .. } => {
-                return Ok(store.set(&self.key(at, 0), bytemuck::cast_slice(words))?);
+                return Ok(store.set(&self.key(at), bytemuck::cast_slice(words))?);
             }
             Backing::Shm(seg) => seg.region(),
         };
@@ -607,7 +599,7 @@ impl Door {
         let mut words = vec![0u64; n];
         match &self.backing {
             Backing::Store { store, .. } => {
-                let Some(bytes) = store.get(&self.key(at, 0))? else {
+                let Some(bytes) = store.get(&self.key(at))? else {
                     return Ok(None);
                 };
                 let have = (bytes.len() / 8).min(n);
@@ -627,16 +619,14 @@ impl Door {
         Ok((words[0] != 0).then_some(words))
     }
 
-    /// A store key: the header's, a record's at word `at`, or (`tag` non-zero) a
-    /// counter's for request `tag`.
-    fn key(&self, at: usize, tag: u64) -> String {
+    /// A store key: the header's, or a record's at word `at`.
+    fn key(&self, at: usize) -> String {
         let Backing::Store { name, job, .. } = &self.backing else {
             unreachable!("keys are the store's")
         };
-        match (at, tag) {
-            (0, _) => format!("{name}/header"),
-            (_, 0) => format!("{name}/{job:016x}/{at}"),
-            _ => format!("{name}/{job:016x}/{at}/{tag:016x}"),
+        match at {
+            0 => format!("{name}/header"),
+            _ => format!("{name}/{job:016x}/{at}"),
         }
     }
 
@@ -658,9 +648,15 @@ impl Door {
             .map(|r| base + (which * self.ranks + r) * REACH)
     }
 
-    fn ready_at(&self, rank: usize) -> Result<usize> {
+    fn ready_at(&self, rank: usize, by: usize) -> Result<usize> {
         let base = HEADER + self.ranks * (MEMBER + REQUEST + WELCOME + self.words + 2 * REACH);
-        self.check(rank).map(|r| base + r)
+        Ok(base + self.check(rank)? * self.ranks + self.check(by)?)
+    }
+
+    fn lost_at(&self, rank: usize) -> Result<usize> {
+        let base = HEADER
+            + self.ranks * (MEMBER + REQUEST + WELCOME + self.words + 2 * REACH + self.ranks);
+        self.check(rank).map(|r| base + r * LOST)
     }
 
     fn member_at(&self, rank: usize) -> Result<usize> {
@@ -928,7 +924,7 @@ mod tests {
     }
 
     #[test]
-    fn reach_records_and_the_ready_count_keep_their_fields() {
+    fn reach_ready_and_lost_records_keep_their_fields() {
         for (name, store, _server) in backings("reach") {
             let cfg = BufferConfig::new(64, 512, 8, 0, 128);
             let mut door = Door::create((&name, store.as_ref()), 6, &cfg, (1, 1, 1, 3)).unwrap();
@@ -961,12 +957,22 @@ mod tests {
                 ..Reach::default()
             };
             assert!(door.set_reach(0, &too_many).is_err());
-            // Survivors count in; an older request's count does not carry over.
-            assert_eq!(door.readied(5, stamp).unwrap(), 0);
-            door.ready(5, stamp ^ 2).unwrap();
-            door.ready(5, stamp).unwrap();
-            door.ready(5, stamp).unwrap();
-            assert_eq!(door.readied(5, stamp).unwrap(), 2);
+            // Each survivor says it is ready; an older request's record does not count.
+            assert!(!door.is_ready(5, 0, stamp).unwrap());
+            door.ready(5, 0, stamp ^ 2).unwrap();
+            assert!(!door.is_ready(5, 0, stamp).unwrap());
+            door.ready(5, 0, stamp).unwrap();
+            door.ready(5, 3, stamp).unwrap();
+            let ready: Vec<bool> = (0..6)
+                .map(|s| door.is_ready(5, s, stamp).unwrap())
+                .collect();
+            assert_eq!(ready, [true, false, false, true, false, false]);
+            assert!(!door.is_ready(4, 0, stamp).unwrap());
+            assert!(door.ready(5, 6, stamp).is_err());
+            assert_eq!(door.lost(5).unwrap(), None);
+            door.set_lost(5, process(9)).unwrap();
+            assert_eq!(door.lost(5).unwrap(), Some(process(9)));
+            assert_eq!(door.lost(4).unwrap(), None);
             door.close().unwrap();
         }
     }

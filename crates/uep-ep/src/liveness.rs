@@ -272,17 +272,21 @@ impl Liveness {
             // The new process died since it asked (its watch's listener went with it):
             // lost, as if its connection had closed, so the waits on it fail over and
             // the agreement masks it again, rather than this rank failing.
-            Err(e) => self.shared.report(Lost {
-                rank,
-                node,
-                host: host.to_owned(),
-                how: Gone::Died {
-                    detail: e.to_string(),
-                },
-                at: Instant::now(),
-            }),
+            Err(e) => self.lose((rank, node, host), e.to_string()),
         }
         Ok(())
+    }
+
+    /// Rank `rank` (on `node`, host `host`) is known dead by other means than its
+    /// connection (`detail` says how): lost from now, as a closed connection would be.
+    pub(crate) fn lose(&self, (rank, node, host): (usize, usize, &str), detail: String) {
+        self.shared.report(Lost {
+            rank,
+            node,
+            host: host.to_owned(),
+            how: Gone::Died { detail },
+            at: Instant::now(),
+        });
     }
 
     /// Whether any rank is lost (one relaxed load; for the waits' hot loop).

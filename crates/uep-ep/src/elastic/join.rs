@@ -22,9 +22,10 @@
 //!    (same node) or readmits it on its network path (another node:
 //!    `NetPath::readmit`), forgets the predecessor's masking, writes the same welcome at
 //!    the door (the call numbers, agreements, the mask and the caller's step), and
-//!    counts itself ready. The joiner reads the welcome, waits until every live rank is
-//!    ready, starts its network path, returns from `join`, and makes that call with
-//!    them.
+//!    says it is ready. The joiner reads the welcome, waits until every live rank is
+//!    ready (or died since: that one is lost to it from the start, as it is to the
+//!    survivors), starts its network path, returns from `join`, and makes that call
+//!    with them.
 //!
 //! A joiner that dies before it is let in is dropped (its process is watched); after,
 //! it is a rank like any other, masked again by the next wait on it.
@@ -213,7 +214,7 @@ impl Ctx {
         for (r, j) in &joiners {
             door.welcome(*r, j.stamp, &welcome)?;
             // Ready for its traffic: everything above is done on this rank.
-            door.ready(*r, j.stamp)?;
+            door.ready(*r, self.topo.rank, j.stamp)?;
         }
         Ok(())
     }
@@ -264,14 +265,24 @@ impl Ctx {
         }
     }
 
-    /// A rank of this node found gone: its segment's name goes (a joiner must not map
-    /// it, and nobody else removes it).
-    pub(crate) fn forget_member(&self, rank: usize) {
-        let member = self
-            .door
-            .as_ref()
-            .and_then(|d| d.member(rank).ok().flatten());
-        if let Some((_, handle)) = member.filter(|(p, _)| p.here()) {
+    /// A rank found gone: the door says so, for a joiner that may still wait for it to
+    /// be ready (a joiner on another host cannot ask about its process); on this node
+    /// its segment's name goes too (a joiner must not map it, and nobody else removes
+    /// it).
+    pub(crate) fn member_lost(&self, rank: usize) {
+        let Some(door) = &self.door else {
+            return;
+        };
+        let Some((p, handle)) = door.member(rank).ok().flatten() else {
+            return;
+        };
+        if let Err(e) = door.set_lost(rank, p) {
+            tracing::warn!(
+                rank = self.topo.rank,
+                "saying at the door that rank {rank} is lost: {e}"
+            );
+        }
+        if self.topo.is_local(rank) && p.here() {
             self.device.symmetric_alloc().forget(&handle);
         }
     }
@@ -426,7 +437,7 @@ pub(crate) fn join(
     let reach = joining.as_ref().map(Joining::reach);
     let stamp = door.post_request(rank, (me, &handle), reach.as_ref())?;
     let welcome = wait_welcome(&door, rank, stamp, cfg.timeout)?;
-    wait_ready(&door, (rank, stamp), &welcome, cfg.timeout)?;
+    let died = wait_ready(&door, (rank, stamp), &welcome, cfg.timeout)?;
     // A rank that rejoined since this one opened its endpoints has new ones.
     if let Some(j) = &mut joining {
         let reaches = member_reaches(&door, world)?;
@@ -437,18 +448,19 @@ pub(crate) fn join(
     map_node(
         (&door, alloc),
         (topo, rank),
-        &welcome,
+        (&welcome, &died),
         &mut peers,
         map.total,
     )?;
     let symm = Symmetric::from_parts(rank, own, peers);
+    name_the_dead(&symm, &map, &died)?;
     start_words(&symm, &map, &welcome.calls)?;
     let net = match (joining, net_cfg, map.net) {
         (Some(j), Some((c, _)), Some(areas)) => Some(j.start(
             (topo, symm.local(), areas),
             &c,
             device.fifo_alloc(),
-            (&welcome.masked, welcome.calls.barriers),
+            (&welcome.masked, &died, welcome.calls.barriers),
         )?),
         _ => None,
     };
@@ -471,17 +483,17 @@ pub(crate) fn join(
 
 /// Map the ranks of the joiner's node that its welcome says are live (those it could
 /// not map before it asked, its `peers` still `None`), and a blank region for each one
-/// still masked: writes to it go nowhere, as they do into a dead rank's memory on the
-/// ranks that mapped it alive.
+/// still masked or `died` since: writes to it go nowhere, as they do into a dead rank's
+/// memory on the ranks that mapped it alive.
 fn map_node(
     (door, alloc): (&Door, &dyn SymmetricAlloc),
     (topo, rank): (Topology, usize),
-    welcome: &Welcome,
+    (welcome, died): (&Welcome, &[Option<u32>]),
     peers: &mut [Option<Region>],
     bytes: usize,
 ) -> Result<()> {
     for r in topo.node_ranks(topo.node).filter(|&r| r != rank) {
-        if peers[r].is_none() && !welcome.masked[r] {
+        if peers[r].is_none() && !welcome.masked[r] && died[r].is_none() {
             peers[r] = map_member((door, alloc), r, bytes)?;
             if peers[r].is_none() {
                 let elsewhere = door.member(r)?.is_some_and(|(p, _)| !p.here());
@@ -557,31 +569,62 @@ fn member_addrs(reaches: &[Option<Reach>]) -> Vec<Vec<PeerAddr>> {
 }
 
 /// Wait until every rank that let this one in (request `stamp`) is ready for its
-/// traffic: the live ranks of the welcome but this one.
+/// traffic: the live ranks of the welcome but this one. One that died since (its
+/// process gone, as this host can tell, or found lost by a survivor, as the door says)
+/// is not waited for: `[rank]` the process id of each such, which the call this one
+/// makes first finds lost, as the survivors do.
 fn wait_ready(
     door: &Door,
     (rank, stamp): (usize, u64),
     w: &Welcome,
     timeout: Duration,
-) -> Result<()> {
-    let live = (0..w.masked.len())
+) -> Result<Vec<Option<u32>>> {
+    let mut waiting: Vec<usize> = (0..w.masked.len())
         .filter(|&r| r != rank && !w.masked[r])
-        .count();
+        .collect();
+    let live = waiting.len();
+    let mut died = vec![None; w.masked.len()];
     let deadline = Instant::now() + timeout;
     loop {
-        let ready = door.readied(rank, stamp)?;
-        if ready >= live {
-            return Ok(());
+        let mut still = Vec::with_capacity(waiting.len());
+        for r in waiting {
+            if door.is_ready(rank, r, stamp)? {
+                continue;
+            }
+            match door.member(r)? {
+                Some((p, _)) if p.gone() == Some(true) || door.lost(r)? == Some(p) => {
+                    tracing::warn!(rank, "rank {r} died before it was ready for this one");
+                    died[r] = Some(p.pid);
+                }
+                _ => still.push(r),
+            }
+        }
+        waiting = still;
+        if waiting.is_empty() {
+            return Ok(died);
         }
         if Instant::now() >= deadline {
             return Err(EpError::Timeout {
                 what: format!("rank {rank}: waiting for the ranks that let it in"),
-                detail: format!("{ready} of {live} live ranks are ready for it"),
+                detail: format!("ranks {waiting:?} of the {live} live ranks are not ready for it"),
                 waited: timeout,
             });
         }
         std::thread::sleep(door.poll());
     }
+}
+
+/// Each node peer that `died` since the welcome names its process in the region this
+/// rank holds for it, so the first wait on it finds it dead (its process id there is
+/// how a wait tells).
+fn name_the_dead(symm: &Symmetric, map: &RegionMap, died: &[Option<u32>]) -> Result<()> {
+    for (r, pid) in died.iter().enumerate() {
+        if let (Some(pid), Some(region)) = (pid, symm.peer(r)) {
+            (region.word(map.control.pid, 0)?)
+                .store((*pid).into(), std::sync::atomic::Ordering::Release);
+        }
+    }
+    Ok(())
 }
 
 /// Map rank `r`'s memory by the handle the door names, if its process lives.
@@ -636,4 +679,59 @@ fn start_words(symm: &Symmetric, map: &RegionMap, calls: &Calls) -> Result<()> {
             .store(calls.ll_combine.into(), Release);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A survivor that dies between the welcome and saying it is ready is not waited
+    /// for: the joiner goes on at once and names its process (it once waited out its
+    /// whole timeout, and the job with it), whether its host says so or, on another
+    /// host, a survivor that found it lost. One that lives but is not ready is named
+    /// when the wait runs out.
+    #[test]
+    fn a_survivor_that_died_before_it_was_ready_is_not_waited_for() {
+        let name = format!("{}test-ready-{}", uep_shm::DOOR_PREFIX, std::process::id());
+        let cfg = BufferConfig::new(64, 512, 8, 0, 128);
+        let mut door = Door::create((&name, None), 5, &cfg, (1, 1, 1, 5)).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let (me, handle) = (Process::me(), MemHandle::new(b"segment".to_vec()).unwrap());
+        let elsewhere = |pid| Process {
+            pid,
+            host: me.host ^ 1,
+        };
+        for (r, p) in [(0, me), (1, Process { pid: dead, ..me }), (2, me)] {
+            door.set_member(r, p, &handle).unwrap();
+        }
+        door.set_member(3, elsewhere(4242), &handle).unwrap();
+        // A survivor found another process of rank 3 lost: that says nothing of this one.
+        door.set_lost(3, elsewhere(4241)).unwrap();
+        let stamp = door.post_request(4, (me, &handle), None).unwrap();
+        let welcome = Welcome {
+            round: 1,
+            digest: 2,
+            calls: Calls::default(),
+            step: 0,
+            first: FirstCall::Dispatch,
+            masked: vec![false; 5],
+        };
+        door.ready(4, 0, stamp).unwrap();
+        door.ready(4, 2, stamp).unwrap();
+        let short = Duration::from_millis(50);
+        let err = wait_ready(&door, (4, stamp), &welcome, short).unwrap_err();
+        let text = err.to_string();
+        let named = "ranks [3] of the 4 live ranks are not ready";
+        assert!(text.contains(named), "{text}");
+
+        door.set_lost(3, elsewhere(4242)).unwrap();
+        let start = Instant::now();
+        let died = wait_ready(&door, (4, stamp), &welcome, Duration::from_secs(20)).unwrap();
+        assert_eq!(died, [None, Some(dead), None, Some(4242), None]);
+        let took = start.elapsed();
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        door.close().unwrap();
+    }
 }

@@ -247,9 +247,7 @@ impl Ctx {
                 net.mark_lost(rank);
             }
         }
-        if self.topo.is_local(rank) {
-            self.forget_member(rank);
-        }
+        self.member_lost(rank);
         Ok(None)
     }
 }

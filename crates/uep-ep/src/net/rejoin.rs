@@ -147,23 +147,31 @@ impl Joining {
 
     /// The joiner's path, once every live rank let it in: its proxy started, the live
     /// ranks of other nodes watched (they connected to it), the `masked` ones given up
-    /// on, and its barrier counters at the job's `barriers`.
+    /// on, those that `died` before they let it in lost at once (as a closed watch
+    /// would find them), and its barrier counters at the job's `barriers`.
     pub(crate) fn start(
         self,
         (topo, region, areas): (Topology, &Region, NetAreas),
         cfg: &NetConfig,
         fifos: &dyn FifoAlloc,
-        (masked, barriers): (&[bool], u64),
+        (masked, died, barriers): (&[bool], &[Option<u32>], u64),
     ) -> Result<NetPath> {
         let me = topo.rank;
+        let remote = |r: usize| r != me && topo.node_of(r) != topo.node;
         let watched: Vec<usize> = (0..topo.num_ranks)
-            .filter(|&r| r != me && !masked[r] && topo.node_of(r) != topo.node)
+            .filter(|&r| remote(r) && !masked[r] && died[r].is_none())
             .collect();
         let mut hosts = self.hosts;
         hosts.resize(topo.num_ranks, String::new());
         hosts[me] = self.host.clone();
         let liveness =
             (self.listening).accept(&topo, &watched, &hosts, (cfg.liveness, cfg.proxy.timeout))?;
+        for (r, pid) in died.iter().enumerate().filter(|&(r, _)| remote(r)) {
+            if let Some(pid) = pid {
+                let detail = format!("its process {pid} died before it let rank {me} in");
+                liveness.lose((r, topo.node_of(r), &hosts[r]), detail);
+            }
+        }
         for src in 0..topo.num_ranks {
             region
                 .word(areas.barriers, src)?
