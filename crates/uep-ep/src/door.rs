@@ -45,6 +45,9 @@ use crate::wait::process_gone;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"uepdoor3");
 const HEADER: usize = 5 + 11;
+/// The header's word that holds the job token (after magic, ranks, digest, bytes),
+/// which a joiner reads first to find the job's records in a store.
+const JOB_WORD: usize = 4;
 /// Words of a memory handle in a record: its length, then its bytes.
 const HANDLE_WORDS: usize = 1 + HANDLE_BYTES / 8;
 const MEMBER: usize = 2 + HANDLE_WORDS;
@@ -381,7 +384,7 @@ impl Door {
         Ok(Header {
             digest: w[2],
             bytes: w[3] as usize,
-            job: w[4],
+            job: w[JOB_WORD],
             normal: shape(5),
             ll: shape(9),
             ranks_per_node: (w[13] > 0).then_some(w[13] as usize),
@@ -690,8 +693,8 @@ fn find_job(store: &dyn Store, name: &str, timeout: Duration) -> Result<u64> {
     loop {
         if let Some(b) = store.get(&format!("{name}/header"))? {
             let job = b
-                .get(32..40)
-                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
+                .get(8 * JOB_WORD..8 * (JOB_WORD + 1))
+                .map(bytemuck::pod_read_unaligned::<u64>);
             return job.ok_or_else(|| {
                 EpError::Protocol(format!("the header of door {name} is cut short"))
             });

@@ -584,20 +584,25 @@ fn wait_ready(
         .collect();
     let live = waiting.len();
     let mut died = vec![None; w.masked.len()];
-    let deadline = Instant::now() + timeout;
+    let start = Instant::now();
+    let (deadline, mut next_look) = (start + timeout, start + DEATH_LOOKS);
     loop {
+        let look = Instant::now() >= next_look;
         let mut still = Vec::with_capacity(waiting.len());
         for r in waiting {
             if door.is_ready(rank, r, stamp)? {
                 continue;
             }
-            match door.member(r)? {
-                Some((p, _)) if p.gone() == Some(true) || door.lost(r)? == Some(p) => {
+            match look.then(|| died_since(door, r)).transpose()?.flatten() {
+                Some(pid) => {
                     tracing::warn!(rank, "rank {r} died before it was ready for this one");
-                    died[r] = Some(p.pid);
+                    died[r] = Some(pid);
                 }
-                _ => still.push(r),
+                None => still.push(r),
             }
+        }
+        if look {
+            next_look = Instant::now() + DEATH_LOOKS;
         }
         waiting = still;
         if waiting.is_empty() {
@@ -612,6 +617,20 @@ fn wait_ready(
         }
         std::thread::sleep(door.poll());
     }
+}
+
+/// How often a joiner asks whether a survivor it waits for died: two more looks at
+/// the door each (at a store, round trips), which every poll would slow the usual
+/// case, where all are ready within a few polls.
+const DEATH_LOOKS: Duration = Duration::from_millis(20);
+
+/// The process id of rank `r` if the process the door names for it is gone, as its
+/// host says, or was found lost by a survivor.
+fn died_since(door: &Door, r: usize) -> Result<Option<u32>> {
+    Ok(match door.member(r)? {
+        Some((p, _)) if p.gone() == Some(true) || door.lost(r)? == Some(p) => Some(p.pid),
+        _ => None,
+    })
 }
 
 /// Each node peer that `died` since the welcome names its process in the region this

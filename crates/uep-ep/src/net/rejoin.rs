@@ -184,7 +184,7 @@ impl Joining {
             transports: self.transports,
         };
         let net = NetPath::assemble(topo, region, areas, cfg, fifos, parts)?;
-        for r in (0..topo.num_ranks).filter(|&r| masked[r]) {
+        for r in (0..topo.num_ranks).filter(|&r| masked[r] || died[r].is_some()) {
             net.mark_lost(r);
         }
         Ok(net)
