@@ -656,6 +656,7 @@ fn open(cp: Arc<dyn ControlPlane>, cfg: BufferConfig, device: Arc<dyn Device>) -
         net,
         elastic,
         door,
+        said_lost: Default::default(),
     };
     Ok(cx)
 }

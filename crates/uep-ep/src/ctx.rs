@@ -50,6 +50,9 @@ pub(crate) struct Ctx {
     pub elastic: Option<RefCell<Elastic>>,
     /// Where replacements find an elastic job ([`crate::door`]).
     pub door: Option<Door>,
+    /// While a joiner let in at this call may wait for the survivors: `[rank]` whether
+    /// this rank said at the door that `rank` is lost ([`crate::wait::LostElsewhere`]).
+    pub said_lost: RefCell<Option<Vec<bool>>>,
 }
 
 impl Ctx {

@@ -124,6 +124,17 @@ pub struct Wait<'a> {
     elastic: bool,
     /// The proxy and the ranks on other nodes, when there is a network path.
     net: Option<&'a dyn Remote>,
+    /// Elastic mode: asked at the slower pace to look at the ranks not waited on.
+    elsewhere: Option<&'a dyn LostElsewhere>,
+}
+
+/// Asked, in elastic mode, to look at the ranks a wait does not wait on (only the
+/// awaited rank's loss ends an elastic wait), at the pace of the wait's slower checks.
+/// The elastic layer says at its door which ranks are lost while a joiner it just let
+/// in may wait for one of them, and the survivors for the joiner.
+pub trait LostElsewhere {
+    /// Look for ranks lost other than the awaited one.
+    fn lost_elsewhere(&self);
 }
 
 /// What a wait watches beyond this node: the proxy's health and the ranks on other
@@ -160,6 +171,16 @@ impl<'a> Wait<'a> {
             watch_peers: true,
             elastic: false,
             net,
+            elsewhere: None,
+        }
+    }
+
+    /// The same, in elastic mode, telling `to` of ranks lost other than the awaited one
+    /// ([`LostElsewhere`]).
+    pub fn elastic_noting(self, to: &'a dyn LostElsewhere) -> Self {
+        Wait {
+            elsewhere: Some(to),
+            ..self.elastic()
         }
     }
 
@@ -308,6 +329,11 @@ impl<'a> Wait<'a> {
             true => peer.and_then(|p| net.lost(p.rank)),
             false => net.first_lost(),
         };
+        if let Some(to) = self.elsewhere {
+            if lost.is_none() && step % SLOW_CHECK_EVERY == SLOW_CHECK_EVERY - 1 {
+                to.lost_elsewhere();
+            }
+        }
         match lost {
             Some(lost) => Err(EpError::PeerLost {
                 what: what(),
@@ -453,5 +479,67 @@ mod tests {
         let w = Wait::new(Duration::from_secs(5), &r, &map.control, None);
         assert_eq!(w.epoch(&c, 5, None, &|| "x".into()).unwrap().value(), 42);
         t.join().unwrap();
+    }
+
+    /// A network whose watch found rank 3 lost.
+    struct Rank3Lost;
+
+    impl Remote for Rank3Lost {
+        fn check(&self) -> Result<()> {
+            Ok(())
+        }
+        fn lost(&self, rank: usize) -> Option<Lost> {
+            (rank == 3).then(|| Lost {
+                rank,
+                node: 1,
+                host: "127.0.0.1".into(),
+                how: crate::error::Gone::Died {
+                    detail: "test".into(),
+                },
+                at: Instant::now(),
+            })
+        }
+        fn first_lost(&self) -> Option<Lost> {
+            self.lost(3)
+        }
+        fn lost_behind_failure(&self) -> Option<Lost> {
+            self.first_lost()
+        }
+        fn remote_note(&self, _: usize) -> Option<String> {
+            None
+        }
+    }
+
+    #[derive(Default)]
+    struct Told(std::cell::Cell<u32>);
+
+    impl LostElsewhere for Told {
+        fn lost_elsewhere(&self) {
+            self.0.set(self.0.get() + 1);
+        }
+    }
+
+    /// In elastic mode a wait on rank 1 goes on while rank 3 is lost (only the awaited
+    /// rank's loss ends it), and asks whoever it notes losses for to look; a wait on
+    /// rank 3 itself ends with its loss and asks nobody.
+    #[test]
+    fn an_elastic_wait_tells_of_a_rank_lost_elsewhere() {
+        let (r, map) = region();
+        let (net, told) = (Rank3Lost, Told::default());
+        let w = Wait::new(Duration::from_millis(30), &r, &map.control, Some(&net));
+        let w = w.elastic_noting(&told);
+        let c = AtomicU64::new(0);
+        let on = |rank| Some(Peer { rank, region: None });
+        let err = w.at_least(&c, 1, on(1), &|| "x".into()).unwrap_err();
+        assert!(matches!(err, EpError::Timeout { .. }), "{err}");
+        assert!(told.0.get() >= 1, "never told");
+
+        let told = Told::default();
+        let w = Wait::new(Duration::from_secs(5), &r, &map.control, Some(&net));
+        let err = (w.elastic_noting(&told))
+            .at_least(&c, 1, on(3), &|| "x".into())
+            .unwrap_err();
+        assert!(matches!(err, EpError::PeerLost { .. }), "{err}");
+        assert_eq!(told.0.get(), 0);
     }
 }

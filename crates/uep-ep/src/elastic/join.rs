@@ -49,6 +49,7 @@ use crate::mask::{Elastic, Joiner};
 use crate::net::Joining;
 use crate::symm::{MemHandle, Symmetric, SymmetricAlloc};
 use crate::topology::Topology;
+use crate::wait::LostElsewhere;
 
 /// The digest of the config every rank must share: the door's check of a joiner.
 pub(crate) fn config_digest(fingerprint: &str) -> u64 {
@@ -163,6 +164,8 @@ impl Ctx {
         let Some(el) = &self.elastic else {
             return Ok(());
         };
+        // Until the next let-in: nobody let in at this call waits any more.
+        *self.said_lost.borrow_mut() = None;
         let mut e = el.borrow_mut();
         if !e.doorway.waiting() {
             return Ok(());
@@ -211,6 +214,9 @@ impl Ctx {
                 door.set_reach(*r, &reach.as_member())?;
             }
         }
+        // The joiners wait for every live rank to be ready; one that dies first is said
+        // lost at the door by the waits of this call (`LostElsewhere`).
+        *self.said_lost.borrow_mut() = Some(vec![false; self.topo.num_ranks]);
         for (r, j) in &joiners {
             door.welcome(*r, j.stamp, &welcome)?;
             // Ready for its traffic: everything above is done on this rank.
@@ -270,21 +276,63 @@ impl Ctx {
     /// its segment's name goes too (a joiner must not map it, and nobody else removes
     /// it).
     pub(crate) fn member_lost(&self, rank: usize) {
-        let Some(door) = &self.door else {
-            return;
-        };
-        let Some((p, handle)) = door.member(rank).ok().flatten() else {
-            return;
-        };
+        if let Some((p, handle)) = self.say_lost(rank) {
+            if self.topo.is_local(rank) && p.here() {
+                self.device.symmetric_alloc().forget(&handle);
+            }
+        }
+    }
+
+    /// Write at the door that the process it names for `rank` is lost; that process.
+    fn say_lost(&self, rank: usize) -> Option<(Process, MemHandle)> {
+        let door = self.door.as_ref()?;
+        let (p, handle) = door.member(rank).ok().flatten()?;
         if let Err(e) = door.set_lost(rank, p) {
             tracing::warn!(
                 rank = self.topo.rank,
                 "saying at the door that rank {rank} is lost: {e}"
             );
         }
-        if self.topo.is_local(rank) && p.here() {
-            self.device.symmetric_alloc().forget(&handle);
+        Some((p, handle))
+    }
+}
+
+impl LostElsewhere for Ctx {
+    /// While a joiner let in at this call may still wait for the survivors to be ready,
+    /// every live rank found lost (by the watch, or on this node by its process) is said
+    /// lost at the door, once: the joiner may wait for it while this rank waits for the
+    /// joiner. Masking it stays the business of the wait on it.
+    fn lost_elsewhere(&self) {
+        let mut said = self.said_lost.borrow_mut();
+        let Some(said) = said.as_mut() else {
+            return;
+        };
+        // A wait may run while the caller holds the mask (an agreement's): then every
+        // rank is looked at, masked or not (saying a dead one lost twice is harmless).
+        let masked = (self.elastic.as_ref()).and_then(|e| e.try_borrow().ok());
+        let masked = |r: usize| masked.as_ref().is_some_and(|e| e.masked[r]);
+        for (r, said) in said.iter_mut().enumerate() {
+            if !*said && !masked(r) && self.lost_now(r) {
+                *said = true;
+                self.say_lost(r);
+            }
         }
+    }
+}
+
+impl Ctx {
+    /// Whether `rank` is found lost now: by the watch over other nodes, or (this node)
+    /// its process is gone.
+    fn lost_now(&self, rank: usize) -> bool {
+        if rank == self.topo.rank {
+            return false;
+        }
+        if let Some(region) = self.symm.peer(rank) {
+            let pid = region.word(self.map.control.pid, 0);
+            let pid = pid.map_or(0, |w| w.load(std::sync::atomic::Ordering::Acquire) as u32);
+            return pid != 0 && crate::wait::process_gone(pid);
+        }
+        (self.net.as_ref()).is_some_and(|n| n.liveness().lost(rank).is_some())
     }
 }
 
@@ -477,6 +525,7 @@ pub(crate) fn join(
         net,
         elastic: Some(std::cell::RefCell::new(e)),
         door: Some(door),
+        said_lost: Default::default(),
     };
     Ok((cx, welcome, waited))
 }

@@ -85,7 +85,7 @@ impl<'a> Mailbox<'a> {
             cx,
             k,
             call,
-            wait: cx.wait().elastic(),
+            wait: cx.wait().elastic_noting(cx),
             words: cx.map.control.mask_words,
             read: vec![0; n],
             decided: vec![false; n],
@@ -352,7 +352,7 @@ impl Ctx {
         let open = std::mem::take(&mut el.borrow_mut().unsettled);
         let base = el.borrow().decided_base.clone();
         let me = self.topo.rank;
-        let wait = self.wait().elastic();
+        let wait = self.wait().elastic_noting(self);
         for (q, read) in open.into_iter().enumerate() {
             let Some(read) = read.filter(|_| !self.gone(q)) else {
                 continue;

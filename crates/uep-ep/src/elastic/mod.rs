@@ -145,7 +145,7 @@ impl Ctx {
     /// rank's loss ends a wait (and [`Ctx::unless_lost`] masks it).
     pub(crate) fn call_wait(&self) -> crate::wait::Wait<'_> {
         match self.elastic {
-            Some(_) => self.wait().elastic(),
+            Some(_) => self.wait().elastic_noting(self),
             None => self.wait(),
         }
     }

@@ -918,6 +918,11 @@ impl NetPath {
     pub fn mark_lost(&self, rank: usize) {
         self.proxy.mark_lost(rank);
     }
+
+    /// The watch over the ranks on other nodes.
+    pub(crate) fn liveness(&self) -> &Liveness {
+        &self.liveness
+    }
 }
 
 impl Remote for NetPath {
