@@ -38,8 +38,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--only", help="labels to run, comma-separated")
-    ap.add_argument("extra", nargs="*")
+    ap.add_argument("extra", nargs=argparse.REMAINDER)
     a = ap.parse_args()
+    # `OLD NEW -- --elastic`: argparse's `*` refuses flags after `--`; a remainder keeps
+    # the `--` itself.
+    a.extra = [x for x in a.extra if x != "--"]
     configs = [c for c in CONFIGS if not a.only or c[0] in a.only.split(",")]
     samples = {}  # (label, op, side) -> [ms]
     for rnd in range(a.rounds):
