@@ -78,6 +78,13 @@ impl Backoff {
     }
 }
 
+/// The process id a node peer's `region` names, if that process is gone: how a wait
+/// tells that a peer on this host died.
+pub(crate) fn dead_process(region: &Region, control: &ControlAreas) -> Result<Option<u32>> {
+    let pid = region.word(control.pid, 0)?.load(Ordering::Acquire) as u32;
+    Ok((pid != 0 && process_gone(pid)).then_some(pid))
+}
+
 /// Whether process `pid` is gone (exited, or a zombie waiting to be reaped).
 pub fn process_gone(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -288,8 +295,7 @@ impl<'a> Wait<'a> {
                 region: Some(region),
             }) = peer
             {
-                let pid = region.word(self.control.pid, 0)?.load(Ordering::Acquire) as u32;
-                if pid != 0 && process_gone(pid) {
+                if let Some(pid) = dead_process(region, self.control)? {
                     return Err(EpError::PeerDied {
                         what: what(),
                         peer: rank,

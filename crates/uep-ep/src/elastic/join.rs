@@ -328,9 +328,8 @@ impl Ctx {
             return false;
         }
         if let Some(region) = self.symm.peer(rank) {
-            let pid = region.word(self.map.control.pid, 0);
-            let pid = pid.map_or(0, |w| w.load(std::sync::atomic::Ordering::Acquire) as u32);
-            return pid != 0 && crate::wait::process_gone(pid);
+            let dead = crate::wait::dead_process(region, &self.map.control);
+            return dead.is_ok_and(|pid| pid.is_some());
         }
         (self.net.as_ref()).is_some_and(|n| n.liveness().lost(rank).is_some())
     }
@@ -642,7 +641,11 @@ fn wait_ready(
             if door.is_ready(rank, r, stamp)? {
                 continue;
             }
-            match look.then(|| died_since(door, r)).transpose()?.flatten() {
+            let dead = match look {
+                true => died_since(door, r)?,
+                false => None,
+            };
+            match dead {
                 Some(pid) => {
                     tracing::warn!(rank, "rank {r} died before it was ready for this one");
                     died[r] = Some(pid);
