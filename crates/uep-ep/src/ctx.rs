@@ -14,7 +14,7 @@ use uep_shm::Region;
 
 use crate::area::{Area, Mem};
 use crate::config::BufferConfig;
-use crate::device::Device;
+use crate::device::{Device, Until, WaitPhase, Word};
 use crate::door::Door;
 use crate::error::{EpError, Result};
 use crate::map::{RegionMap, ABORT_MSG_BYTES};
@@ -90,6 +90,45 @@ impl Ctx {
         })
     }
 
+    /// Waits through the device for `words`, all stored by `peer` (the wait phase every
+    /// receive opens with), and returns what each wait acquired.
+    pub(crate) fn await_words(
+        &self,
+        words: &[Word],
+        peer: usize,
+        wait: &Wait<'_>,
+        what: &dyn Fn(usize) -> String,
+    ) -> Result<Vec<Seen>> {
+        let seen = self.device.wait(&WaitPhase {
+            words,
+            peer,
+            what,
+            watch: wait,
+            memory: &self.symm,
+        })?;
+        match seen.len() == words.len() {
+            true => Ok(seen),
+            false => Err(EpError::internal(format!(
+                "device {} acquired {} of {} words",
+                self.device.name(),
+                seen.len(),
+                words.len()
+            ))),
+        }
+    }
+
+    /// [`Ctx::await_words`] for one word.
+    pub(crate) fn await_word(
+        &self,
+        word: Word,
+        peer: usize,
+        wait: &Wait<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<Seen> {
+        let mut seen = self.await_words(&[word], peer, wait, &|_| what())?;
+        Ok(seen.remove(0))
+    }
+
     /// Wait until every rank of this node (this one among them) stored call `seq`'s
     /// epoch into its slot of `words` here, and return what the waits acquired. `what(r)`
     /// names the wait on rank `r`. Ranks `masked` are not waited for; in elastic mode a
@@ -102,11 +141,11 @@ impl Ctx {
         wait: &Wait<'_>,
         what: &dyn Fn(usize) -> String,
     ) -> Result<Seen> {
-        let (topo, local) = (self.topo, self.symm.local());
+        let topo = self.topo;
         let mut seen = None;
         for r in topo.node_ranks(topo.node).filter(|&r| !masked[r]) {
-            let word = local.word(words, r)?;
-            let got = wait.at_least(word, seq as u64, Some(self.peer(r)), &|| what(r));
+            let word = Word::at(topo.rank, words, r, Until::AtLeast(seq as u64))?;
+            let got = self.await_word(word, r, wait, &|| what(r));
             seen = self.unless_lost(r, got)?.or(seen);
         }
         seen.ok_or_else(|| {
@@ -200,16 +239,11 @@ impl Ctx {
                 .word(c.barrier, me)?
                 .store(seq, Ordering::Release);
         }
-        let local = self.symm.local();
         for peer in topo.node_ranks(topo.node) {
             let what =
                 || format!("rank {me}: barrier {seq}: waiting for rank {peer} (barrier[{peer}])");
-            wait.at_least(
-                local.word(c.barrier, peer)?,
-                seq,
-                Some(self.peer(peer)),
-                &what,
-            )?;
+            let word = Word::at(me, c.barrier, peer, Until::AtLeast(seq))?;
+            self.await_word(word, peer, &wait, &what)?;
         }
         if topo.num_nodes == 1 {
             return Ok(());
@@ -226,12 +260,8 @@ impl Ctx {
             let what = || {
                 format!("rank {me}: barrier {seq}: waiting for rank {leader} to meet the other nodes (barrier_release)")
             };
-            wait.at_least(
-                local.word(c.barrier_release, 0)?,
-                seq,
-                Some(self.peer(leader)),
-                &what,
-            )?;
+            let word = Word::at(me, c.barrier_release, 0, Until::AtLeast(seq))?;
+            self.await_word(word, leader, &wait, &what)?;
         }
         Ok(())
     }

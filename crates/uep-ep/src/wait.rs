@@ -164,7 +164,7 @@ pub trait Remote {
 
 impl<'a> Wait<'a> {
     /// The waits of a call starting now, with `timeout` to go.
-    pub fn new(
+    pub(crate) fn new(
         timeout: Duration,
         region: &'a Region,
         control: &'a ControlAreas,
@@ -184,7 +184,7 @@ impl<'a> Wait<'a> {
 
     /// The same, in elastic mode, telling `to` of ranks lost other than the awaited one
     /// ([`LostElsewhere`]).
-    pub fn elastic_noting(self, to: &'a dyn LostElsewhere) -> Self {
+    pub(crate) fn elastic_noting(self, to: &'a dyn LostElsewhere) -> Self {
         Wait {
             elsewhere: Some(to),
             ..self.elastic()
@@ -192,7 +192,7 @@ impl<'a> Wait<'a> {
     }
 
     /// The same, in elastic mode (see the field).
-    pub fn elastic(self) -> Self {
+    pub(crate) fn elastic(self) -> Self {
         Wait {
             elastic: true,
             ..self
@@ -201,7 +201,7 @@ impl<'a> Wait<'a> {
 
     /// The same, not ended by other ranks' failures (the abort word, the liveness
     /// watch): for this rank's own progress.
-    pub fn ignoring_peers(self) -> Self {
+    pub(crate) fn ignoring_peers(self) -> Self {
         Wait {
             watch_peers: false,
             ..self
@@ -209,7 +209,7 @@ impl<'a> Wait<'a> {
     }
 
     /// The same, giving up at `deadline` if that is sooner.
-    pub fn sooner(self, deadline: Instant) -> Self {
+    pub(crate) fn sooner(self, deadline: Instant) -> Self {
         Wait {
             deadline: self.deadline.min(deadline),
             ..self
@@ -352,8 +352,7 @@ impl<'a> Wait<'a> {
 
 /// What a wait on a writer's word acquired: the value it saw, and the proof that the
 /// writer published what it wrote before (its epoch, count or announcement). Only the
-/// waits make one; reading a published area takes one
-/// ([`Symmetric::published`](crate::symm::Symmetric::published)).
+/// waits make one, and the EP layer reads an area a peer wrote only with one.
 #[derive(Debug)]
 pub struct Seen {
     value: u64,

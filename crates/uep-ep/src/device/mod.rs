@@ -34,6 +34,7 @@ pub(crate) mod host;
 pub(crate) mod normal;
 pub(crate) mod pack;
 mod phase;
+mod wait;
 
 use std::ops::Range;
 
@@ -44,10 +45,12 @@ use crate::error::Result;
 use crate::layout::DispatchLayout;
 
 pub use crate::symm::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};
+pub use crate::wait::{Peer, Seen, Wait};
 pub use host::{HostDevice, HostFifos};
 pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase};
 pub use pack::{LlCombinePackPhase, LlPackPhase, LlTokens, LlUnpackPhase, LlUnpacked};
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
+pub use wait::{Until, WaitPhase, Word};
 
 /// What runs the EP layer's kernels; see the module docs.
 ///
@@ -107,6 +110,17 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// each the sum [`ReducePhase`] describes, bit for bit
     /// [`crate::quant::reduce_rows`]'s.
     fn reduce(&self, phase: &ReducePhase<'_>, out: &mut [bf16]) -> Result<()>;
+
+    /// Phase *wait* ([`WaitPhase`]): until every word, stored by a peer with release,
+    /// reaches what it must, in order; returns what each wait acquired ([`Seen`]: the
+    /// value, and the proof that reading what the word publishes is safe). Every
+    /// receive of both modes opens with it, as DeepEP's receive kernels open with their
+    /// spin. A GPU spins inside a kernel on the memory it owns while the host watches
+    /// ([`Wait`]) and stops the kernel if the wait is hopeless. By default the host
+    /// definition, spinning on the calling thread.
+    fn wait(&self, phase: &WaitPhase<'_>) -> Result<Vec<Seen>> {
+        host::wait(phase)
+    }
 
     /// The pack phase of a low-latency dispatch ([`LlPackPhase`]): stores every copy
     /// at its same-node rank and every token into its packets, pushing the packets'

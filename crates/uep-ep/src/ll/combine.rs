@@ -9,7 +9,7 @@ use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandl
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
 use crate::device::pack::{CombineRemote, LlCombineSink, Sink};
-use crate::device::{LlCombinePackPhase, Part, ReducePhase, Rows, Symmetric};
+use crate::device::{LlCombinePackPhase, Part, ReducePhase, Rows, Symmetric, Until, Word};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
@@ -127,16 +127,15 @@ impl Ctx {
         for r in live {
             if self.topo.is_local(r) {
                 // A same-node source may be reading its rows from the buffer still.
-                let word = self
-                    .peer_region(r)?
-                    .word(self.map.control.ll_combine_received, c)?;
+                let received = self.map.control.ll_combine_received;
+                let word = Word::at(r, received, c, Until::AtLeast(last))?;
                 let what = || {
                     format!(
                         "rank {}: waiting for rank {r} to receive LL combine {last} before reusing combine buffer {c}",
                         self.topo.rank
                     )
                 };
-                let received = wait.at_least(word, last, Some(self.peer(r)), &what);
+                let received = self.await_word(word, r, &wait, &what);
                 self.unless_lost(r, received)?;
             } else if let Some(net) = &self.net {
                 net.wait_sent(Channel::ll_combine(c), r, &wait)?;
@@ -449,7 +448,6 @@ impl Ctx {
         let (r_n, me, h) = (self.topo.num_ranks, self.topo.rank, areas.shape.hidden);
         let epr = areas.shape.experts_per_rank(r_n);
         let wait = self.call_wait();
-        let local = self.symm.local();
         let ch = Channel::ll_combine(c);
         let mut landed = vec![None; r_n];
         // `[src]`: a same-node source that left our rows in its combine buffer.
@@ -465,8 +463,9 @@ impl Ctx {
                 format!("rank {me}: LL combine {seq}: waiting for rank {src}'s expert outputs (ll_combine_done[{c}][{src}])")
             };
             if self.topo.is_local(src) {
-                let word = local.word(self.map.control.ll_combine_done, c * r_n + src)?;
-                let done = wait.at_least(word, seq as u64, Some(self.peer(src)), &what);
+                let done = self.map.control.ll_combine_done;
+                let word = Word::at(me, done, c * r_n + src, Until::AtLeast(seq as u64))?;
+                let done = self.await_word(word, src, &wait, &what);
                 if let Some(done) = self.unless_lost(src, done)? {
                     seen.get_or_insert(done);
                     if src != me {

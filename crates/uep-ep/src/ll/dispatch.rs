@@ -15,7 +15,7 @@ use crate::ctx::Ctx;
 use crate::device::pack::{
     kernel_pushes_rows, on_rank, DispatchRemote, LlLanded, LlSink, LlTokens, Sink,
 };
-use crate::device::{CastPhase, Device, LlPackPhase, LlUnpackPhase};
+use crate::device::{CastPhase, Device, LlPackPhase, LlUnpackPhase, Until, Word};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
@@ -429,7 +429,6 @@ impl Ctx {
         let (seq, b) = (pending.seq, pending.buffer);
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let epr = areas.shape.experts_per_rank(r_n);
-        let local = self.symm.local();
         let wait = self.call_wait();
         let ch = Channel::ll_dispatch(b);
         let mut counts = vec![0u32; epr * r_n];
@@ -439,15 +438,19 @@ impl Ctx {
         for src in (0..r_n).filter(|&s| !self.masked(s)) {
             let start = Instant::now();
             if self.topo.is_local(src) {
-                for le in 0..epr {
-                    let word = local.word(areas.count_of(le, src, r_n)?, 0)?;
-                    let count = wait.epoch(word, seq, Some(self.peer(src)), &|| {
-                        format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s count for local expert {le} (ll_count[{b}][{le}][{src}])")
-                    });
-                    match self.unless_lost(src, count)? {
-                        Some(c) => counts[le * r_n + src] = seen.insert(c).value() as u32,
-                        None => break,
-                    }
+                let words = (0..epr)
+                    .map(|le| Word::at(me, areas.count_of(le, src, r_n)?, 0, Until::Epoch(seq)))
+                    .collect::<Result<Vec<_>>>()?;
+                let got = self.await_words(&words, src, &wait, &|le| {
+                    format!("rank {me}: LL dispatch {seq}: waiting for rank {src}'s count for local expert {le} (ll_count[{b}][{le}][{src}])")
+                });
+                for (le, c) in self
+                    .unless_lost(src, got)?
+                    .into_iter()
+                    .flatten()
+                    .enumerate()
+                {
+                    counts[le * r_n + src] = seen.insert(c).value() as u32;
                 }
             } else {
                 // Its packet of this step is numbered as ours to it; none if it was

@@ -46,9 +46,10 @@ mod dispatch;
 
 use half::bf16;
 
-use crate::area::{Area, Mem};
+use crate::area::Area;
 use crate::ctx::Ctx;
 use crate::device::pack::Sink;
+use crate::device::{Until, Word};
 use crate::error::Result;
 use crate::invalid;
 use crate::packet::{Channel, LL_BUFFERS};
@@ -328,9 +329,8 @@ impl Ctx {
         what: &dyn Fn() -> String,
     ) -> Result<bool> {
         let released = if self.topo.is_local(r) {
-            let word = self.peer_region(r)?.word(entered, 0)?;
-            wait.at_least(word, u64::from(seq) - 1, Some(self.peer(r)), what)
-                .map(drop)
+            let word = Word::at(r, entered, 0, Until::AtLeast(u64::from(seq) - 1))?;
+            self.await_word(word, r, wait, what).map(drop)
         } else {
             let net = self.net()?;
             // Any count signal of `r`'s call `seq - 1` of this kind says it entered it.

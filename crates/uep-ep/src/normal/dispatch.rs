@@ -12,7 +12,7 @@ use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::config::Shape;
 use crate::ctx::Ctx;
 use crate::device::normal::{rows_aligned, Dest, NormalPlan, NotifySink, RowSink};
-use crate::device::{LayoutPhase, NormalPackPhase, NotifyPhase};
+use crate::device::{LayoutPhase, NormalPackPhase, NotifyPhase, Until, Word};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::layout::DispatchLayout;
@@ -381,8 +381,8 @@ impl Ctx {
             };
             let at = if self.topo.is_local(src) {
                 let slot = areas.notify_slot(parity, src, r_n)?;
-                let word = local.word(slot.epoch, 0)?;
-                let seen = wait.at_least(word, seq as u64, Some(self.peer(src)), &what);
+                let word = Word::at(me, slot.epoch, 0, Until::AtLeast(seq as u64))?;
+                let seen = self.await_word(word, src, wait, &what);
                 self.unless_lost(src, seen)?
                     .map(|_| (slot.head, slot.counts))
             } else {
@@ -731,7 +731,6 @@ impl Ctx {
     /// node that relays it): what the waits acquired.
     fn wait_sources(&self, seq: u32, done: &Done<'_>, wait: &Wait<'_>) -> Result<Seen> {
         let (r_n, me, topo) = (self.topo.num_ranks, self.topo.rank, self.topo);
-        let local = self.symm.local();
         let mut seen = None;
         for src in (0..r_n).filter(|&s| !done.mask.is(s)) {
             let n = done.counts.matrix[src * r_n + me] as usize;
@@ -745,8 +744,9 @@ impl Ctx {
             let what = || {
                 format!("rank {me}: dispatch {seq}: waiting for rank {src}'s {n} rows (dispatch_done[{src}], published by rank {publisher})")
             };
-            let word = local.word(self.map.control.dispatch_done, src)?;
-            let got = wait.at_least(word, seq as u64, Some(self.peer(publisher)), &what);
+            let done = self.map.control.dispatch_done;
+            let word = Word::at(me, done, src, Until::AtLeast(seq as u64))?;
+            let got = self.await_word(word, publisher, wait, &what);
             seen = self.unless_lost(publisher, got)?.or(seen);
         }
         // Every source (this rank among them) published its rows.

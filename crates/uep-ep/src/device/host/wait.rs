@@ -1,0 +1,135 @@
+//! The host definition of the wait phase: the watch's spin, word by word, on the
+//! calling thread.
+
+use crate::device::{Until, WaitPhase};
+use crate::error::Result;
+use crate::wait::Seen;
+
+/// [`Device::wait`](crate::device::Device::wait) on the calling thread.
+pub(crate) fn wait(phase: &WaitPhase<'_>) -> Result<Vec<Seen>> {
+    let peer = Some(phase.watched_peer());
+    (0..phase.words.len())
+        .map(|i| {
+            let word = phase.host_word(i)?;
+            let what = || (phase.what)(i);
+            match phase.words[i].until {
+                Until::AtLeast(t) => phase.watch.at_least(word, t, peer, &what),
+                Until::Epoch(e) => phase.watch.epoch(word, e, peer, &what),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+
+    use uep_shm::Region;
+
+    use super::*;
+    use crate::area::{Area, Mem};
+    use crate::config::BufferConfig;
+    use crate::device::{Device, HostDevice, Word};
+    use crate::error::EpError;
+    use crate::map::RegionMap;
+    use crate::symm::Symmetric;
+    use crate::wait::Wait;
+
+    /// Rank 0's own memory and rank 1's region, as a node of two maps them.
+    fn node_of_two() -> (Symmetric, RegionMap) {
+        let map = RegionMap::new(&BufferConfig::new(4, 8, 1, 4, 0), 2, false);
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let name = uep_shm::segment_name(&format!("wait-phase-test{n}"), 0, std::process::id());
+        let own = uep_shm::Segment::create(&name, map.total).unwrap();
+        let peer = Region::anonymous(map.total).unwrap();
+        let mut memory = Symmetric::from_parts(0, own, vec![None, Some(peer)]);
+        memory.unlink().unwrap();
+        (memory, map)
+    }
+
+    /// Waits through the host device for `words`, stored by rank 1, within `timeout`.
+    fn wait_for(
+        memory: &Symmetric,
+        map: &RegionMap,
+        words: &[Word],
+        timeout: Duration,
+    ) -> Result<Vec<u64>> {
+        let watch = Wait::new(timeout, memory.local(), &map.control, None);
+        let phase = WaitPhase {
+            words,
+            peer: 1,
+            what: &|i| format!("rank 0 waiting for rank 1's word {i}"),
+            watch: &watch,
+            memory,
+        };
+        let seen = HostDevice::new(2).wait(&phase)?;
+        Ok(seen.iter().map(|s| s.value()).collect())
+    }
+
+    #[test]
+    fn a_wait_phase_returns_each_words_value_once_the_peer_stores_it() {
+        let (memory, map) = node_of_two();
+        let words = Area::<u64>::new(map.control.barrier.offset(), 2);
+        let want = [
+            Word::at(0, words, 0, Until::Epoch(7)).unwrap(),
+            Word::at(1, words, 1, Until::AtLeast(3)).unwrap(),
+        ];
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                let own = memory.local().word(words, 0).unwrap();
+                own.store((6 << 32) | 1, Ordering::Release);
+                own.store((7 << 32) | 42, Ordering::Release);
+                let peer = memory.peer(1).unwrap().word(words, 1).unwrap();
+                peer.store(5, Ordering::Release);
+            });
+            let got = wait_for(&memory, &map, &want, Duration::from_secs(30)).unwrap();
+            assert_eq!(got, [42, 5]);
+        });
+    }
+
+    #[test]
+    fn a_wait_phase_that_times_out_names_the_word_it_waited_for() {
+        let (memory, map) = node_of_two();
+        let words = Area::<u64>::new(map.control.barrier.offset(), 2);
+        memory
+            .local()
+            .word(words, 0)
+            .unwrap()
+            .store(9, Ordering::Release);
+        let want = [
+            Word::at(0, words, 0, Until::AtLeast(9)).unwrap(),
+            Word::at(0, words, 1, Until::Epoch(4)).unwrap(),
+        ];
+        let err = wait_for(&memory, &map, &want, Duration::from_millis(5)).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(err, EpError::Timeout { .. })
+                && msg.contains("rank 1's word 1")
+                && msg.contains("expected epoch 4, saw epoch 0"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_wait_phase_on_a_dead_peer_ends_with_its_death() {
+        let (memory, map) = node_of_two();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        let peer = memory.peer(1).unwrap();
+        let pid_word = peer.word(map.control.pid, 0).unwrap();
+        pid_word.store(u64::from(pid), Ordering::Release);
+        let words = Area::<u64>::new(map.control.barrier.offset(), 1);
+        let want = [Word::at(0, words, 0, Until::AtLeast(1)).unwrap()];
+        let start = Instant::now();
+        let err = wait_for(&memory, &map, &want, Duration::from_secs(60)).unwrap_err();
+        assert!(
+            matches!(err, EpError::PeerDied { peer: 1, pid: p, .. } if p == pid),
+            "{err}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+}

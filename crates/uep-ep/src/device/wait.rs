@@ -1,0 +1,121 @@
+//! The wait phase's descriptor: words of symmetric memory that a peer stores with
+//! release once it wrote what they publish (an epoch, a count, a "done"), named as a
+//! rank and an [`Area`] (an offset, the same on every device), never as a host pointer.
+//!
+//! A GPU waits as DeepEP's receive kernels do: a kernel spins on the words in the
+//! memory it owns, and the host watches meanwhile ([`Wait`]: the deadline, the abort
+//! word, the peer's process and the other nodes), stopping the kernel if the wait is
+//! hopeless. The host device spins on the calling thread, where its kernels run.
+
+use std::sync::atomic::AtomicU64;
+
+use crate::area::{Area, Mem};
+use crate::error::Result;
+use crate::symm;
+use crate::wait::{Peer, Wait};
+
+/// What a waited word must reach.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Until {
+    /// The word is at least this (a sequence number stored as the whole word).
+    AtLeast(u64),
+    /// The word's high 32 bits are this epoch; the low 32 bits are the value published
+    /// with it (a count), which the wait returns.
+    Epoch(u32),
+}
+
+impl Until {
+    /// Whether `word` holds what this asks for, and the value the wait returns then:
+    /// the word (at least), or its low half (epoch).
+    ///
+    /// ```
+    /// use uep_ep::device::Until;
+    /// assert_eq!(Until::AtLeast(5).met(7), Some(7));
+    /// assert_eq!(Until::AtLeast(5).met(4), None);
+    /// assert_eq!(Until::Epoch(3).met((3 << 32) | 42), Some(42));
+    /// assert_eq!(Until::Epoch(3).met((2 << 32) | 42), None);
+    /// ```
+    pub fn met(self, word: u64) -> Option<u64> {
+        match self {
+            Until::AtLeast(t) => (word >= t).then_some(word),
+            Until::Epoch(e) => ((word >> 32) as u32 == e).then_some(u64::from(word as u32)),
+        }
+    }
+}
+
+/// One word a wait phase waits on: the single word `area` of `rank`'s symmetric
+/// memory (this rank's own, or a same-node peer's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Word {
+    /// Whose memory the word is in.
+    pub rank: usize,
+    /// The word: an area of one `u64`.
+    pub area: Area<u64>,
+    /// What it must reach.
+    pub until: Until,
+}
+
+impl Word {
+    /// Word `i` of `words` in `rank`'s memory.
+    ///
+    /// ```
+    /// use uep_ep::device::{Until, Word};
+    /// use uep_ep::Area;
+    /// let w = Word::at(1, Area::<u64>::new(64, 4), 2, Until::AtLeast(9)).unwrap();
+    /// assert_eq!((w.area.offset(), w.area.len()), (80, 1));
+    /// assert!(Word::at(1, Area::<u64>::new(64, 4), 4, Until::AtLeast(9)).is_err());
+    /// ```
+    pub fn at(rank: usize, words: Area<u64>, i: usize, until: Until) -> Result<Word> {
+        Ok(Word {
+            rank,
+            area: words.slice(i..i + 1)?,
+            until,
+        })
+    }
+}
+
+/// The wait phase (the spin that opens DeepEP's receive kernels, and its barrier's):
+/// until every one of `words`, all stored by rank `peer`, reaches its [`Until`], in
+/// order; the first that cannot (the deadline passed, the peer died or was lost, a
+/// rank aborted, the proxy failed: what `watch` checks) ends it with that error, whose
+/// message `what(i)` names.
+pub struct WaitPhase<'a> {
+    /// The words, in the order they are waited for.
+    pub words: &'a [Word],
+    /// The rank whose stores they wait for (watched for its death or loss).
+    pub peer: usize,
+    /// Who waits for what, for word `i`'s errors.
+    pub what: &'a dyn Fn(usize) -> String,
+    /// The call's watch over its waits.
+    pub watch: &'a Wait<'a>,
+    /// This rank's memory and its node's ranks'.
+    pub(crate) memory: &'a symm::Symmetric,
+}
+
+impl std::fmt::Debug for WaitPhase<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitPhase")
+            .field("words", &self.words)
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WaitPhase<'_> {
+    /// Word `i` in the host's mapping of its rank's memory: how a device whose
+    /// symmetric memory is host memory (the host's, or pages registered with a GPU's
+    /// driver) reads it.
+    pub fn host_word(&self, i: usize) -> Result<&AtomicU64> {
+        let w = self.words[i];
+        self.memory.peer_region(w.rank)?.word(w.area, 0)
+    }
+
+    /// The peer as the watch knows it: with its region where it shares this host, so
+    /// that its process is watched.
+    pub fn watched_peer(&self) -> Peer<'_> {
+        Peer {
+            rank: self.peer,
+            region: self.memory.peer(self.peer),
+        }
+    }
+}
