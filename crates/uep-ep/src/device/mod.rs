@@ -7,7 +7,11 @@
 //! device therefore provides:
 //!
 //! * **lanes and launch**: run a kernel over a range of work items spread over its
-//!   parallel lanes (threads here, SMs on a GPU) and say when all of it is done;
+//!   parallel lanes (threads here, SMs on a GPU) and say when all of it is done; or
+//!   start kernels and let the host work until they complete ([`Device::overlap`]);
+//! * **the wait phase** ([`Device::wait`], [`WaitPhase`]): wait for words that peers
+//!   store, named as ranks and areas, so that a GPU spins inside a kernel on memory
+//!   it owns while the host watches the peers;
 //! * **host-mapped FIFO memory** ([`Device::fifo_alloc`]): the proxy's command rings
 //!   live in memory the kernels can store into and the proxy can read (pinned, mapped
 //!   host memory on a GPU; a shared mapping for CPU kernels), instead of the proxy's
@@ -41,7 +45,7 @@ use std::ops::Range;
 use half::bf16;
 use uep_fifo::FifoAlloc;
 
-use crate::error::Result;
+use crate::error::{EpError, Result};
 use crate::layout::DispatchLayout;
 
 pub use crate::symm::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};
@@ -85,6 +89,24 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// Run `kernel` on the chunks of `0..n` that [`Device::split`] gives, one a lane,
     /// and return once every chunk is done, with the first error.
     fn launch(&self, n: usize, kernel: &(dyn Fn(Range<usize>) -> Result<()> + Sync)) -> Result<()>;
+
+    /// An asynchronous launch and the wait on its completion, with host work between:
+    /// starts `kernels` (the phases it calls, in order), runs `host` on the calling
+    /// thread while they run, and returns once both are done, with the kernels' error
+    /// first. `host` must not wait for anything that peers do only after this rank's
+    /// kernels end. A GPU enqueues the phases on its stream without synchronising,
+    /// runs `host`, then waits on the stream's event; the host device runs `kernels`
+    /// on a thread of their own. By default one after the other (kernels, then host):
+    /// the same results, without the overlap. `dyn Device`'s `overlapped` is the typed
+    /// form.
+    fn overlap(
+        &self,
+        kernels: &mut (dyn FnMut() -> Result<()> + Send),
+        host: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        kernels()?;
+        host()
+    }
 
     /// Makes the proxy's command FIFOs in memory this device's kernels store into.
     fn fifo_alloc(&self) -> &dyn FifoAlloc;
@@ -174,4 +196,45 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     fn relay(&self, phase: &RelayPhase<'_>) -> Result<()> {
         host::relay(self, phase)
     }
+}
+
+impl dyn Device + '_ {
+    /// [`Device::overlap`] with results: `kernels()` as an asynchronous launch while
+    /// `host()` runs on the calling thread.
+    ///
+    /// ```
+    /// use uep_ep::device::{Device, HostDevice};
+    /// let device: &dyn Device = &HostDevice::new(2);
+    /// let (sum, note) = device
+    ///     .overlapped(|| Ok((1..=10).sum::<u32>()), || Ok("meanwhile"))
+    ///     .unwrap();
+    /// assert_eq!((sum, note), (55, "meanwhile"));
+    /// ```
+    pub fn overlapped<K: Send, H>(
+        &self,
+        kernels: impl FnOnce() -> Result<K> + Send,
+        host: impl FnOnce() -> Result<H>,
+    ) -> Result<(K, H)> {
+        let (mut kernels, mut host) = (Some(kernels), Some(host));
+        let (mut k, mut h) = (None, None);
+        self.overlap(
+            &mut || {
+                k = Some(kernels.take().ok_or_else(|| unlike_once(self))?()?);
+                Ok(())
+            },
+            &mut || {
+                h = Some(host.take().ok_or_else(|| unlike_once(self))?()?);
+                Ok(())
+            },
+        )?;
+        k.zip(h).ok_or_else(|| unlike_once(self))
+    }
+}
+
+/// A device whose overlap ran a side other than once.
+fn unlike_once(device: &dyn Device) -> EpError {
+    EpError::internal(format!(
+        "device {} ran a side of an overlap other than once",
+        device.name()
+    ))
 }

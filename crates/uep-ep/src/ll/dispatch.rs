@@ -195,8 +195,8 @@ impl Ctx {
         Ok(pending)
     }
 
-    /// The send half of step `seq`, in phases: enter → cast → open sinks → pack →
-    /// signal.
+    /// The send half of step `seq`, in phases: enter → cast, while the host opens the
+    /// sinks → pack → signal.
     fn ll_send_step(&self, seq: u32, args: LlDispatchArgs<'_>) -> Result<LlPending> {
         let (x, topk_idx) = (args.x, args.topk_idx);
         let b = seq as usize % LL_BUFFERS;
@@ -208,9 +208,18 @@ impl Ctx {
             .local()
             .word(self.map.control.ll_entered, 0)?
             .store(seq as u64, Ordering::Release);
-        let rows = Rows::cast(&*self.device, x, s.hidden, args.cast)?;
         let place = Placement::of(topk_idx, s.num_experts);
-        let sinks = self.ll_open_sinks(seq, &areas, topk_idx, &place, rows.format)?;
+        let format = args.cast.map_or(TokenFormat::Bf16, |c| c.format());
+        let open_sinks = || self.ll_open_sinks(seq, &areas, topk_idx, &place, format);
+        let device = &*self.device;
+        // The cast runs while the host waits for the buffer's release and stages the
+        // packets, which it does not touch.
+        let (rows, sinks) = match args.cast {
+            Some(_) => {
+                device.overlapped(|| Rows::cast(device, x, s.hidden, args.cast), open_sinks)?
+            }
+            None => (Rows::cast(device, x, s.hidden, None)?, open_sinks()?),
+        };
         self.ll_pack(&sinks, &areas, &args, &place, &rows)?;
         let packets = self.ll_signal(sinks, seq, &areas, &place, rows.row_bytes)?;
         Ok(LlPending {

@@ -54,6 +54,19 @@ impl Device for HostDevice {
         HostDevice::launch(self, n, kernel)
     }
 
+    fn overlap(
+        &self,
+        kernels: &mut (dyn FnMut() -> Result<()> + Send),
+        host: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        std::thread::scope(|s| {
+            let kernels = s.spawn(kernels);
+            let host = host();
+            let kernels = kernels.join().unwrap_or_else(|p| Err(panicked(p)));
+            kernels.and(host)
+        })
+    }
+
     fn fifo_alloc(&self) -> &dyn FifoAlloc {
         &HostFifos
     }
@@ -254,6 +267,53 @@ mod tests {
         let slot = fifo.try_push(cmd).unwrap();
         let mut c = fifo.consumer().unwrap();
         assert_eq!(c.poll(), Some((slot, cmd)));
+    }
+
+    #[test]
+    fn an_overlap_runs_the_kernels_while_the_host_works() {
+        use std::sync::atomic::AtomicBool;
+        use std::time::{Duration, Instant};
+        let device: &dyn Device = &HostDevice::new(1);
+        // The kernels wait for the host: they finish only if both run at once.
+        let host_ran = AtomicBool::new(false);
+        let (waited, ()) = device
+            .overlapped(
+                || {
+                    let start = Instant::now();
+                    while !host_ran.load(Ordering::Acquire) {
+                        if start.elapsed() > Duration::from_secs(20) {
+                            return Err(EpError::internal("the host never ran".into()));
+                        }
+                        std::thread::yield_now();
+                    }
+                    Ok(start.elapsed())
+                },
+                || {
+                    host_ran.store(true, Ordering::Release);
+                    Ok(())
+                },
+            )
+            .unwrap();
+        assert!(waited < Duration::from_secs(20));
+        // Both sides run to the end; the kernels' error comes first.
+        let host_done = AtomicBool::new(false);
+        let err = device
+            .overlapped(
+                || Err::<(), _>(EpError::internal("kernel".into())),
+                || {
+                    host_done.store(true, Ordering::Relaxed);
+                    Err::<(), _>(EpError::internal("host".into()))
+                },
+            )
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("kernel") && host_done.into_inner(),
+            "{err}"
+        );
+        let err = device
+            .overlapped(|| -> Result<()> { panic!("boom") }, || Ok(()))
+            .unwrap_err();
+        assert!(matches!(&err, EpError::Panicked(m) if m == "boom"), "{err}");
     }
 
     #[test]
