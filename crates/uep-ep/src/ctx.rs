@@ -14,7 +14,7 @@ use uep_shm::Region;
 
 use crate::area::{Area, Mem};
 use crate::config::BufferConfig;
-use crate::device::{Device, Until, WaitPhase, Word};
+use crate::device::{Device, SignalPhase, Store, Until, WaitPhase, Word};
 use crate::door::Door;
 use crate::error::{EpError, Result};
 use crate::map::{RegionMap, ABORT_MSG_BYTES};
@@ -87,6 +87,14 @@ impl Ctx {
                 "rank {} has no network path (one node)",
                 self.topo.rank
             ))
+        })
+    }
+
+    /// Stores through the device's signal phase, in order, each with release.
+    pub(crate) fn signal(&self, stores: &[Store]) -> Result<()> {
+        self.device.signal(&SignalPhase {
+            stores,
+            memory: &self.symm,
         })
     }
 
@@ -234,11 +242,10 @@ impl Ctx {
     pub(crate) fn barrier_phases(&self, seq: u64) -> Result<()> {
         let (me, topo, c) = (self.topo.rank, self.topo, &self.map.control);
         let wait = self.wait();
-        for peer in topo.node_ranks(topo.node) {
-            self.peer_region(peer)?
-                .word(c.barrier, me)?
-                .store(seq, Ordering::Release);
-        }
+        let stores = (topo.node_ranks(topo.node))
+            .map(|peer| Store::at(peer, c.barrier, me, seq))
+            .collect::<Result<Vec<_>>>()?;
+        self.signal(&stores)?;
         for peer in topo.node_ranks(topo.node) {
             let what =
                 || format!("rank {me}: barrier {seq}: waiting for rank {peer} (barrier[{peer}])");
@@ -251,11 +258,10 @@ impl Ctx {
         let leader = topo.node * topo.ranks_per_node;
         if me == leader {
             self.net()?.barrier(seq, &wait)?;
-            for peer in topo.node_ranks(topo.node).filter(|&p| p != me) {
-                self.peer_region(peer)?
-                    .word(c.barrier_release, 0)?
-                    .store(seq, Ordering::Release);
-            }
+            let stores = (topo.node_ranks(topo.node).filter(|&p| p != me))
+                .map(|peer| Store::at(peer, c.barrier_release, 0, seq))
+                .collect::<Result<Vec<_>>>()?;
+            self.signal(&stores)?;
         } else {
             let what = || {
                 format!("rank {me}: barrier {seq}: waiting for rank {leader} to meet the other nodes (barrier_release)")

@@ -9,9 +9,10 @@
 //! * **lanes and launch**: run a kernel over a range of work items spread over its
 //!   parallel lanes (threads here, SMs on a GPU) and say when all of it is done; or
 //!   start kernels and let the host work until they complete ([`Device::overlap`]);
-//! * **the wait phase** ([`Device::wait`], [`WaitPhase`]): wait for words that peers
-//!   store, named as ranks and areas, so that a GPU spins inside a kernel on memory
-//!   it owns while the host watches the peers;
+//! * **the signal and wait phases** ([`Device::signal`], [`Device::wait`]): store the
+//!   words that publish what a rank wrote, and wait for its peers' (named as ranks and
+//!   areas), so that a GPU stores and spins inside its kernels on memory it owns while
+//!   the host watches the peers;
 //! * **host-mapped FIFO memory** ([`Device::fifo_alloc`]): the proxy's command rings
 //!   live in memory the kernels can store into and the proxy can read (pinned, mapped
 //!   host memory on a GPU; a shared mapping for CPU kernels), instead of the proxy's
@@ -38,7 +39,7 @@ pub(crate) mod host;
 pub(crate) mod normal;
 pub(crate) mod pack;
 mod phase;
-mod wait;
+mod signal;
 
 use std::ops::Range;
 
@@ -54,7 +55,7 @@ pub use host::{HostDevice, HostFifos};
 pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase};
 pub use pack::{LlCombinePackPhase, LlPackPhase, LlTokens, LlUnpackPhase, LlUnpacked};
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
-pub use wait::{Until, WaitPhase, Word};
+pub use signal::{SignalPhase, Store, Until, WaitPhase, Word};
 
 /// What runs the EP layer's kernels; see the module docs.
 ///
@@ -132,6 +133,14 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// each the sum [`ReducePhase`] describes, bit for bit
     /// [`crate::quant::reduce_rows`]'s.
     fn reduce(&self, phase: &ReducePhase<'_>, out: &mut [bf16]) -> Result<()>;
+
+    /// Phase *signal* ([`SignalPhase`]): each store, in order, with release, after
+    /// everything this rank's kernels stored before (the end of DeepEP's send kernels:
+    /// a count, an epoch, a "done" into this rank's or a same-node peer's memory). By
+    /// default the host definition, on the calling thread.
+    fn signal(&self, phase: &SignalPhase<'_>) -> Result<()> {
+        host::signal(phase)
+    }
 
     /// Phase *wait* ([`WaitPhase`]): until every word, stored by a peer with release,
     /// reaches what it must, in order; returns what each wait acquired ([`Seen`]: the

@@ -9,7 +9,7 @@ use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandl
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
 use crate::device::pack::{CombineRemote, LlCombineSink, Sink};
-use crate::device::{LlCombinePackPhase, Part, ReducePhase, Rows, Symmetric, Until, Word};
+use crate::device::{LlCombinePackPhase, Part, ReducePhase, Rows, Store, Symmetric, Until, Word};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
@@ -229,10 +229,9 @@ impl Ctx {
         let local = self.symm.local();
         let ch = Channel::ll_combine(c);
         // Enter the combine: same-node peers may now write its area.
-        local
-            .word(self.map.control.ll_combine_entered, 0)?
-            .store(seq as u64, Ordering::Release);
-        let at = (seq, ch, self.map.control.ll_combine_entered);
+        let entered = self.map.control.ll_combine_entered;
+        self.signal(&[Store::at(self.topo.rank, entered, 0, seq as u64)?])?;
+        let at = (seq, ch, entered);
         let area = format!("combine area {c}");
         let sinks = self.ll_sinks(at, ("LL combine", &area), |src, wait| {
             self.ll_combine_remote(ch, src, handle, &areas, wait)
@@ -346,10 +345,10 @@ impl Ctx {
         for (r, sink) in sinks.into_iter().enumerate() {
             match sink {
                 Sink::Skip => {}
-                Sink::Peer(r) => self
-                    .peer_region(r)?
-                    .word(self.map.control.ll_combine_done, c * r_n + me)?
-                    .store(seq as u64, Ordering::Release),
+                Sink::Peer(r) => {
+                    let done = self.map.control.ll_combine_done;
+                    self.signal(&[Store::at(r, done, c * r_n + me, seq as u64)?])?
+                }
                 Sink::Packet(remote) => {
                     let rows = remote.rows;
                     let mut blocks = vec![Vec::new(); remote.groups.len()];
@@ -427,12 +426,9 @@ impl Ctx {
             memory: Symmetric::new(&self.symm, self.symm.published(&arrivals.seen)),
         };
         self.device.reduce(&phase, out)?;
-        let local = self.symm.local();
         // Same-node sources may rewrite the combine buffers read above.
-        local
-            .word(self.map.control.ll_combine_received, c)?
-            .store(u64::from(seq), Ordering::Release);
-        Ok(())
+        let received = self.map.control.ll_combine_received;
+        self.signal(&[Store::at(self.topo.rank, received, c, u64::from(seq))?])
     }
 
     /// Wait for every live source's expert outputs of combine `p`: a same-node source's

@@ -1,7 +1,6 @@
 //! Low-latency dispatch: send (enter → cast → pack → signal), then receive
 //! (wait → agree → unpack: pack to the front).
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use half::bf16;
@@ -15,7 +14,7 @@ use crate::ctx::Ctx;
 use crate::device::pack::{
     kernel_pushes_rows, on_rank, DispatchRemote, LlLanded, LlSink, LlTokens, Sink,
 };
-use crate::device::{CastPhase, Device, LlPackPhase, LlUnpackPhase, Until, Word};
+use crate::device::{CastPhase, Device, LlPackPhase, LlUnpackPhase, Store, Until, Word};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
@@ -204,10 +203,8 @@ impl Ctx {
         let s = areas.shape;
         let t_n = x.len() / s.hidden;
         // Enter the step: same-node peers may now write its buffer (see the module docs).
-        self.symm
-            .local()
-            .word(self.map.control.ll_entered, 0)?
-            .store(seq as u64, Ordering::Release);
+        let me = self.topo.rank;
+        self.signal(&[Store::at(me, self.map.control.ll_entered, 0, seq as u64)?])?;
         let place = Placement::of(topk_idx, s.num_experts);
         let format = args.cast.map_or(TokenFormat::Bf16, |c| c.format());
         let open_sinks = || self.ll_open_sinks(seq, &areas, topk_idx, &place, format);
@@ -324,12 +321,13 @@ impl Ctx {
             match sink {
                 Sink::Skip => {}
                 Sink::Peer(r) => {
-                    let region = self.peer_region(r)?;
-                    for (le, &c) in place.counts_of(r, epr).iter().enumerate() {
-                        region
-                            .word(areas.count_of(le, me, r_n)?, 0)?
-                            .store(epoch_word(seq, c), Ordering::Release);
-                    }
+                    let counts = place.counts_of(r, epr).iter().enumerate();
+                    let stores = counts
+                        .map(|(le, &c)| {
+                            Store::at(r, areas.count_of(le, me, r_n)?, 0, epoch_word(seq, c))
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    self.signal(&stores)?;
                 }
                 Sink::Packet(remote) => {
                     let DispatchRemote {

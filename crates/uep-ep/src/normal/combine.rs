@@ -1,15 +1,13 @@
 //! Normal combine: send → publish → relay → gather → reduce.
 
-use std::sync::atomic::Ordering;
-
 use half::bf16;
 
 use super::paths::CallMask;
 use super::{CombineArgs, NormalHandle, NormalState};
-use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
+use crate::area::{Area, SliceRows, STREAM_ABOVE};
 use crate::ctx::Ctx;
 use crate::device::normal::ReturnSink;
-use crate::device::{NormalCombineSendPhase, Part, ReducePhase, Rows, Symmetric};
+use crate::device::{NormalCombineSendPhase, Part, ReducePhase, Rows, Store, Symmetric};
 use crate::error::Result;
 use crate::invalid;
 use crate::map::NormalAreas;
@@ -186,18 +184,14 @@ impl Ctx {
     /// `relay_done` on several nodes).
     fn publish_rows(&self, seq: u32) -> Result<()> {
         let (topo, c) = (self.topo, &self.map.control);
+        let mut stores = Vec::new();
         for s in topo.node_ranks(topo.node) {
-            let region = self.peer_region(s)?;
-            region
-                .word(c.combine_done, topo.rank)?
-                .store(seq as u64, Ordering::Release);
+            stores.push(Store::at(s, c.combine_done, topo.rank, seq as u64)?);
             if topo.num_nodes > 1 {
-                region
-                    .word(c.relay_done, topo.rank)?
-                    .store(seq as u64, Ordering::Release);
+                stores.push(Store::at(s, c.relay_done, topo.rank, seq as u64)?);
             }
         }
-        Ok(())
+        self.signal(&stores)
     }
 
     /// Phase 4, gather: wait for the node's ranks, and for one packet of partial sums

@@ -2,7 +2,6 @@
 
 use std::borrow::Cow;
 use std::ops::Range;
-use std::sync::atomic::Ordering;
 
 use super::paths::CallMask;
 use super::{
@@ -12,7 +11,7 @@ use crate::area::{Area, Mem, SliceRows, STREAM_ABOVE};
 use crate::config::Shape;
 use crate::ctx::Ctx;
 use crate::device::normal::{rows_aligned, Dest, NormalPlan, NotifySink, RowSink};
-use crate::device::{LayoutPhase, NormalPackPhase, NotifyPhase, Until, Word};
+use crate::device::{LayoutPhase, NormalPackPhase, NotifyPhase, Store, Until, Word};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::layout::DispatchLayout;
@@ -691,10 +690,10 @@ impl Ctx {
         let total = self.symm.local().len();
         for (d, dest) in plan.dests.iter().enumerate() {
             match *dest {
-                Dest::Rank(r) => self
-                    .peer_region(r)?
-                    .word(self.map.control.dispatch_done, me)?
-                    .store(seq as u64, Ordering::Release),
+                Dest::Rank(r) => {
+                    let done = self.map.control.dispatch_done;
+                    self.signal(&[Store::at(r, done, me, seq as u64)?])?
+                }
                 Dest::Node(_, relay) => {
                     let (n, n_direct) = plan.totals[d];
                     let staged = plan.staged[d]

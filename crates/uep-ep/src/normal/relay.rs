@@ -7,8 +7,6 @@
 //! write their rows for the source's tokens into the relay's slots; the relay reduces
 //! them and sends one partial row per token back.
 
-use std::sync::atomic::Ordering;
-
 use half::bf16;
 
 use super::combine::relay_slot;
@@ -17,7 +15,7 @@ use super::{column_sum, CombineArgs, NormalHandle, Relayed, WeightLanes};
 use crate::area::{Area, Mem, SliceRows};
 use crate::ctx::Ctx;
 use crate::device::normal::{RelayedRow, NOT_SENT};
-use crate::device::{Part, ReducePhase, RelayPhase, Rows, Symmetric};
+use crate::device::{Part, ReducePhase, RelayPhase, Rows, Store, Symmetric};
 use crate::error::Result;
 use crate::map::NormalAreas;
 use crate::packet::{Channel, CombinePacket, DispatchHeader, DispatchPacket, RowFormat};
@@ -233,12 +231,11 @@ impl Ctx {
     /// Publish `src`'s relayed rows of dispatch `seq` to each rank of this node (once
     /// stored, or when `src` was lost, so that nobody waits for them).
     fn publish_relayed(&self, seq: u32, src: usize) -> Result<()> {
-        for r in self.topo.node_ranks(self.topo.node) {
-            self.peer_region(r)?
-                .word(self.map.control.dispatch_done, src)?
-                .store(seq as u64, Ordering::Release);
-        }
-        Ok(())
+        let done = self.map.control.dispatch_done;
+        let stores = (self.topo.node_ranks(self.topo.node))
+            .map(|r| Store::at(r, done, src, seq as u64))
+            .collect::<Result<Vec<_>>>()?;
+        self.signal(&stores)
     }
 
     /// This rank's memory once every live rank of the node published the rows it left

@@ -9,15 +9,15 @@ use uep_shm::Region;
 mod normal;
 mod pack;
 mod phases;
+mod signal;
 mod unpack;
-mod wait;
 
 #[cfg(test)]
 pub(crate) use normal::DirectRun;
 pub(crate) use normal::{normal_combine_send, normal_notify, normal_pack, relay};
 pub(crate) use pack::{ll_combine_pack, ll_pack};
+pub(crate) use signal::{signal, wait};
 pub(crate) use unpack::ll_unpack;
-pub(crate) use wait::wait;
 
 use half::bf16;
 

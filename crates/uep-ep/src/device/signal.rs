@@ -1,11 +1,13 @@
-//! The wait phase's descriptor: words of symmetric memory that a peer stores with
-//! release once it wrote what they publish (an epoch, a count, a "done"), named as a
-//! rank and an [`Area`] (an offset, the same on every device), never as a host pointer.
+//! The signal and wait phases' descriptors: words of symmetric memory that a rank
+//! stores with release once it wrote what they publish (an epoch, a count, a "done"),
+//! and that its peers wait on, named as a rank and an [`Area`] (an offset, the same on
+//! every device), never as a host pointer.
 //!
-//! A GPU waits as DeepEP's receive kernels do: a kernel spins on the words in the
-//! memory it owns, and the host watches meanwhile ([`Wait`]: the deadline, the abort
-//! word, the peer's process and the other nodes), stopping the kernel if the wait is
-//! hopeless. The host device spins on the calling thread, where its kernels run.
+//! A GPU signals and waits as DeepEP's kernels do: a release store at the end of a
+//! send, and a kernel spinning on the words in the memory it owns at the start of a
+//! receive while the host watches ([`Wait`]: the deadline, the abort word, the peer's
+//! process and the other nodes) and stops the kernel if the wait is hopeless. The host
+//! device stores and spins on the calling thread, where its kernels run.
 
 use std::sync::atomic::AtomicU64;
 
@@ -117,5 +119,62 @@ impl WaitPhase<'_> {
             rank: self.peer,
             region: self.memory.peer(self.peer),
         }
+    }
+}
+
+/// One store of a signal phase: `value` into the single word `area` of `rank`'s
+/// memory (this rank's own, or a same-node peer's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Store {
+    /// Whose memory the word is in.
+    pub rank: usize,
+    /// The word: an area of one `u64`.
+    pub area: Area<u64>,
+    /// What to store.
+    pub value: u64,
+}
+
+impl Store {
+    /// `value` into word `i` of `words` in `rank`'s memory.
+    ///
+    /// ```
+    /// use uep_ep::device::Store;
+    /// use uep_ep::Area;
+    /// let s = Store::at(0, Area::<u64>::new(0, 8), 7, 3).unwrap();
+    /// assert_eq!((s.area.offset(), s.value), (56, 3));
+    /// ```
+    pub fn at(rank: usize, words: Area<u64>, i: usize, value: u64) -> Result<Store> {
+        Ok(Store {
+            rank,
+            area: words.slice(i..i + 1)?,
+            value,
+        })
+    }
+}
+
+/// The signal phase (the release stores that end DeepEP's send kernels and open its
+/// barriers): every store in order, each with release, so that a peer that sees it
+/// also sees everything this rank stored before it (rows, counts, slots).
+pub struct SignalPhase<'a> {
+    /// The stores, in order.
+    pub stores: &'a [Store],
+    /// This rank's memory and its node's ranks'.
+    pub(crate) memory: &'a symm::Symmetric,
+}
+
+impl std::fmt::Debug for SignalPhase<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SignalPhase")
+            .field("stores", &self.stores)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SignalPhase<'_> {
+    /// Store `i`'s word in the host's mapping of its rank's memory (see
+    /// [`WaitPhase::host_word`]).
+    pub fn host_word(&self, i: usize) -> Result<&AtomicU64> {
+        let s = self.stores[i];
+        self.memory.peer_region(s.rank)?.word(s.area, 0)
     }
 }

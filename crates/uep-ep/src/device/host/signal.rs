@@ -1,9 +1,19 @@
-//! The host definition of the wait phase: the watch's spin, word by word, on the
-//! calling thread.
+//! The host definitions of the signal and wait phases: release stores, and the
+//! watch's spin word by word, on the calling thread.
 
-use crate::device::{Until, WaitPhase};
+use std::sync::atomic::Ordering;
+
+use crate::device::{SignalPhase, Until, WaitPhase};
 use crate::error::Result;
 use crate::wait::Seen;
+
+/// [`Device::signal`](crate::device::Device::signal) on the calling thread.
+pub(crate) fn signal(phase: &SignalPhase<'_>) -> Result<()> {
+    for (i, s) in phase.stores.iter().enumerate() {
+        phase.host_word(i)?.store(s.value, Ordering::Release);
+    }
+    Ok(())
+}
 
 /// [`Device::wait`](crate::device::Device::wait) on the calling thread.
 pub(crate) fn wait(phase: &WaitPhase<'_>) -> Result<Vec<Seen>> {
@@ -30,7 +40,7 @@ mod tests {
     use super::*;
     use crate::area::{Area, Mem};
     use crate::config::BufferConfig;
-    use crate::device::{Device, HostDevice, Word};
+    use crate::device::{Device, HostDevice, Store, Word};
     use crate::error::EpError;
     use crate::map::RegionMap;
     use crate::symm::Symmetric;
@@ -69,6 +79,30 @@ mod tests {
     }
 
     #[test]
+    fn a_signal_phase_stores_each_word_in_order_into_its_ranks_memory() {
+        let (memory, map) = node_of_two();
+        let words = Area::<u64>::new(map.control.barrier.offset(), 2);
+        let stores = [
+            Store::at(1, words, 1, 5).unwrap(),
+            Store::at(0, words, 0, 6).unwrap(),
+            Store::at(0, words, 0, 7).unwrap(),
+        ];
+        let phase = SignalPhase {
+            stores: &stores,
+            memory: &memory,
+        };
+        HostDevice::new(1).signal(&phase).unwrap();
+        let load = |region: &Region, i| region.word(words, i).unwrap().load(Ordering::Acquire);
+        let (own, peer) = (memory.local(), memory.peer(1).unwrap());
+        assert_eq!(
+            [load(own, 0), load(own, 1), load(peer, 0), load(peer, 1)],
+            [7, 0, 0, 5]
+        );
+        let outside = [Store::at(1, words, 2, 1)];
+        assert!(outside[0].is_err());
+    }
+
+    #[test]
     fn a_wait_phase_returns_each_words_value_once_the_peer_stores_it() {
         let (memory, map) = node_of_two();
         let words = Area::<u64>::new(map.control.barrier.offset(), 2);
@@ -79,11 +113,16 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(20));
-                let own = memory.local().word(words, 0).unwrap();
-                own.store((6 << 32) | 1, Ordering::Release);
-                own.store((7 << 32) | 42, Ordering::Release);
-                let peer = memory.peer(1).unwrap().word(words, 1).unwrap();
-                peer.store(5, Ordering::Release);
+                let stores = [
+                    Store::at(0, words, 0, (6 << 32) | 1).unwrap(),
+                    Store::at(0, words, 0, (7 << 32) | 42).unwrap(),
+                    Store::at(1, words, 1, 5).unwrap(),
+                ];
+                let phase = SignalPhase {
+                    stores: &stores,
+                    memory: &memory,
+                };
+                HostDevice::new(1).signal(&phase).unwrap();
             });
             let got = wait_for(&memory, &map, &want, Duration::from_secs(30)).unwrap();
             assert_eq!(got, [42, 5]);
