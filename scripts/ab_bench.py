@@ -16,6 +16,7 @@ CONFIGS = [  # (label, flags)
     ("1 × 4", ["--ranks", "4"]),
     ("2 × 2", ["--ranks", "4", "--nodes", "2"]),
     ("4 × 1", ["--ranks", "4", "--nodes", "4"]),
+    ("1 × 2 fp8", ["--ranks", "2", "--mode", "ll", "--fp8"]),
     ("2 × 2 fp8", ["--ranks", "4", "--nodes", "2", "--mode", "ll", "--fp8"]),
 ]
 

@@ -9,12 +9,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytemuck::Pod;
 use uep_bootstrap::ControlPlane;
 use uep_shm::Region;
 
 use crate::area::{Area, Mem};
 use crate::config::BufferConfig;
-use crate::device::{Device, SignalPhase, Store, Until, WaitPhase, Word};
+use crate::device::{CopyPhase, Device, SignalPhase, Store, Until, WaitPhase, Word};
 use crate::door::Door;
 use crate::error::{EpError, Result};
 use crate::map::{RegionMap, ABORT_MSG_BYTES};
@@ -88,6 +89,41 @@ impl Ctx {
                 self.topo.rank
             ))
         })
+    }
+
+    /// `area` of `rank`'s memory, which peers published in the call whose wait acquired
+    /// `seen`, read through the device.
+    pub(crate) fn read_published<T: Pod>(
+        &self,
+        rank: usize,
+        area: Area<T>,
+        seen: &Seen,
+    ) -> Result<Vec<T>> {
+        let mut out = vec![T::zeroed(); area.len()];
+        let phase = self.copy_phase(rank, area);
+        self.device
+            .read(&phase, seen, bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out)
+    }
+
+    /// `values` into `area` of `rank`'s memory through the device, before a signal
+    /// publishes them (`values` may be shorter than the area: its first values).
+    pub(crate) fn write_area<T: Pod>(
+        &self,
+        rank: usize,
+        area: Area<T>,
+        values: &[T],
+    ) -> Result<()> {
+        let phase = self.copy_phase(rank, area.prefix(values.len())?);
+        self.device.write(&phase, bytemuck::cast_slice(values))
+    }
+
+    fn copy_phase<T>(&self, rank: usize, area: Area<T>) -> CopyPhase<'_> {
+        CopyPhase {
+            rank,
+            area: area.cast(),
+            memory: &self.symm,
+        }
     }
 
     /// Stores through the device's signal phase, in order, each with release.

@@ -9,6 +9,9 @@
 //! * **lanes and launch**: run a kernel over a range of work items spread over its
 //!   parallel lanes (threads here, SMs on a GPU) and say when all of it is done; or
 //!   start kernels and let the host work until they complete ([`Device::overlap`]);
+//! * **the copy phases** ([`Device::read`], [`Device::write`]): the host's own small
+//!   reads of what peers published (taking what the wait acquired) and writes of what
+//!   it publishes, so that symmetric memory may be memory only the device reaches;
 //! * **the signal and wait phases** ([`Device::signal`], [`Device::wait`]): store the
 //!   words that publish what a rank wrote, and wait for its peers' (named as ranks and
 //!   areas), so that a GPU stores and spins inside its kernels on memory it owns while
@@ -35,6 +38,7 @@
 //! the work. `docs/architecture.md` maps each kernel phase to DeepEP's kernel of the
 //! same job and says what a GPU device must add.
 
+mod copy;
 pub(crate) mod host;
 pub(crate) mod normal;
 pub(crate) mod pack;
@@ -51,6 +55,7 @@ use crate::layout::DispatchLayout;
 
 pub use crate::symm::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};
 pub use crate::wait::{Peer, Seen, Wait};
+pub use copy::CopyPhase;
 pub use host::{HostDevice, HostFifos};
 pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase};
 pub use pack::{LlCombinePackPhase, LlPackPhase, LlTokens, LlUnpackPhase, LlUnpacked};
@@ -133,6 +138,22 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// each the sum [`ReducePhase`] describes, bit for bit
     /// [`crate::quant::reduce_rows`]'s.
     fn reduce(&self, phase: &ReducePhase<'_>, out: &mut [bf16]) -> Result<()>;
+
+    /// Phase *read* ([`CopyPhase`]): `out` gets the area's bytes, which peers
+    /// published to this rank in the call whose wait acquired `seen` (the counts of a
+    /// notify slot, a combine's flag and block offsets, a dispatch's source indices). A
+    /// GPU copies them out of its memory; by default the host's copy.
+    fn read(&self, phase: &CopyPhase<'_>, seen: &Seen, out: &mut [u8]) -> Result<()> {
+        let _published = seen;
+        phase.host_read(out)
+    }
+
+    /// Phase *write* ([`CopyPhase`]): `bytes` into the area, before a signal publishes
+    /// them (a combine's block offsets, a dispatch's padding rows). A GPU copies them
+    /// into its memory; by default the host's copy.
+    fn write(&self, phase: &CopyPhase<'_>, bytes: &[u8]) -> Result<()> {
+        phase.host_write(bytes)
+    }
 
     /// Phase *signal* ([`SignalPhase`]): each store, in order, with release, after
     /// everything this rank's kernels stored before (the end of DeepEP's send kernels:

@@ -1,12 +1,10 @@
 //! Low-latency combine: send (pack each expert output to its source → publish), then
 //! receive (wait → weighted reduce).
 
-use std::sync::atomic::Ordering;
-
 use half::bf16;
 
 use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle, LlState};
-use crate::area::{Area, Mem, SliceRows};
+use crate::area::{Area, SliceRows};
 use crate::ctx::Ctx;
 use crate::device::pack::{CombineRemote, LlCombineSink, Sink};
 use crate::device::{LlCombinePackPhase, Part, ReducePhase, Rows, Store, Symmetric, Until, Word};
@@ -226,7 +224,6 @@ impl Ctx {
         let y = self.ll_combine_rows(input, seq, key)?;
         let c = seq as usize % LL_BUFFERS;
         let areas = self.ll_areas(c)?;
-        let local = self.symm.local();
         let ch = Channel::ll_combine(c);
         // Enter the combine: same-node peers may now write its area.
         let entered = self.map.control.ll_combine_entered;
@@ -238,13 +235,15 @@ impl Ctx {
         })?;
         // A zero-copy combine moves no row here: the node's sources read theirs from the
         // combine buffer (told where each block starts), the other nodes' go from it.
-        let zero_copy_word = local.word(self.map.control.ll_combine_zero_copy, c)?;
+        // The flag and the offsets are published with the combine's `done`.
+        let me = self.topo.rank;
+        let flag = |value| Store::at(me, self.map.control.ll_combine_zero_copy, c, value);
         if zero_copy {
             let begins: Vec<u32> = handle.layout_range.iter().map(|&(b, _)| b as u32).collect();
-            local.put(areas.combine_begin, &begins)?;
-            zero_copy_word.store(seq as u64, Ordering::Relaxed);
+            self.write_area(me, areas.combine_begin, &begins)?;
+            self.signal(&[flag(seq as u64)?])?;
         } else {
-            zero_copy_word.store(0, Ordering::Relaxed);
+            self.signal(&[flag(0)?])?;
             self.ll_combine_pack(&sinks, handle, y, &areas)?;
         }
         let packets = self.ll_combine_publish(sinks, seq, handle, &areas, zero_copy)?;
@@ -463,12 +462,11 @@ impl Ctx {
                 let word = Word::at(me, done, c * r_n + src, Until::AtLeast(seq as u64))?;
                 let done = self.await_word(word, src, &wait, &what);
                 if let Some(done) = self.unless_lost(src, done)? {
-                    seen.get_or_insert(done);
                     if src != me {
-                        let region = self.peer_region(src)?;
-                        let zero_copy = region.word(self.map.control.ll_combine_zero_copy, c)?;
-                        in_place[src] = zero_copy.load(Ordering::Acquire) == u64::from(seq);
+                        let flag = self.map.control.ll_combine_zero_copy.slice(c..c + 1)?;
+                        in_place[src] = self.read_published(src, flag, &done)?[0] == u64::from(seq);
                     }
+                    seen.get_or_insert(done);
                 }
             } else if p.packets[src] > 0 {
                 // A group of the source's experts is usable once its own count signal
@@ -547,7 +545,7 @@ impl Ctx {
             }
         }
         for src in (0..r_n).filter(|&r| in_place[r] && !masked[r]) {
-            let begins = self.peer_region(src)?.get_vec(areas.combine_begin)?;
+            let begins = self.read_published(src, areas.combine_begin, &arrivals.seen)?;
             // The source published this combine (its epoch, acquired by the wait, after
             // its rows and block offsets); it writes its combine buffer again only once
             // this rank says it received this combine (`ll_combine_received`).

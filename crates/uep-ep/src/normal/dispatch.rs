@@ -370,31 +370,38 @@ impl Ctx {
             recv_per_expert: vec![0usize; epr],
             tokens: vec![0u32; r_n],
         };
-        let mut row = vec![0u32; r_n + e_n];
-        let mut head = [NotifyHead::default()];
         let p = NotifyPacket::layout(r_n, e_n);
         // A masked source counts nothing; one lost now too (the call runs again).
         for src in (0..r_n).filter(|&s| !mask.is(s)) {
             let what = || {
                 format!("rank {me}: dispatch {seq}: waiting for rank {src}'s token counts (notify[{parity}][{src}])")
             };
-            let at = if self.topo.is_local(src) {
+            let read = if self.topo.is_local(src) {
                 let slot = areas.notify_slot(parity, src, r_n)?;
                 let word = Word::at(me, slot.epoch, 0, Until::AtLeast(seq as u64))?;
                 let seen = self.await_word(word, src, wait, &what);
-                self.unless_lost(src, seen)?
-                    .map(|_| (slot.head, slot.counts))
+                match self.unless_lost(src, seen)? {
+                    Some(seen) => Some((
+                        self.read_published(me, slot.head, &seen)?[0],
+                        self.read_published(me, slot.counts, &seen)?,
+                    )),
+                    None => None,
+                }
             } else {
+                // The packet landed in this rank's staging memory, the host's.
                 let landing = self.net()?.recv(Channel::Notify, src, wait, &what);
-                (self.unless_lost(src, landing)?)
-                    .map(|l| (p.head.at_base(l.offset()), p.counts.at_base(l.offset())))
+                match self.unless_lost(src, landing)? {
+                    Some(l) => Some((
+                        local.get_vec(p.head.at_base(l.offset()))?[0],
+                        local.get_vec(p.counts.at_base(l.offset()))?,
+                    )),
+                    None => None,
+                }
             };
-            let Some((head_at, counts_at)) = at else {
+            let Some((head, row)) = read else {
                 continue;
             };
-            local.get(head_at, &mut head)?;
-            local.get(counts_at, &mut row)?;
-            counts.tokens[src] = head[0].tokens;
+            counts.tokens[src] = head.tokens;
             counts.matrix.row_mut(src, r_n).copy_from_slice(&row[..r_n]);
             for (le, n) in counts.recv_per_expert.iter_mut().enumerate() {
                 *n += row[r_n + me * epr + le] as usize;
@@ -771,7 +778,6 @@ impl Ctx {
     ) -> Result<(NormalHandle, Seen)> {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
         let k = areas.shape.topk;
-        let local = self.symm.local();
         let bank = areas.bank(seq);
         let seen = self.wait_sources(seq, &done, wait)?;
         let Done {
@@ -789,9 +795,9 @@ impl Ctx {
             // Padding rows (num_worst_tokens) route nowhere.
             let pad = (rows - num_recv) * k;
             let (ids, weights) = (bank.recv_topk_idx, bank.recv_topk_weights);
-            local.put(ids.rows(num_recv..rows, k)?, &vec![-1i64; pad])?;
+            self.write_area(me, ids.rows(num_recv..rows, k)?, &vec![-1i64; pad])?;
             if plan.with_weights {
-                local.put(weights.rows(num_recv..rows, k)?, &vec![0f32; pad])?;
+                self.write_area(me, weights.rows(num_recv..rows, k)?, &vec![0f32; pad])?;
             }
         }
         let align = args.expert_alignment.max(1);
@@ -803,7 +809,11 @@ impl Ctx {
                 is_token_in_rank: routing.in_rank.to_vec(),
                 num_tokens_per_rank: routing.per_rank.to_vec(),
                 num_tokens_per_expert: routing.per_expert.to_vec(),
-                recv_src_idx: local.get_vec(areas.recv_src_idx.prefix(num_recv)?)?,
+                recv_src_idx: self.read_published(
+                    me,
+                    areas.recv_src_idx.prefix(num_recv)?,
+                    &seen,
+                )?,
                 num_recv_tokens_per_expert: counts
                     .recv_per_expert
                     .iter()

@@ -40,7 +40,7 @@ mod tests {
     use super::*;
     use crate::area::{Area, Mem};
     use crate::config::BufferConfig;
-    use crate::device::{Device, HostDevice, Store, Word};
+    use crate::device::{CopyPhase, Device, HostDevice, Store, Word};
     use crate::error::EpError;
     use crate::map::RegionMap;
     use crate::symm::Symmetric;
@@ -127,6 +127,46 @@ mod tests {
             let got = wait_for(&memory, &map, &want, Duration::from_secs(30)).unwrap();
             assert_eq!(got, [42, 5]);
         });
+    }
+
+    #[test]
+    fn a_copy_phase_reads_what_a_wait_acquired() {
+        let (memory, map) = node_of_two();
+        let device = HostDevice::new(1);
+        // Rank 1 writes bytes into rank 0's memory, then signals.
+        let area = Area::<u8>::new(map.control.barrier.offset() + 64, 24);
+        let bytes: Vec<u8> = (1..=24).collect();
+        let copy = |rank| CopyPhase {
+            rank,
+            area,
+            memory: &memory,
+        };
+        device.write(&copy(0), &bytes).unwrap();
+        let flag = Area::<u64>::new(map.control.barrier.offset(), 1);
+        let stores = [Store::at(0, flag, 0, 1).unwrap()];
+        let signal = SignalPhase {
+            stores: &stores,
+            memory: &memory,
+        };
+        device.signal(&signal).unwrap();
+        let watch = Wait::new(Duration::from_secs(30), memory.local(), &map.control, None);
+        let words = [Word::at(0, flag, 0, Until::AtLeast(1)).unwrap()];
+        let wait = WaitPhase {
+            words: &words,
+            peer: 1,
+            what: &|_| "rank 0 waiting for rank 1".into(),
+            watch: &watch,
+            memory: &memory,
+        };
+        let seen = device.wait(&wait).unwrap().remove(0);
+        let mut out = vec![0u8; 24];
+        device.read(&copy(0), &seen, &mut out).unwrap();
+        assert_eq!(out, bytes);
+        // A copy is the whole area, no more and no less.
+        assert!(device.read(&copy(0), &seen, &mut out[..23]).is_err());
+        assert!(device.write(&copy(1), &[0u8; 25]).is_err());
+        let peer = memory.peer(1).unwrap().get_vec(area).unwrap();
+        assert!(peer.iter().all(|&b| b == 0), "a refused write wrote");
     }
 
     #[test]
