@@ -102,9 +102,9 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// first. `host` must not wait for anything that peers do only after this rank's
     /// kernels end. A GPU enqueues the phases on its stream without synchronising,
     /// runs `host`, then waits on the stream's event; the host device runs `kernels`
-    /// on a thread of their own. By default one after the other (kernels, then host):
-    /// the same results, without the overlap. `dyn Device`'s `overlapped` is the typed
-    /// form.
+    /// on a thread of their own when it has more than one lane. By default one after
+    /// the other (kernels, then host): the same results, without the overlap.
+    /// `dyn Device`'s `overlapped` is the typed form.
     fn overlap(
         &self,
         kernels: &mut (dyn FnMut() -> Result<()> + Send),
