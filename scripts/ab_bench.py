@@ -18,6 +18,7 @@ CONFIGS = [  # (label, flags)
     ("4 × 1", ["--ranks", "4", "--nodes", "4"]),
     ("1 × 2 fp8", ["--ranks", "2", "--mode", "ll", "--fp8"]),
     ("2 × 2 fp8", ["--ranks", "4", "--nodes", "2", "--mode", "ll", "--fp8"]),
+    ("1 × 2 fp8 2 lanes", ["--ranks", "2", "--mode", "ll", "--fp8", "--threads", "2"]),
 ]
 
 
