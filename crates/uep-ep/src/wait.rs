@@ -182,19 +182,12 @@ impl<'a> Wait<'a> {
         }
     }
 
-    /// The same, in elastic mode, telling `to` of ranks lost other than the awaited one
-    /// ([`LostElsewhere`]).
+    /// The same, in elastic mode (see the field), telling `to` of ranks lost other than
+    /// the awaited one ([`LostElsewhere`]).
     pub(crate) fn elastic_noting(self, to: &'a dyn LostElsewhere) -> Self {
         Wait {
-            elsewhere: Some(to),
-            ..self.elastic()
-        }
-    }
-
-    /// The same, in elastic mode (see the field).
-    pub(crate) fn elastic(self) -> Self {
-        Wait {
             elastic: true,
+            elsewhere: Some(to),
             ..self
         }
     }
