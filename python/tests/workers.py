@@ -1156,8 +1156,8 @@ _TARGETS = [("layout", "topk_idx"), ("dispatch", "x"), ("dispatch", "topk_idx"),
             ("ll_combine", "x"), ("ll_combine", "topk_weights")]
 _KINDS = ["none", "dtype", "rank", "shape", "strided"]
 #: Cases that only some arguments have, each run once per fuzz: ids out of range, a
-#: handle of another Buffer (the previous case's), of an earlier call, or of this
-#: Buffer before it grew, more tokens than the Buffer takes.
+#: handle of another Buffer (one made and dropped before the cases), of an earlier call,
+#: or of this Buffer before it grew, more tokens than the Buffer takes.
 _SPECIAL = [("layout", "topk_idx", "range"), ("dispatch", "topk_idx", "range"),
             ("ll_dispatch", "topk_idx", "range"), ("combine", "handle", "foreign"),
             ("cached", "handle", "foreign"), ("ll_combine", "handle", "foreign"),
@@ -1168,7 +1168,8 @@ _SPECIAL = [("layout", "topk_idx", "range"), ("dispatch", "topk_idx", "range"),
 def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad: bool,
           foreign: Dict[str, Any]) -> None:
     """Run one step of `call`, with `arg` corrupted on this rank if `bad`; `foreign`
-    holds the handles the previous case's Buffer made, and gets this case's."""
+    holds another Buffer's handles (see `_foreign_handles`), and gets this case's earlier
+    or stale handle."""
     n, h, E = 16, 256, 8
     x = torch.randn((n, h), dtype=torch.bfloat16)
     idx = torch.randint(0, E, (n, 2))
@@ -1194,7 +1195,6 @@ def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad:
         if call == "dispatch":
             args = {k: c(k, v) for k, v in args.items()}
         recv_x, _, recv_w, _, handle, _ = buffer.dispatch(c("x", x) if call == "dispatch" else x, **args)
-        foreign.setdefault("next", {})["combine"] = handle
         if kind == "earlier":  # every rank dispatches again; the bad one keeps its first handle
             foreign["earlier"] = handle
             x, idx, w = torch.cat([x] * 2), torch.cat([idx] * 2), torch.cat([w] * 2)
@@ -1208,12 +1208,25 @@ def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad:
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(c("x", x) if call == "ll_dispatch" else x,
                                                              c("topk_idx", idx) if call == "ll_dispatch" else idx,
                                                              n, E, use_fp8=False)
-        foreign.setdefault("next", {})["ll_combine"] = handle
         if kind == "stale":  # every rank grows the Buffer; the bad one keeps its old handle
             foreign["stale"] = handle
             recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, 2 * n, E, use_fp8=False)
         if call == "ll_combine":
             buffer.low_latency_combine(c("x", recv_x), idx, c("topk_weights", w), c("handle", handle))
+
+
+def _foreign_handles(ctx: Ctx) -> Dict[str, Any]:
+    """A normal and an LL dispatch handle of a Buffer dropped before they are used, with
+    the shapes `_case` calls with. Made by a correct step of their own: an earlier case
+    need not leave one on every rank, since a peer's abort may end a rank's dispatch
+    before the corrupted call it answers."""
+    n, h, E = 16, 256, 8
+    buffer = ctx.buffer(int(2e9), int(1e9))
+    x, idx = torch.randn((n, h), dtype=torch.bfloat16), torch.randint(0, E, (n, 2))
+    *_, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=torch.rand((n, 2)), **_layout(buffer, idx, E))
+    _, _, ll_handle, _, _ = buffer.low_latency_dispatch(x, idx, n, E, use_fp8=False)
+    del buffer
+    return {"combine": handle, "ll_combine": ll_handle}
 
 
 def corrupted_calls(ctx: Ctx, seed: int, cases: int, deadline: float) -> Dict[str, Any]:
@@ -1225,19 +1238,19 @@ def corrupted_calls(ctx: Ctx, seed: int, cases: int, deadline: float) -> Dict[st
     rng = random.Random(seed)  # the same on every rank: they agree on each case
     rank, R = ctx.rank, ctx.world
     log = []
-    # The special cases once each (a foreign handle after a case that made one), then
-    # random (call, argument, kind) triples.
+    # Two fixed cases, the special cases once each, then random (call, argument, kind)
+    # triples.
     picks = list(_SPECIAL)
     rng.shuffle(picks)
     picks = [("combine", "x", "none"), ("ll_combine", "x", "shape")] + picks
     picks += [(*rng.choice(_TARGETS), rng.choice(_KINDS)) for _ in range(max(cases - len(picks), 0))]
-    foreign: Dict[str, Any] = {}
+    torch.manual_seed(seed + rank)
+    foreign = _foreign_handles(ctx)
     for i, (call, arg, kind) in enumerate(picks):
         bad = rng.randrange(R)
         torch.manual_seed(seed + 101 * i + rank)
         buffer = ctx.buffer(int(2e9), int(1e9))
         start = time.monotonic()
-        foreign.update(foreign.pop("next", {}))
         try:
             _case(ctx, buffer, call, arg, kind, rank == bad, foreign)
             error = None
