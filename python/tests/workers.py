@@ -1165,15 +1165,24 @@ _SPECIAL = [("layout", "topk_idx", "range"), ("dispatch", "topk_idx", "range"),
             ("cached", "handle", "earlier"), ("ll_combine", "handle", "stale")]
 
 
+#: The fuzz's step: tokens a rank, hidden size, experts.
+_FUZZ_N, _FUZZ_H, _FUZZ_E = 16, 256, 8
+
+
+def _fuzz_inputs() -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's tokens, top-2 expert ids and weights, of the fuzz's shape."""
+    x = torch.randn((_FUZZ_N, _FUZZ_H), dtype=torch.bfloat16)
+    idx = torch.randint(0, _FUZZ_E, (_FUZZ_N, 2))
+    return x, idx, torch.rand((_FUZZ_N, 2))
+
+
 def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad: bool,
           foreign: Dict[str, Any]) -> None:
     """Run one step of `call`, with `arg` corrupted on this rank if `bad`; `foreign`
     holds another Buffer's handles (see `_foreign_handles`), and gets this case's earlier
     or stale handle."""
-    n, h, E = 16, 256, 8
-    x = torch.randn((n, h), dtype=torch.bfloat16)
-    idx = torch.randint(0, E, (n, 2))
-    w = torch.rand((n, 2))
+    n, E = _FUZZ_N, _FUZZ_E
+    x, idx, w = _fuzz_inputs()
 
     def c(name: str, t: Any) -> Any:
         # Too many tokens: x and topk_idx alike, so nothing but the count is wrong.
@@ -1216,15 +1225,14 @@ def _case(ctx: Ctx, buffer: deep_ep.Buffer, call: str, arg: str, kind: str, bad:
 
 
 def _foreign_handles(ctx: Ctx) -> Dict[str, Any]:
-    """A normal and an LL dispatch handle of a Buffer dropped before they are used, with
-    the shapes `_case` calls with. Made by a correct step of their own: an earlier case
-    need not leave one on every rank, since a peer's abort may end a rank's dispatch
-    before the corrupted call it answers."""
-    n, h, E = 16, 256, 8
+    """A normal and an LL dispatch handle of a Buffer dropped before they are used, of
+    the fuzz's shape. Made by a correct step of their own: an earlier case need not
+    leave one on every rank, since a peer's abort may end a rank's dispatch before the
+    corrupted call it answers."""
     buffer = ctx.buffer(int(2e9), int(1e9))
-    x, idx = torch.randn((n, h), dtype=torch.bfloat16), torch.randint(0, E, (n, 2))
-    *_, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=torch.rand((n, 2)), **_layout(buffer, idx, E))
-    _, _, ll_handle, _, _ = buffer.low_latency_dispatch(x, idx, n, E, use_fp8=False)
+    x, idx, w = _fuzz_inputs()
+    *_, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, **_layout(buffer, idx, _FUZZ_E))
+    _, _, ll_handle, _, _ = buffer.low_latency_dispatch(x, idx, _FUZZ_N, _FUZZ_E, use_fp8=False)
     del buffer
     return {"combine": handle, "ll_combine": ll_handle}
 
@@ -1263,7 +1271,7 @@ def corrupted_calls(ctx: Ctx, seed: int, cases: int, deadline: float) -> Dict[st
         del buffer
         log.append({"case": (call, arg, kind, bad), "error": error, "seconds": seconds})
     fresh = ctx.buffer(int(2e9), int(1e9))
-    normal_step(ctx, fresh, tokens=16, hidden=256, experts=8)
+    normal_step(ctx, fresh, tokens=_FUZZ_N, hidden=_FUZZ_H, experts=_FUZZ_E)
     fresh.destroy()
     return {"log": log, "deadline": deadline}
 
