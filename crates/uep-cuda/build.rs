@@ -1,15 +1,28 @@
-//! Builds the kernels' host check (always) and, with the `cuda` feature, the kernels
-//! themselves: `nvcc` compiles each `kernels/*.cu` into a fat binary for sm_90 and
-//! sm_80 that the crate embeds, with warnings as errors, and prints ptxas's resource
-//! report (registers, stack, spills) in the build log. A kernel that spills fails the
-//! build.
+//! Builds the kernels two of the three ways `kernels/port.cuh` knows (the third,
+//! hipcc for AMD GPUs, is `./dev hip-check`):
+//! * always, the host build: every `kernels/*.cu` compiled as C++ by the system
+//!   compiler with the host runtime (`kernels/host/`), linked into the crate for the
+//!   emulated device; `UEP_EMU_SANITIZE=address` or `thread` builds it under that
+//!   sanitizer (and links the crate's tests with it);
+//! * with the `cuda` feature, `nvcc` compiles each `kernels/*.cu` into a fat binary for
+//!   sm_90 and sm_80 that the crate embeds, with warnings as errors, and prints ptxas's
+//!   resource report (registers, stack, spills) in the build log. A kernel that spills
+//!   fails the build.
 
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The kernels, one fat binary each (file stem = the module name in `src/kernels.rs`).
-const KERNELS: &[&str] = &["fifo_bench", "quant", "layout", "combine", "ll_send"];
+/// The kernels' sources (`kernels/{name}.cu`): one fat binary each for a GPU (embedded
+/// by `src/gpu.rs`), one object each in the host build.
+const KERNELS: &[&str] = &[
+    "layout",
+    "cast",
+    "reduce",
+    "fifo_bench",
+    "ll_send",
+    "selftest",
+];
 
 /// Targets: Hopper (the H100/H200 the device check runs on) and Ampere.
 const ARCHS: &[&str] = &["90", "80"];
@@ -18,7 +31,8 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-env-changed=UEP_NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
-    host_check();
+    println!("cargo:rerun-if-env-changed=UEP_EMU_SANITIZE");
+    host_build();
     if env::var_os("CARGO_FEATURE_CUDA").is_some() {
         let nvcc = find_nvcc().unwrap_or_else(|| {
             panic!(
@@ -33,17 +47,43 @@ fn main() {
     }
 }
 
-/// The kernels' headers compiled for the host, so tests compare their numerics and
-/// command encoding with the Rust definitions without a GPU.
-fn host_check() {
-    cc::Build::new()
+/// The host build: the kernels, their entry points and the runtime that runs a grid
+/// on CPU threads, plus the headers' numerics checks, as one static library. Optimised
+/// whatever the profile (the emulated device runs every kernel through it), with the
+/// flags that keep every f32 operation as written and device-style type punning defined.
+fn host_build() {
+    let mut build = cc::Build::new();
+    build
         .cpp(true)
-        .file("kernels/host_check.cpp")
         .include("kernels")
-        .flag_if_supported("-std=c++17")
-        .flag_if_supported("-ffp-contract=off")
+        .opt_level(2)
+        .flag("-std=c++17")
+        .flag("-ffp-contract=off")
+        .flag("-fno-strict-aliasing")
+        .flag("-Wextra")
         .warnings_into_errors(true)
-        .compile("uep_cuda_host_check");
+        // Every source is C++, the `.cu` ones included.
+        .flag("-x")
+        .flag("c++");
+    if let Some(sanitizer) = env::var_os("UEP_EMU_SANITIZE") {
+        let sanitizer = sanitizer.to_string_lossy().into_owned();
+        assert!(
+            ["address", "thread"].contains(&sanitizer.as_str()),
+            "UEP_EMU_SANITIZE is address or thread, not {sanitizer}"
+        );
+        build
+            .flag(format!("-fsanitize={sanitizer}"))
+            .flag("-fno-omit-frame-pointer");
+        println!("cargo:rustc-link-arg=-fsanitize={sanitizer}");
+    }
+    for kernel in KERNELS {
+        build.file(format!("kernels/{kernel}.cu"));
+    }
+    build
+        .file("kernels/host/runtime.cpp")
+        .file("kernels/host/entry.cpp")
+        .file("kernels/host_check.cpp")
+        .compile("uep_cuda_host");
 }
 
 /// `UEP_NVCC`, then the compiler `./dev cuda-setup` installs, then `CUDA_HOME`, then

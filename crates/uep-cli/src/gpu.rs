@@ -91,7 +91,7 @@ mod cuda {
     use uep_cuda::layout::{self, RouteShape};
     use uep_cuda::ll_send::{self, SendShape};
     use uep_cuda::quant::{self, Loads};
-    use uep_cuda::{combine, Gpu};
+    use uep_cuda::{reduce, Gpu};
 
     use super::{CheckArgs, FifoArgs};
 
@@ -220,7 +220,7 @@ mod cuda {
             }
         }
         for (tokens, weighted) in [(128, true), (big, true), (big, false)] {
-            let m = combine::check(&gpu, tokens, 8, hidden, weighted, next(), a.iters)?;
+            let m = reduce::check(&gpu, tokens, 8, hidden, weighted, next(), a.iters)?;
             let variant = if weighted { "weighted" } else { "sum" };
             let desc = format!("{tokens} tok × top-8 × {hidden}");
             row("combine", &desc, variant, m.time, m.bandwidth() / 1e9, "");

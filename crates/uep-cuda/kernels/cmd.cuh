@@ -1,13 +1,7 @@
 // uep's 16-byte TransferCmd (crates/uep-wire/src/cmd.rs has the bit table), for the
 // commands a kernel pushes. Host and device: a test compares it with the Rust encoder.
 #pragma once
-#include <stdint.h>
-
-#ifndef __CUDACC__
-#define __host__
-#define __device__
-#define __forceinline__ inline
-#endif
+#include "port.cuh"
 
 namespace uep {
 
@@ -33,12 +27,11 @@ struct Cmd {
 // A Write of `len` bytes from `src_off` to `dst_off` on `dst_rank` (offsets 16-byte
 // aligned, len < 2^24, dst_rank < 1024), no piggyback; `flags` holds kFlagCombine and
 // kFlagLlBuffer.
-__host__ __device__ __forceinline__ Cmd write_cmd(uint32_t dst_rank, uint64_t src_off,
-                                                  uint64_t dst_off, uint32_t len,
-                                                  uint64_t flags) {
+UEP_HOST_DEVICE Cmd write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_off, uint32_t len,
+                              uint64_t flags) {
     Cmd c;
-    c.word0 = kKindWrite | flags | (uint64_t(dst_rank & kRankMask) << kRankShift) | (kPiggybackNone << 16) |
-              (uint64_t(len) << 32);
+    c.word0 = kKindWrite | flags | (uint64_t(dst_rank & kRankMask) << kRankShift) |
+              (kPiggybackNone << 16) | (uint64_t(len) << 32);
     c.word1 = (dst_off >> 4) | ((src_off >> 4) << 32);
     return c;
 }

@@ -1,17 +1,26 @@
 // The kernels' headers built for the host: tests/host_check.rs compares these with
-// uep-ep's quant.rs, uep-wire's encoder and uep-fifo's layout, without a GPU.
+// uep-ep's quant.rs and quant/nvfp4.rs, uep-wire's encoder and uep-fifo's layout,
+// without a GPU.
 #include "cmd.cuh"
-#include "fp8.cuh"
+#include "numerics.cuh"
 
 extern "C" {
 
 uint8_t uep_cuda_host_e4m3(float x) { return uep::e4m3_from_f32(x); }
+
+float uep_cuda_host_e4m3_to_f32(uint8_t b) { return uep::e4m3_to_f32(b); }
 
 float uep_cuda_host_fp8_scale(float amax, int round_scale) {
     return uep::fp8_scale(amax, round_scale != 0);
 }
 
 float uep_cuda_host_bf16_to_f32(uint16_t b) { return uep::bf16_to_f32(b); }
+
+uint16_t uep_cuda_host_bf16_from_f32(float x) { return uep::bf16_from_f32(x); }
+
+uint8_t uep_cuda_host_e2m1(float x) { return uep::e2m1_from_f32(x); }
+
+uint8_t uep_cuda_host_ue8m0_round_up(float x) { return uep::ue8m0_round_up(x); }
 
 void uep_cuda_host_write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_off,
                              uint32_t len, uint64_t flags, uint64_t out[2]) {

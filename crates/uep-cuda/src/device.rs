@@ -3,28 +3,30 @@
 //! their compute phases on a GPU.
 //!
 //! What runs where, today:
-//! * **layout, cast, reduce** (the trait's phase methods): CUDA kernels, the same ones
-//!   `uep gpu` checks bit for bit against the host's definitions; a phase's inputs are
-//!   copied to the device and its outputs back, since the EP layer's memory (the
-//!   caller's tensors and the `/dev/shm` symmetric memory) is host memory;
+//! * **layout, cast (FP8 and NVFP4), reduce** (the trait's phase methods): CUDA
+//!   kernels, the same sources the emulated device runs in CI and `uep gpu` checks bit
+//!   for bit against the host's definitions; a phase's inputs are copied to the device
+//!   and its outputs back, since the EP layer's memory (the caller's tensors and the
+//!   `/dev/shm` symmetric memory) is host memory;
 //! * **FIFO memory**: pinned host memory mapped into the GPU ([`CudaFifos`]);
 //! * **launch** (the data-moving kernels: pack, store into same-node peers, push
 //!   commands): still host closures, run on CPU threads, because they read and write
 //!   host-mapped symmetric memory; see `docs/cuda.md` for what moves them to the GPU.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use cudarc::driver::CudaFunction;
 use half::bf16;
-use uep_ep::device::{CastPhase, Device, HostDevice, LayoutPhase, ReducePhase};
+use uep_ep::device::{
+    CastPhase, Device, HostDevice, KernelPhases, LayoutPhase, Phase, ReducePhase,
+};
 use uep_ep::Cast;
 use uep_ep::{DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
 
-use crate::combine::{self, Shape};
 use crate::gpu::kernels;
 use crate::layout::{self, RouteShape};
-use crate::pack::{pack_reduce, PackedReduce};
 use crate::quant::Loads;
 use crate::{CudaError, CudaFifos, Gpu};
 
@@ -48,7 +50,10 @@ pub struct CudaDevice {
     host: HostDevice,
     layout: CudaFunction,
     cast: CudaFunction,
+    cast_nvfp4: CudaFunction,
     reduce: CudaFunction,
+    /// The phases run as kernels since the last `take_kernel_phases`.
+    ran: AtomicU32,
 }
 
 /// A driver failure as the EP layer's error: a resource that failed.
@@ -64,10 +69,18 @@ impl CudaDevice {
             fifos: CudaFifos::new(&gpu),
             host: HostDevice::new(host_threads),
             layout: gpu.function(kernels::LAYOUT, "uep_dispatch_layout")?,
-            cast: gpu.function(kernels::QUANT, Loads::X16.kernel())?,
-            reduce: gpu.function(kernels::COMBINE, "uep_combine_reduce")?,
+            cast: gpu.function(kernels::CAST, Loads::X16.kernel())?,
+            cast_nvfp4: gpu.function(kernels::CAST, "uep_nvfp4_quantize")?,
+            reduce: gpu.function(kernels::REDUCE, "uep_reduce")?,
+            ran: AtomicU32::new(0),
             gpu,
         })
+    }
+
+    fn ran(&self, phase: Phase) {
+        let mut set = KernelPhases::default();
+        set.insert(phase);
+        self.ran.fetch_or(set.bits(), Ordering::Relaxed);
     }
 
     /// The GPU.
@@ -83,6 +96,10 @@ impl Device for CudaDevice {
 
     fn lanes(&self) -> usize {
         self.host.lanes()
+    }
+
+    fn take_kernel_phases(&self) -> KernelPhases {
+        KernelPhases::from_bits(self.ran.swap(0, Ordering::Relaxed))
     }
 
     fn launch(
@@ -111,7 +128,9 @@ impl Device for CudaDevice {
         if s.tokens == 0 || !layout::fits(s) || p.topk_idx.len() % p.topk != 0 {
             return self.host.layout(p);
         }
-        match layout::compute(&self.gpu, &self.layout, p.topk_idx, s).map_err(ep)? {
+        let layout = layout::compute(&self.gpu, &self.layout, p.topk_idx, s).map_err(ep)?;
+        self.ran(Phase::Layout);
+        match layout {
             Ok(layout) => Ok(layout),
             Err(bad) => match self.host.layout(p) {
                 Err(e) => Err(e),
@@ -125,33 +144,34 @@ impl Device for CudaDevice {
     fn cast(&self, p: &CastPhase<'_>, q: &mut [u8], scales: &mut [f32]) -> uep_ep::Result<()> {
         p.check(q.len(), scales.len())?;
         let x: &[u16] = bytemuck::cast_slice(p.x);
-        let round_scale = match p.cast {
-            Cast::Fp8 { round_scale } => round_scale,
-            // No NVFP4 kernel yet: the host's definition, on its threads.
-            Cast::Nvfp4(_) => return self.host.cast(p, q, scales),
-        };
         if x.is_empty() {
             return Ok(());
         }
-        crate::quant::cast(&self.gpu, &self.cast, x, round_scale, q, scales).map_err(ep)
+        match p.cast {
+            Cast::Fp8 { round_scale } => {
+                crate::quant::cast(&self.gpu, &self.cast, x, round_scale, q, scales)
+            }
+            Cast::Nvfp4(n) => crate::quant::cast_nvfp4(
+                &self.gpu,
+                &self.cast_nvfp4,
+                x,
+                n,
+                q,
+                bytemuck::cast_slice_mut(scales),
+            ),
+        }
+        .map_err(ep)?;
+        self.ran(Phase::Cast);
+        Ok(())
     }
 
     fn reduce(&self, p: &ReducePhase<'_>, out: &mut [bf16]) -> uep_ep::Result<()> {
-        // One upload: each part's row in order, and per token its parts' places in it.
-        let packed = pack_reduce(p, out.len())?;
-        let shape = Shape {
-            topk: packed.topk,
-            hidden: p.hidden,
-            weighted: p.weighted,
-        };
-        let out_bits: &mut [u16] = bytemuck::cast_slice_mut(out);
-        let PackedReduce { y, src, w, .. } = &packed;
-        if y.is_empty() {
-            // No token sums a row (or there are none): nothing to upload.
-            let zeros = crate::pack::host_reduce(y, src, w, packed.topk, p.hidden, p.weighted);
-            out.copy_from_slice(&zeros);
-            return Ok(());
+        p.check(out.len())?;
+        if p.tokens() == 0 || p.hidden == 0 {
+            return self.host.reduce(p, out);
         }
-        combine::reduce(&self.gpu, &self.reduce, (y, src, w), shape, out_bits).map_err(ep)
+        crate::reduce::reduce(&self.gpu, &self.reduce, p, out).map_err(ep)?;
+        self.ran(Phase::Reduce);
+        Ok(())
     }
 }

@@ -6,18 +6,32 @@
 //! Write the kernel makes for `(r, i)` (`kernels/fifo_bench.cu`), so a lost, repeated,
 //! reordered or torn command fails the bench instead of counting.
 
+#[cfg(any(test, feature = "cuda"))]
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(any(test, feature = "cuda"))]
+use std::time::Instant;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
-use uep_fifo::{Fifo, TransferCmd};
+#[cfg(feature = "cuda")]
+use cudarc::driver::LaunchConfig;
+#[cfg(any(test, feature = "cuda"))]
+use uep_fifo::Fifo;
+use uep_fifo::TransferCmd;
 use uep_wire::{Command, TransferCmd as Wire};
 
-use crate::gpu::{driver, kernels};
-use crate::rings::DeviceRings;
-use crate::{CudaError, Gpu};
+#[cfg(feature = "cuda")]
+use crate::api::{FifoPingArgs, FifoPushArgs};
+#[cfg(any(test, feature = "cuda"))]
+use crate::CudaError;
+#[cfg(feature = "cuda")]
+use crate::{
+    gpu::{driver, kernels},
+    rings::DeviceRings,
+    Gpu,
+};
 
 /// How long consumers wait for the commands before calling the run failed.
+#[cfg(any(test, feature = "cuda"))]
 const DEADLINE: Duration = Duration::from_secs(60);
 
 /// One throughput run.
@@ -72,6 +86,7 @@ pub fn expected(ring: usize, i: u64) -> TransferCmd {
     .expect("the bench's command fits the wire format")
 }
 
+#[cfg(feature = "cuda")]
 fn check(opts: &PushOpts) -> Result<(), CudaError> {
     if opts.rings == 0 || opts.per_ring == 0 || opts.consumers == 0 {
         return Err(CudaError::Invalid(
@@ -89,12 +104,13 @@ fn check(opts: &PushOpts) -> Result<(), CudaError> {
 
 /// Pushes `opts.per_ring` commands into each of `opts.rings` FIFOs from the GPU and
 /// drains them on CPU threads, checking each.
+#[cfg(feature = "cuda")]
 pub fn push(gpu: &Gpu, opts: PushOpts) -> Result<PushResult, CudaError> {
     check(&opts)?;
     let rings = DeviceRings::new(gpu, opts.rings, opts.capacity, "gpu ring")?;
     let stream = gpu.stream();
     let f = gpu.function(kernels::FIFO_BENCH, "uep_fifo_push")?;
-    let mut ns = stream
+    let ns = stream
         .alloc_zeros::<u64>(opts.rings)
         .map_err(driver("allocating timers"))?;
     let cfg = LaunchConfig {
@@ -104,18 +120,19 @@ pub fn push(gpu: &Gpu, opts: PushOpts) -> Result<PushResult, CudaError> {
     };
     let drain = |mine: &[(usize, &Fifo)], failed: &AtomicBool| drain(mine, opts.per_ring, failed);
     let (_, wall) = rings.drained_while(opts.consumers, drain, || {
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(rings.table())
-            .arg(&opts.per_ring)
-            .arg(&opts.batch)
-            .arg(&mut ns);
-        // SAFETY: the arguments match `uep_fifo_push`'s parameters in kernels/fifo_bench.cu
-        // (a Ring table in device memory, u64, u32, a u64 array of one entry a block); the
-        // rings' memory stays pinned and leased until after the synchronize below.
+        let args = FifoPushArgs {
+            rings: gpu.addr(rings.table()),
+            ns: gpu.addr(&ns),
+            count: opts.per_ring,
+            batch: opts.batch,
+            pad: 0,
+        };
+        // SAFETY: a Ring table in device memory of one ring a block and a timer a block;
+        // the rings' memory stays pinned and leased until after the synchronize below.
         #[allow(unsafe_code)]
-        unsafe { launch.launch(cfg) }.map_err(driver("launching uep_fifo_push"))?;
-        Ok(())
+        unsafe {
+            gpu.launch(&f, cfg, &args, "launching uep_fifo_push")
+        }
     })?;
     stream
         .synchronize()
@@ -126,7 +143,12 @@ pub fn push(gpu: &Gpu, opts: PushOpts) -> Result<PushResult, CudaError> {
 }
 
 /// Drains `rings` until each delivered `per_ring` commands, checking every one.
-fn drain(rings: &[(usize, &Fifo)], per_ring: u64, failed: &AtomicBool) -> Result<(), CudaError> {
+#[cfg(any(test, feature = "cuda"))]
+pub(crate) fn drain(
+    rings: &[(usize, &Fifo)],
+    per_ring: u64,
+    failed: &AtomicBool,
+) -> Result<(), CudaError> {
     let mut consumers = rings
         .iter()
         .map(|(r, f)| f.consumer().map(|c| (*r, c, 0u64)))
@@ -186,6 +208,7 @@ impl PingResult {
 
 /// One GPU thread pushes a command and waits for a CPU thread to pop it, `rounds`
 /// times: the push → pop → seen-by-the-kernel round trip.
+#[cfg(feature = "cuda")]
 pub fn ping(gpu: &Gpu, rounds: u32) -> Result<PingResult, CudaError> {
     if rounds == 0 {
         return Err(CudaError::Invalid("ping needs at least one round".into()));
@@ -193,7 +216,7 @@ pub fn ping(gpu: &Gpu, rounds: u32) -> Result<PingResult, CudaError> {
     let rings = DeviceRings::new(gpu, 1, 64, "gpu ping ring")?;
     let stream = gpu.stream();
     let f = gpu.function(kernels::FIFO_BENCH, "uep_fifo_ping")?;
-    let mut ns = stream
+    let ns = stream
         .alloc_zeros::<u64>(rounds as usize)
         .map_err(driver("allocating timers"))?;
     let cfg = LaunchConfig {
@@ -204,14 +227,18 @@ pub fn ping(gpu: &Gpu, rounds: u32) -> Result<PingResult, CudaError> {
     let drain =
         |mine: &[(usize, &Fifo)], failed: &AtomicBool| drain(mine, u64::from(rounds), failed);
     rings.drained_while(1, drain, || {
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(rings.table()).arg(&rounds).arg(&mut ns);
-        // SAFETY: the arguments match `uep_fifo_ping` (a Ring table of one, u32, a u64
-        // array of `rounds` entries); the ring stays pinned and leased until the
-        // synchronize below.
+        let args = FifoPingArgs {
+            rings: gpu.addr(rings.table()),
+            ns: gpu.addr(&ns),
+            rounds,
+            pad: 0,
+        };
+        // SAFETY: a Ring table of one and `rounds` timers; the ring stays pinned and
+        // leased until the synchronize below.
         #[allow(unsafe_code)]
-        unsafe { launch.launch(cfg) }.map_err(driver("launching uep_fifo_ping"))?;
-        Ok(())
+        unsafe {
+            gpu.launch(&f, cfg, &args, "launching uep_fifo_ping")
+        }
     })?;
     stream
         .synchronize()

@@ -5,7 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
+    LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 
 use crate::{CudaError, DeviceInfo};
@@ -14,9 +17,9 @@ use crate::{CudaError, DeviceInfo};
 pub(crate) mod kernels {
     pub(crate) const FIFO_BENCH: &[u8] =
         include_bytes!(concat!(env!("OUT_DIR"), "/fifo_bench.fatbin"));
-    pub(crate) const QUANT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/quant.fatbin"));
+    pub(crate) const CAST: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/cast.fatbin"));
     pub(crate) const LAYOUT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/layout.fatbin"));
-    pub(crate) const COMBINE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/combine.fatbin"));
+    pub(crate) const REDUCE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/reduce.fatbin"));
     pub(crate) const LL_SEND: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ll_send.fatbin"));
 }
 
@@ -108,6 +111,35 @@ impl Gpu {
         }
         times.sort();
         Ok(times.get(times.len() / 2).copied().unwrap_or_default())
+    }
+
+    /// The device address of `s`, as a kernel argument (`crate::api`).
+    pub(crate) fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        // Every kernel runs on this one stream, so the slice's use needs no event.
+        let (ptr, _same_stream) = s.device_ptr(&self.stream);
+        ptr
+    }
+
+    /// Launches `f` over `cfg` with its one argument struct (`kernels/api.cuh`).
+    ///
+    /// # Safety
+    ///
+    /// `A` is the struct `f` takes, and every address in `args` is device memory (or
+    /// mapped host memory) valid for all the kernel reads and writes there until the
+    /// stream reaches the launch's end.
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn launch<A: DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &A,
+        what: &'static str,
+    ) -> Result<(), CudaError> {
+        let mut l = self.stream.launch_builder(f);
+        l.arg(args);
+        // SAFETY: the caller's promise.
+        unsafe { l.launch(cfg) }.map_err(driver(what))?;
+        Ok(())
     }
 
     /// Kernel `name` of an embedded fat binary.

@@ -5,8 +5,12 @@
 mod ffi {
     extern "C" {
         pub fn uep_cuda_host_e4m3(x: f32) -> u8;
+        pub fn uep_cuda_host_e4m3_to_f32(b: u8) -> f32;
         pub fn uep_cuda_host_fp8_scale(amax: f32, round_scale: i32) -> f32;
         pub fn uep_cuda_host_bf16_to_f32(bits: u16) -> f32;
+        pub fn uep_cuda_host_bf16_from_f32(x: f32) -> u16;
+        pub fn uep_cuda_host_e2m1(x: f32) -> u8;
+        pub fn uep_cuda_host_ue8m0_round_up(x: f32) -> u8;
         pub fn uep_cuda_host_write_cmd(
             dst_rank: u32,
             src_off: u64,
@@ -19,30 +23,39 @@ mod ffi {
     }
 }
 
-/// `fp8.cuh`'s `e4m3_from_f32`.
-pub fn e4m3(x: f32) -> u8 {
-    // SAFETY: a pure function of its argument.
-    #[allow(unsafe_code)]
-    unsafe {
-        ffi::uep_cuda_host_e4m3(x)
-    }
+/// Safe wrappers of the header functions that are pure functions of their arguments.
+macro_rules! pure {
+    ($($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $ffi:ident;)*) => {$(
+        $(#[$doc])*
+        pub fn $name($($arg: $ty),*) -> $ret {
+            // SAFETY: a pure function of its arguments, which are plain values.
+            #[allow(unsafe_code)]
+            unsafe { ffi::$ffi($($arg),*) }
+        }
+    )*};
 }
 
-/// `fp8.cuh`'s `fp8_scale`.
+pure! {
+    /// `numerics.cuh`'s `e4m3_from_f32`.
+    e4m3(x: f32) -> u8 = uep_cuda_host_e4m3;
+    /// `numerics.cuh`'s `e4m3_to_f32`.
+    e4m3_to_f32(b: u8) -> f32 = uep_cuda_host_e4m3_to_f32;
+    /// `numerics.cuh`'s `bf16_to_f32`.
+    bf16_to_f32(bits: u16) -> f32 = uep_cuda_host_bf16_to_f32;
+    /// `numerics.cuh`'s `bf16_from_f32`.
+    bf16_from_f32(x: f32) -> u16 = uep_cuda_host_bf16_from_f32;
+    /// `numerics.cuh`'s `e2m1_from_f32`.
+    e2m1(x: f32) -> u8 = uep_cuda_host_e2m1;
+    /// `numerics.cuh`'s `ue8m0_round_up`.
+    ue8m0_round_up(x: f32) -> u8 = uep_cuda_host_ue8m0_round_up;
+}
+
+/// `numerics.cuh`'s `fp8_scale`.
 pub fn fp8_scale(amax: f32, round_scale: bool) -> f32 {
     // SAFETY: a pure function of its arguments.
     #[allow(unsafe_code)]
     unsafe {
         ffi::uep_cuda_host_fp8_scale(amax, i32::from(round_scale))
-    }
-}
-
-/// `fp8.cuh`'s `bf16_to_f32`.
-pub fn bf16_to_f32(bits: u16) -> f32 {
-    // SAFETY: a pure function of its argument.
-    #[allow(unsafe_code)]
-    unsafe {
-        ffi::uep_cuda_host_bf16_to_f32(bits)
     }
 }
 

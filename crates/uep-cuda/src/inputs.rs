@@ -53,3 +53,52 @@ pub fn routing(tokens: usize, topk: usize, experts: usize, ranks: usize, seed: u
     }
     ids
 }
+
+/// The parts of a reduction of `tokens` tokens over sources of `rows[s]` rows each, from
+/// `seed`, in CSR form (`starts`, `parts`): up to `topk` parts a token (one token in
+/// eight with none), a row often taken twice by one token, weights in `[-2, 2)`.
+pub fn reduce_parts(
+    tokens: usize,
+    topk: usize,
+    rows: &[usize],
+    seed: u64,
+) -> (Vec<u32>, Vec<uep_ep::device::Part>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x00c0_b14e);
+    let (mut starts, mut parts) = (vec![0u32], Vec::new());
+    let sources: Vec<u32> = (0..rows.len() as u32)
+        .filter(|&s| rows[s as usize] > 0)
+        .collect();
+    for _ in 0..tokens {
+        let n = if rng.gen_range(0..8) == 0 || sources.is_empty() {
+            0
+        } else {
+            rng.gen_range(1..=topk)
+        };
+        for k in 0..n {
+            let part = match parts.last() {
+                Some(&p) if k > 0 && rng.gen_range(0..6) == 0 => p,
+                _ => {
+                    let source = sources[rng.gen_range(0..sources.len())];
+                    uep_ep::device::Part {
+                        source,
+                        row: rng.gen_range(0..rows[source as usize]) as u32,
+                        weight: 0.0,
+                    }
+                }
+            };
+            parts.push(uep_ep::device::Part {
+                weight: rng.gen_range(-2.0..2.0),
+                ..part
+            });
+        }
+        starts.push(parts.len() as u32);
+    }
+    (starts, parts)
+}
+
+/// Equal bf16 bits, or both NaN: a NaN's sign and payload are the arithmetic unit's own
+/// (x86 keeps an operand's, a GPU returns its canonical NaN), not the definition's.
+pub fn same_bits(a: u16, b: u16) -> bool {
+    let nan = |v: u16| v & 0x7fff > 0x7f80;
+    a == b || (nan(a) && nan(b))
+}

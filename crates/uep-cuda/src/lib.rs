@@ -8,6 +8,11 @@
 //! the feature still starts on a machine with no driver and [`Gpu::open`] says so.
 //! Without the feature every entry point returns [`CudaError::NotBuilt`].
 //!
+//! The kernels are one source built three ways (`kernels/port.cuh`): by nvcc for a GPU
+//! (this feature), by the system C++ compiler for the [`EmuDevice`] (always built: CI
+//! runs every kernel on CPU threads, bit for bit against the host device), and by
+//! hipcc for AMD GPUs (`./dev hip-check`, compile only).
+//!
 //! What runs on a GPU so far:
 //! * [`fifo_bench`]: kernels (one block, or one a multiprocessor) push `Write`
 //!   commands to CPU consumers: commands per second and push→pop round trips;
@@ -19,6 +24,8 @@
 //!   what is missing).
 #![deny(unsafe_code)]
 
+mod api;
+pub mod emu;
 mod error;
 #[cfg(feature = "cuda")]
 mod gpu;
@@ -30,21 +37,19 @@ mod pinned;
 mod rings;
 
 #[cfg(feature = "cuda")]
-pub mod combine;
-#[cfg(feature = "cuda")]
 mod device;
-#[cfg(feature = "cuda")]
 pub mod fifo_bench;
 pub mod inputs;
-#[cfg(feature = "cuda")]
 pub mod layout;
 #[cfg(feature = "cuda")]
 pub mod ll_send;
-pub mod pack;
 pub mod quant;
+#[cfg(feature = "cuda")]
+pub mod reduce;
 
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;
+pub use emu::EmuDevice;
 pub use error::CudaError;
 #[cfg(feature = "cuda")]
 pub use gpu::Gpu;

@@ -8,10 +8,11 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use uep_fifo::{Fifo, TransferCmd};
 use uep_wire::Command;
 
+use crate::api::LlSendArgs;
 use crate::gpu::{driver, kernels};
 use crate::inputs::{inputs, routing};
 use crate::quant::{compare, GROUP};
@@ -134,15 +135,7 @@ pub fn check(gpu: &Gpu, s: SendShape, seed: u64, iters: usize) -> Result<SendRes
     let staged = Pinned::new(gpu, s.tokens * s.row_bytes())?;
     staged.fill(0xA5);
     let rings = DeviceRings::new(gpu, s.rings, uep_fifo::DEFAULT_CAPACITY, "ll send ring")?;
-    let area: [u64; 4] = [
-        staged.device_addr(),
-        STAGED_OFF,
-        RECV_OFF,
-        SRC_RANK | (s.tokens as u64) << 32,
-    ];
-    let dims = [s.tokens, s.topk, s.hidden, s.experts, s.ranks].map(|v| v as u32);
-    let round = u32::from(s.round_scale);
-    let mut ns = stream
+    let ns = stream
         .alloc_zeros::<u64>(s.rings)
         .map_err(driver("allocating timers"))?;
     let cfg = LaunchConfig {
@@ -157,18 +150,30 @@ pub fn check(gpu: &Gpu, s: SendShape, seed: u64, iters: usize) -> Result<SendRes
         let drain =
             |mine: &[(usize, &Fifo)], failed: &AtomicBool| collect(mine, total, &popped, failed);
         let (got, wall) = rings.drained_while(s.consumers, drain, || {
-            let mut l = stream.launch_builder(&f);
-            l.arg(&xd).arg(&idd);
-            for d in &dims {
-                l.arg(d);
-            }
-            l.arg(&round).arg(&area).arg(rings.table()).arg(&mut ns);
-            // SAFETY: arguments match `uep_ll_send` (tokens, ids, five u32, a u32, the
-            // SendArea as four u64, the ring table, one timer a block); the staging rows
-            // and rings stay pinned and leased until the synchronize below.
+            let args = LlSendArgs {
+                x: gpu.addr(&xd),
+                topk_idx: gpu.addr(&idd),
+                rings: gpu.addr(rings.table()),
+                ns: gpu.addr(&ns),
+                staged: staged.device_addr(),
+                staged_off: STAGED_OFF,
+                recv_off: RECV_OFF,
+                src_rank: SRC_RANK as u32,
+                max_tokens: s.tokens as u32,
+                tokens: s.tokens as u32,
+                topk: s.topk as u32,
+                hidden: s.hidden as u32,
+                experts: s.experts as u32,
+                ranks: s.ranks as u32,
+                round_scale: u32::from(s.round_scale),
+            };
+            // SAFETY: tokens [T, hidden] and ids [T, K] on the device, the ring table and
+            // a timer a block, the staging rows ([T, row_bytes]) in pinned memory; all
+            // stay allocated, pinned and leased until the synchronize below.
             #[allow(unsafe_code)]
-            unsafe { l.launch(cfg) }.map_err(driver("launching uep_ll_send"))?;
-            Ok(())
+            unsafe {
+                gpu.launch(&f, cfg, &args, "launching uep_ll_send")
+            }
         })?;
         stream
             .synchronize()

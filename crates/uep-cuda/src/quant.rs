@@ -1,5 +1,5 @@
-//! The low-latency dispatch's FP8 cast on the GPU (`kernels/quant.cu`), checked bit
-//! for bit against `uep_ep::quant`, the definition the host device runs.
+//! The low-latency dispatch's casts on the GPU (`kernels/cast.cu`), checked bit for
+//! bit against `uep_ep::quant`, the definition the host device runs.
 
 use crate::CudaError;
 
@@ -60,18 +60,28 @@ impl Loads {
 }
 
 #[cfg(feature = "cuda")]
-pub(crate) use run::cast;
-#[cfg(feature = "cuda")]
 pub use run::check;
+#[cfg(feature = "cuda")]
+pub(crate) use run::{cast, cast_nvfp4};
 
 #[cfg(feature = "cuda")]
 mod run {
-    use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+    use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
     use super::*;
+    use crate::api::{Fp8CastArgs, Nvfp4CastArgs};
     use crate::gpu::{driver, kernels};
     use crate::inputs::inputs;
     use crate::{Gpu, Measured};
+
+    /// Eight blocks of 256 threads a multiprocessor: its 2048 threads, full occupancy.
+    fn grid(gpu: &Gpu) -> Result<LaunchConfig, CudaError> {
+        Ok(LaunchConfig {
+            grid_dim: (gpu.info()?.sms * 8, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
 
     /// Casts `xd` (`groups` groups of 128 bf16 channels) into `qd` and `sd`.
     fn launch(
@@ -83,13 +93,6 @@ mod run {
         sd: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         let groups = (xd.len() / GROUP) as u64;
-        let round = u32::from(round_scale);
-        let cfg = LaunchConfig {
-            // Eight blocks of 256 threads a multiprocessor: its 2048 threads, full occupancy.
-            grid_dim: (gpu.info()?.sms * 8, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         if qd.len() != xd.len() || sd.len() as u64 != groups {
             return Err(CudaError::Invalid(format!(
                 "{} channels cast into {} codes and {} scales",
@@ -98,13 +101,21 @@ mod run {
                 sd.len()
             )));
         }
-        let mut l = gpu.stream().launch_builder(f);
-        l.arg(xd).arg(&groups).arg(&round).arg(qd).arg(sd);
-        // SAFETY: arguments match both cast kernels (bf16 bits, groups, flag, q and
-        // scales sized for `groups` groups of 128, checked above).
+        let args = Fp8CastArgs {
+            x: gpu.addr(xd),
+            q: gpu.addr(qd),
+            scales: gpu.addr(sd),
+            groups,
+            round_scale: u32::from(round_scale),
+            pad: 0,
+        };
+        // SAFETY: q and scales sized for `groups` groups of 128 (checked above), device
+        // allocations (256-byte aligned, as the wide loads need), alive until the
+        // caller synchronises.
         #[allow(unsafe_code)]
-        unsafe { l.launch(cfg) }.map_err(driver("launching the FP8 cast"))?;
-        Ok(())
+        unsafe {
+            gpu.launch(f, grid(gpu)?, &args, "launching the FP8 cast")
+        }
     }
 
     /// The cast of `x` (bf16 bits, a multiple of 128 of them) into `q` and `scales`
@@ -133,6 +144,56 @@ mod run {
         stream.synchronize().map_err(driver("running the FP8 cast"))
     }
 
+    /// The NVFP4 cast of `x` (bf16 bits, a multiple of 128 of them) into `q` (two codes
+    /// a byte) and `sf` (a scale byte a block of 16) by kernel `f`.
+    pub(crate) fn cast_nvfp4(
+        gpu: &Gpu,
+        f: &CudaFunction,
+        x: &[u16],
+        cast: uep_ep::quant::Nvfp4,
+        q: &mut [u8],
+        sf: &mut [u8],
+    ) -> Result<(), CudaError> {
+        let groups = x.len() / GROUP;
+        if x.len() % GROUP != 0 || q.len() != groups * GROUP / 2 || sf.len() != groups * 8 {
+            return Err(CudaError::Invalid(format!(
+                "{} channels cast into {} codes and {} scale bytes",
+                x.len(),
+                q.len(),
+                sf.len()
+            )));
+        }
+        let stream = gpu.stream();
+        let xd = stream.clone_htod(x).map_err(driver("copying the input"))?;
+        let qd = stream
+            .alloc_zeros::<u8>(q.len())
+            .map_err(driver("allocating q"))?;
+        let sd = stream
+            .alloc_zeros::<u8>(sf.len())
+            .map_err(driver("allocating scales"))?;
+        let args = Nvfp4CastArgs {
+            x: gpu.addr(&xd),
+            q: gpu.addr(&qd),
+            sf: gpu.addr(&sd),
+            groups: groups as u64,
+            global_scale: cast.global_scale,
+            ue8m0: u32::from(cast.ue8m0),
+        };
+        // SAFETY: 64 code bytes and 8 scale bytes a group of 128 channels (checked
+        // above), device allocations alive until the synchronize below.
+        #[allow(unsafe_code)]
+        unsafe {
+            gpu.launch(f, grid(gpu)?, &args, "launching the NVFP4 cast")?;
+        }
+        stream.memcpy_dtoh(&qd, q).map_err(driver("copying q"))?;
+        stream
+            .memcpy_dtoh(&sd, sf)
+            .map_err(driver("copying scales"))?;
+        stream
+            .synchronize()
+            .map_err(driver("running the NVFP4 cast"))
+    }
+
     /// Casts fresh inputs on the GPU, compares every byte and scale with the host's
     /// cast of the same inputs, then times `iters` launches.
     pub fn check(
@@ -153,7 +214,7 @@ mod run {
         let (want_q, want_s) = uep_ep::quant::quantize(&x, hidden, round_scale)
             .map_err(|e| CudaError::Invalid(e.to_string()))?;
         let stream = gpu.stream();
-        let f = gpu.function(kernels::QUANT, loads.kernel())?;
+        let f = gpu.function(kernels::CAST, loads.kernel())?;
         let bits: Vec<u16> = x.iter().map(|v| v.to_bits()).collect();
         let xd = stream
             .clone_htod(&bits)

@@ -1,14 +1,14 @@
-//! The EP operations with their compute phases on the GPU: four ranks (two nodes of
-//! two) of `Buffer::with_device(.., CudaDevice)`, every output of normal and
-//! low-latency steps checked bit for bit against the sequential reference. Each phase
-//! on its own is also compared with the host device on fresh inputs. Without a GPU it
-//! is skipped with the reason.
-#![cfg(feature = "cuda")]
+//! The EP operations with their kernel phases on a device: four ranks (two nodes of
+//! two) of `Buffer::with_device`, every output of normal and low-latency steps checked
+//! bit for bit against the sequential reference, and each phase on its own compared
+//! with the host device on fresh inputs. The emulated device always runs (its kernels
+//! are the host build of the GPU's); the CUDA device where a GPU is, skipped with the
+//! reason elsewhere.
 
 use std::sync::Arc;
 
-use uep_cuda::CudaDevice;
-use uep_ep::device::{CastPhase, Device, HostDevice, LayoutPhase};
+use uep_cuda::EmuDevice;
+use uep_ep::device::{CastPhase, Device, HostDevice, LayoutPhase, Phase};
 use uep_ep::{Buffer, BufferConfig, Connect};
 use uep_harness::ranks::run_ranks;
 use uep_harness::step::{verified_steps, StepOpts};
@@ -19,20 +19,8 @@ const HIDDEN: usize = 512;
 const TOPK: usize = 4;
 const EXPERTS: usize = 16;
 
-/// The GPU, or the reason there is none (printed by the caller).
-fn gpu() -> Option<CudaDevice> {
-    match CudaDevice::open(0, 2) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
-    }
-}
-
-#[test]
-fn layout_and_cast_phases_match_the_host_device() {
-    let Some(cuda) = gpu() else { return };
+/// The layout and FP8 cast phases of `device` against the host device's.
+fn layout_and_cast_match_the_host(device: &dyn Device) {
     let host = HostDevice::new(2);
     for seed in 0..4u64 {
         let ids = uep_cuda::inputs::routing(300, TOPK, EXPERTS, 4, seed);
@@ -43,7 +31,7 @@ fn layout_and_cast_phases_match_the_host_device() {
             num_ranks: 4,
             ranks_per_node: 2,
         };
-        assert_eq!(cuda.layout(&p).unwrap(), host.layout(&p).unwrap());
+        assert_eq!(device.layout(&p).unwrap(), host.layout(&p).unwrap());
         let x = uep_cuda::inputs::inputs(77, HIDDEN, seed);
         for round_scale in [false, true] {
             let p = CastPhase {
@@ -53,12 +41,12 @@ fn layout_and_cast_phases_match_the_host_device() {
             };
             let mut a = (vec![0u8; x.len()], vec![0f32; x.len() / 128]);
             let mut b = a.clone();
-            cuda.cast(&p, &mut a.0, &mut a.1).unwrap();
+            device.cast(&p, &mut a.0, &mut a.1).unwrap();
             host.cast(&p, &mut b.0, &mut b.1).unwrap();
             assert_eq!(a, b, "seed {seed}");
         }
     }
-    // An id out of range: the host's error, not a GPU fault.
+    // An id out of range: the host's error, not a fault of the kernel.
     let bad = vec![0, 1, EXPERTS as i64, 2];
     let p = LayoutPhase {
         topk_idx: &bad,
@@ -67,15 +55,14 @@ fn layout_and_cast_phases_match_the_host_device() {
         num_ranks: 4,
         ranks_per_node: 2,
     };
-    let (c, h) = (cuda.layout(&p).unwrap_err(), host.layout(&p).unwrap_err());
+    let (c, h) = (device.layout(&p).unwrap_err(), host.layout(&p).unwrap_err());
     assert_eq!(c.to_string(), h.to_string());
 }
 
-#[test]
-fn ep_steps_on_the_cuda_device_match_the_reference() {
-    if gpu().is_none() {
-        return;
-    }
+/// Eight verified normal and low-latency steps (bf16 and FP8, zero copy or not) of four
+/// ranks as two nodes, each rank's Buffer on the device `open` makes; returns the phases
+/// that ran as kernels on rank 0.
+fn ep_steps_match_the_reference(open: impl Fn() -> Arc<dyn Device> + Sync) -> Vec<&'static str> {
     let (ranks, per_node) = (4, 2);
     let shape = JobShape {
         num_ranks: ranks,
@@ -92,20 +79,71 @@ fn ep_steps_on_the_cuda_device_match_the_reference() {
         .collect();
     cfg.net.connector = Some(Connect(Arc::new(nets)));
     let results = run_ranks(ranks, |group| {
-        let device = Arc::new(CudaDevice::open(0, 2).expect("the GPU"));
+        let device = open();
         let mut buffer =
-            Buffer::with_device(Arc::new(group), cfg.clone(), device).expect("a Buffer");
+            Buffer::with_device(Arc::new(group), cfg.clone(), device.clone()).expect("a Buffer");
         let opts = |step: u64| StepOpts {
             zero_copy: step % 2 == 1,
             fp8: step % 4 < 2,
             round_scale: step % 4 == 1,
             expert_alignment: 0,
         };
-        verified_steps(&mut buffer, &shape, (tokens, ll_tokens), 8, 0xc0da, opts)
-            .expect("verified steps")
+        let bad = verified_steps(&mut buffer, &shape, (tokens, ll_tokens), 8, 0xc0da, opts)
+            .expect("verified steps");
+        (bad, device.take_kernel_phases().names())
     })
     .expect("rendezvous");
-    for (rank, bad) in results.iter().enumerate() {
+    for (rank, (bad, _)) in results.iter().enumerate() {
         assert!(bad.is_empty(), "rank {rank}: {bad:#?}");
+    }
+    results
+        .into_iter()
+        .next()
+        .map(|(_, ran)| ran)
+        .unwrap_or_default()
+}
+
+#[test]
+fn the_emulated_device_phases_match_the_host_device() {
+    layout_and_cast_match_the_host(&EmuDevice::new(2));
+}
+
+#[test]
+fn ep_steps_on_the_emulated_device_match_the_reference() {
+    let ran = ep_steps_match_the_reference(|| Arc::new(EmuDevice::new(2)));
+    // The steps call every phase the emulated device has a kernel for.
+    let want: Vec<&str> = EmuDevice::KERNELS.iter().map(|p| p.name()).collect();
+    assert_eq!(ran, want);
+    assert!(!ran.contains(&Phase::LlPack.name()));
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use uep_cuda::CudaDevice;
+
+    /// The GPU, or the reason there is none (printed).
+    fn gpu() -> Option<CudaDevice> {
+        match CudaDevice::open(0, 2) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                println!("skipped: {e}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn layout_and_cast_phases_match_the_host_device() {
+        if let Some(cuda) = gpu() {
+            layout_and_cast_match_the_host(&cuda);
+        }
+    }
+
+    #[test]
+    fn ep_steps_on_the_cuda_device_match_the_reference() {
+        if gpu().is_some() {
+            ep_steps_match_the_reference(|| Arc::new(CudaDevice::open(0, 2).expect("the GPU")));
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! The kernels' headers, built for the host, against the Rust definitions they must
-//! equal: the FP8 numerics (`uep_ep::quant`), the command encoding (`uep_wire`) and the
-//! FIFO layout (`uep_fifo`). No GPU needed; the device build of the same headers is
-//! compared on a GPU by `uep gpu quant` and `uep gpu fifo`.
+//! equal: the FP8 and NVFP4 numerics (`uep_ep::quant`), bf16 rounding, the command
+//! encoding (`uep_wire`) and the FIFO layout (`uep_fifo`). No GPU needed; the device
+//! build of the same headers is compared on a GPU by `uep gpu check` and `uep gpu fifo`.
 
 use proptest::prelude::*;
 use uep_cuda::host_check as dev;
@@ -57,8 +57,60 @@ fn e4m3_equals_quant_on_f32_edges() {
     }
 }
 
+#[test]
+fn e4m3_decodes_every_byte_as_quant() {
+    for b in 0..=u8::MAX {
+        assert_eq!(
+            dev::e4m3_to_f32(b).to_bits(),
+            quant::e4m3_to_f32(b).to_bits(),
+            "{b:#04x}"
+        );
+    }
+}
+
+#[test]
+fn nvfp4_numerics_equal_quant_on_edges() {
+    let edges = [
+        0.0f32,
+        0.25,
+        0.2500001,
+        0.75,
+        1.25,
+        1.75,
+        2.5,
+        3.5,
+        5.0,
+        5.0001,
+        6.0,
+        f32::MAX,
+        f32::INFINITY,
+        f32::NAN,
+        f32::MIN_POSITIVE,
+        f32::from_bits(1 << 22),
+        f32::from_bits((1 << 22) + 1),
+        1e-45,
+    ];
+    for x in edges.into_iter().flat_map(|x| [x, -x]) {
+        assert_eq!(dev::e2m1(x), quant::e2m1_from_f32(x), "{x:e}");
+        assert_eq!(dev::ue8m0_round_up(x), quant::ue8m0_round_up(x), "{x:e}");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(20_000))]
+
+    #[test]
+    fn nvfp4_numerics_equal_quant_on_any_f32(bits in any::<u32>()) {
+        let x = f32::from_bits(bits);
+        prop_assert_eq!(dev::e2m1(x), quant::e2m1_from_f32(x));
+        prop_assert_eq!(dev::ue8m0_round_up(x), quant::ue8m0_round_up(x));
+    }
+
+    #[test]
+    fn bf16_rounding_equals_quant_on_any_f32(bits in any::<u32>()) {
+        let x = f32::from_bits(bits);
+        prop_assert_eq!(dev::bf16_from_f32(x), quant::bf16_bits_from_f32(x));
+    }
 
     #[test]
     fn e4m3_equals_quant_on_any_f32(bits in any::<u32>()) {

@@ -40,6 +40,7 @@
 
 mod copy;
 pub(crate) mod host;
+mod kernels;
 pub(crate) mod normal;
 pub(crate) mod pack;
 mod phase;
@@ -57,6 +58,7 @@ pub use crate::symm::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};
 pub use crate::wait::{Peer, Seen, Wait};
 pub use copy::CopyPhase;
 pub use host::{HostDevice, HostFifos};
+pub use kernels::{KernelPhases, Phase};
 pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase};
 pub use pack::{LlCombinePackPhase, LlPackPhase, LlTokens, LlUnpackPhase, LlUnpacked};
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
@@ -83,6 +85,13 @@ pub trait Device: std::fmt::Debug + Send + Sync {
 
     /// Parallel lanes a launch spreads over.
     fn lanes(&self) -> usize;
+
+    /// The phases that ran as kernels on this device since the last call (which it
+    /// forgets): what a report names as a call's kernel phases. By default none: the
+    /// host device runs every phase's host definition on CPU threads.
+    fn take_kernel_phases(&self) -> KernelPhases {
+        KernelPhases::default()
+    }
 
     /// How a launch over `n` items cuts them: `(chunks, items a chunk)`, chunk `c`
     /// being `c * per..(c + 1) * per` (the last one shorter). A kernel that lays out

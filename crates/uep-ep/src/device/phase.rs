@@ -99,8 +99,10 @@ pub enum Rows<'a> {
 }
 
 /// One row a token's output sums: row `row` of source `source`, times `weight` in a
-/// weighted reduction.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// weighted reduction. Laid out as C (three 4-byte fields), so a device hands the parts
+/// to its kernel as they are.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Part {
     /// Index into [`ReducePhase::sources`].
     pub source: u32,

@@ -1,0 +1,125 @@
+// The index of uep's kernels: every entry point and the one argument it takes, as
+// DeepEP's api.cuh lists its kernels. Each argument is a plain struct of addresses and
+// sizes, passed by value; src/api.rs mirrors each one for the Rust side (the same
+// struct for a GPU launch and for the host build's, which host/entry.cpp exports), and
+// a test compares their sizes.
+//
+// Addresses are the device's: device or mapped memory on a GPU, host memory in the host
+// build. Counts are 32-bit where a grid index covers them.
+#pragma once
+#include "fifo.cuh"
+#include "port.cuh"
+
+namespace uep {
+
+// get_dispatch_layout (layout.cu): which ranks, nodes and experts each token goes to.
+struct LayoutArgs {
+    const int64_t *topk_idx;  // [tokens, topk] expert ids, -1 for an empty slot
+    int32_t *per_rank;        // [ranks] tokens to each rank (zeroed by the caller)
+    int32_t *per_node;        // [ranks / ranks_per_node]
+    int32_t *per_expert;      // [experts]
+    uint8_t *in_rank;         // [tokens, ranks] 0/1 (zeroed)
+    uint64_t *first_bad;      // UINT64_MAX, lowered to the first entry out of range
+    uint32_t tokens, topk, experts, ranks, ranks_per_node, pad;
+};
+
+// The low-latency dispatch's FP8 cast (cast.cu): per 128 channels an f32 scale.
+struct Fp8CastArgs {
+    const uint16_t *x;  // [groups * 128] bf16 bits, 16-byte aligned
+    uint8_t *q;         // [groups * 128] e4m3 codes
+    float *scales;      // [groups]
+    uint64_t groups;
+    uint32_t round_scale;  // UE8M0 scales (powers of two)
+    uint32_t pad;
+};
+
+// The low-latency dispatch's NVFP4 cast (cast.cu): per 16 channels a scale byte.
+struct Nvfp4CastArgs {
+    const uint16_t *x;  // [groups * 128] bf16 bits, 8-byte aligned
+    uint8_t *q;         // [groups * 64] two e2m1 codes a byte, the even channel low
+    uint8_t *sf;        // [groups * 8] block scale bytes
+    uint64_t groups;
+    float global_scale;
+    uint32_t ue8m0;  // UE8M0 block scales instead of e4m3
+};
+
+// One row a token's output sums (uep_ep::device::Part): row `row` of source `source`,
+// times `weight` when weighted.
+struct ReducePart {
+    uint32_t source, row;
+    float weight;
+};
+
+// Both combines' reduction (reduce.cu): token t's row is the f32 sum, in order, of its
+// parts parts[starts[t]..starts[t + 1]], read where they are, rounded once to bf16.
+struct ReduceArgs {
+    const uint16_t *const *sources;  // [sources] first row of each (bf16 bits)
+    const uint32_t *starts;          // [tokens + 1]
+    const ReducePart *parts;
+    uint16_t *out;  // [tokens, hidden]
+    uint32_t tokens, hidden, weighted, pad;
+};
+
+// The FIFO figure (fifo_bench.cu).
+struct FifoPushArgs {
+    const Ring *rings;  // one a block
+    uint64_t *ns;       // [blocks] each producer warp's push time
+    uint64_t count;     // commands a ring
+    uint32_t batch;     // 1 to the warp's width at a time
+    uint32_t pad;
+};
+
+struct FifoPingArgs {
+    const Ring *rings;  // rings[0]
+    uint64_t *ns;       // [rounds] push -> pop round trips
+    uint32_t rounds;
+    uint32_t pad;
+};
+
+// The LL send to other nodes, token by token (ll_send.cu).
+struct LlSendArgs {
+    const uint16_t *x;        // [tokens, hidden] bf16 bits
+    const int64_t *topk_idx;  // [tokens, topk]
+    const Ring *rings;        // one a block
+    uint64_t *ns;             // [blocks]
+    uint8_t *staged;          // device address of the staged rows
+    uint64_t staged_off;      // their byte offset in the sender's symmetric buffer
+    uint64_t recv_off;        // the receive area's byte offset in every rank's buffer
+    uint32_t src_rank, max_tokens;
+    uint32_t tokens, topk, hidden, experts, ranks, round_scale;
+};
+
+// The host build's own check (selftest.cu): what the warp collectives, barriers and
+// spins give, and the errors the host build reports.
+struct SelftestArgs {
+    uint64_t *out;    // [blocks * threads * kSelftestWords]
+    uint64_t *flags;  // [blocks] words the spin cases store and wait on
+    uint32_t which;   // a SelftestCase
+    uint32_t pad;
+};
+
+constexpr unsigned kSelftestWords = 8;
+
+enum SelftestCase : uint32_t {
+    kSelftestCollectives = 0,  // shfl, shfl_xor, ballot, match_any, half-warp masks
+    kSelftestBlockSync = 1,    // sync_block orders stores across the block's warps
+    kSelftestSpinRing = 2,     // each block waits for the next block's flag
+    kSelftestExitedLane = 3,   // error: a lane left before a full-mask ballot
+    kSelftestMismatch = 4,     // error: lanes met at different collectives
+    kSelftestOutsideMask = 5,  // error: a shuffle reads a lane outside its mask
+    kSelftestDeadlock = 6,     // error: half the warp at sync_block, half at a ballot
+    kSelftestSpinForever = 7,  // error: a spin past the deadline
+};
+
+}  // namespace uep
+
+// The entry points, as every build names them.
+UEP_KERNEL void uep_dispatch_layout(uep::LayoutArgs a);
+UEP_KERNEL void uep_fp8_quantize(uep::Fp8CastArgs a);
+UEP_KERNEL void uep_fp8_quantize_x16(uep::Fp8CastArgs a);
+UEP_KERNEL void uep_nvfp4_quantize(uep::Nvfp4CastArgs a);
+UEP_KERNEL void uep_reduce(uep::ReduceArgs a);
+UEP_KERNEL void uep_fifo_push(uep::FifoPushArgs a);
+UEP_KERNEL void uep_fifo_ping(uep::FifoPingArgs a);
+UEP_KERNEL void uep_ll_send(uep::LlSendArgs a);
+UEP_KERNEL void uep_selftest(uep::SelftestArgs a);

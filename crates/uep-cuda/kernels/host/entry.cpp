@@ -1,0 +1,23 @@
+// The host build's entry points: each kernel of api.cuh launched on the host grid
+// (runtime.h), as C for the Rust side (src/emu/ffi.rs). `uep_host_<kernel>` runs the
+// kernel; `uep_host_<kernel>_args` gives its argument's size, which a test compares
+// with the Rust mirror's.
+#include "../api.cuh"
+
+#define UEP_HOST_ENTRY(kernel, Args)                                                        \
+    extern "C" int uep_host_##kernel(const uep_host_grid *grid, const uep::Args *args,      \
+                                     uep_host_error *err) {                                 \
+        const uep::Args a = *args;                                                          \
+        return uep::host::launch(*grid, [&a] { kernel(a); }, err);                         \
+    }                                                                                       \
+    extern "C" size_t uep_host_##kernel##_args() { return sizeof(uep::Args); }
+
+UEP_HOST_ENTRY(uep_dispatch_layout, LayoutArgs)
+UEP_HOST_ENTRY(uep_fp8_quantize, Fp8CastArgs)
+UEP_HOST_ENTRY(uep_fp8_quantize_x16, Fp8CastArgs)
+UEP_HOST_ENTRY(uep_nvfp4_quantize, Nvfp4CastArgs)
+UEP_HOST_ENTRY(uep_reduce, ReduceArgs)
+UEP_HOST_ENTRY(uep_fifo_push, FifoPushArgs)
+UEP_HOST_ENTRY(uep_fifo_ping, FifoPingArgs)
+UEP_HOST_ENTRY(uep_ll_send, LlSendArgs)
+UEP_HOST_ENTRY(uep_selftest, SelftestArgs)

@@ -1,0 +1,159 @@
+//! The kernels' arguments as `kernels/api.cuh` defines them: one `#[repr(C)]` struct a
+//! kernel, of addresses and sizes, passed by value. The same struct launches a kernel
+//! on a GPU (its addresses the device's) and in the host build (host addresses); a test
+//! compares each size with the C++ one (`emu::ffi`).
+//!
+//! Addresses are `u64`: a device pointer on a GPU, a host pointer in the host build.
+
+/// `uep::LayoutArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LayoutArgs {
+    pub(crate) topk_idx: u64,
+    pub(crate) per_rank: u64,
+    pub(crate) per_node: u64,
+    pub(crate) per_expert: u64,
+    pub(crate) in_rank: u64,
+    pub(crate) first_bad: u64,
+    pub(crate) tokens: u32,
+    pub(crate) topk: u32,
+    pub(crate) experts: u32,
+    pub(crate) ranks: u32,
+    pub(crate) ranks_per_node: u32,
+    pub(crate) pad: u32,
+}
+
+/// `uep::Fp8CastArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Fp8CastArgs {
+    pub(crate) x: u64,
+    pub(crate) q: u64,
+    pub(crate) scales: u64,
+    pub(crate) groups: u64,
+    pub(crate) round_scale: u32,
+    pub(crate) pad: u32,
+}
+
+/// `uep::Nvfp4CastArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Nvfp4CastArgs {
+    pub(crate) x: u64,
+    pub(crate) q: u64,
+    pub(crate) sf: u64,
+    pub(crate) groups: u64,
+    pub(crate) global_scale: f32,
+    pub(crate) ue8m0: u32,
+}
+
+/// `uep::ReduceArgs`; its parts are `uep_ep::device::Part`s, whose layout is
+/// `uep::ReducePart`'s.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ReduceArgs {
+    pub(crate) sources: u64,
+    pub(crate) starts: u64,
+    pub(crate) parts: u64,
+    pub(crate) out: u64,
+    pub(crate) tokens: u32,
+    pub(crate) hidden: u32,
+    pub(crate) weighted: u32,
+    pub(crate) pad: u32,
+}
+
+/// `uep::FifoPushArgs`.
+#[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct FifoPushArgs {
+    pub(crate) rings: u64,
+    pub(crate) ns: u64,
+    pub(crate) count: u64,
+    pub(crate) batch: u32,
+    pub(crate) pad: u32,
+}
+
+/// `uep::FifoPingArgs`.
+#[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct FifoPingArgs {
+    pub(crate) rings: u64,
+    pub(crate) ns: u64,
+    pub(crate) rounds: u32,
+    pub(crate) pad: u32,
+}
+
+/// `uep::LlSendArgs`.
+#[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LlSendArgs {
+    pub(crate) x: u64,
+    pub(crate) topk_idx: u64,
+    pub(crate) rings: u64,
+    pub(crate) ns: u64,
+    pub(crate) staged: u64,
+    pub(crate) staged_off: u64,
+    pub(crate) recv_off: u64,
+    pub(crate) src_rank: u32,
+    pub(crate) max_tokens: u32,
+    pub(crate) tokens: u32,
+    pub(crate) topk: u32,
+    pub(crate) hidden: u32,
+    pub(crate) experts: u32,
+    pub(crate) ranks: u32,
+    pub(crate) round_scale: u32,
+}
+
+/// `uep::SelftestArgs`.
+#[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct SelftestArgs {
+    pub(crate) out: u64,
+    pub(crate) flags: u64,
+    pub(crate) which: u32,
+    pub(crate) pad: u32,
+}
+
+/// Words each thread of the self-test writes (`uep::kSelftestWords`).
+#[cfg(test)]
+pub(crate) const SELFTEST_WORDS: usize = 8;
+
+/// The address of a slice's first element, as a kernel argument.
+pub(crate) fn addr<T>(s: &[T]) -> u64 {
+    s.as_ptr() as u64
+}
+
+/// The address of a mutable slice's first element, as a kernel argument.
+pub(crate) fn addr_mut<T>(s: &mut [T]) -> u64 {
+    s.as_mut_ptr() as u64
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+
+    /// Each argument struct is plain data (integers and floats, `#[repr(C)]`, no
+    /// pointers the driver must know of), which is what `DeviceRepr` asks.
+    macro_rules! device_repr {
+        ($($t:ty),*) => {$(
+            // SAFETY: `#[repr(C)]` plain data whose layout is the C++ struct's.
+            #[allow(unsafe_code)]
+            unsafe impl cudarc::driver::DeviceRepr for $t {}
+        )*};
+    }
+
+    device_repr!(
+        LayoutArgs,
+        Fp8CastArgs,
+        Nvfp4CastArgs,
+        ReduceArgs,
+        FifoPushArgs,
+        FifoPingArgs,
+        LlSendArgs,
+        SelftestArgs
+    );
+}

@@ -1,0 +1,186 @@
+//! The host build's entry points (`kernels/host/entry.cpp`): each kernel of
+//! `kernels/api.cuh` run on CPU threads as a GPU grid (`kernels/host/runtime.h`). The
+//! only place the emulated device calls C++.
+
+use std::ffi::{c_char, c_int};
+use std::time::Duration;
+
+use crate::api::{
+    FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlSendArgs, Nvfp4CastArgs, ReduceArgs,
+    SelftestArgs,
+};
+
+/// A one-dimensional grid, and how long a spin in it may last (`uep_host_grid`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grid {
+    /// Blocks.
+    pub blocks: u32,
+    /// Threads a block (1 to 1024).
+    pub threads: u32,
+    /// A spin (`pause`) past this many nanoseconds after the launch ends it with an
+    /// error; 0 for no deadline.
+    pub timeout_ns: u64,
+}
+
+impl Grid {
+    /// `blocks` blocks of `threads` threads, spins bounded by `timeout`.
+    pub fn new(blocks: u32, threads: u32, timeout: Duration) -> Grid {
+        Grid {
+            blocks,
+            threads,
+            timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
+        }
+    }
+}
+
+/// `uep_host_error`: where a failed launch writes why.
+#[repr(C)]
+struct HostError {
+    msg: *mut c_char,
+    len: usize,
+}
+
+/// A kernel's host entry point, its argument type `A`.
+#[allow(unsafe_code)]
+pub(crate) struct Entry<A> {
+    /// The kernel's name, for errors.
+    pub(crate) name: &'static str,
+    run: unsafe extern "C" fn(*const Grid, *const A, *mut HostError) -> c_int,
+    #[cfg_attr(not(test), allow(dead_code))]
+    args_bytes: extern "C" fn() -> usize,
+}
+
+#[cfg(test)]
+impl<A> Entry<A> {
+    /// The size of the argument struct on the C++ side.
+    pub(crate) fn args_bytes(&self) -> usize {
+        (self.args_bytes)()
+    }
+}
+
+macro_rules! entries {
+    ($($konst:ident: $args:ty = $kernel:literal, $run:ident, $size:ident;)*) => {
+        #[allow(unsafe_code)]
+        unsafe extern "C" {
+            $(
+                fn $run(grid: *const Grid, args: *const $args, err: *mut HostError) -> c_int;
+                safe fn $size() -> usize;
+            )*
+        }
+        $(
+            #[doc = concat!("`", $kernel, "` in the host build.")]
+            // The bench kernels run in the tests only.
+            #[cfg_attr(not(test), allow(dead_code))]
+            pub(crate) const $konst: Entry<$args> = Entry {
+                name: $kernel,
+                run: $run,
+                args_bytes: $size,
+            };
+        )*
+    };
+}
+
+entries! {
+    LAYOUT: LayoutArgs = "uep_dispatch_layout", uep_host_uep_dispatch_layout,
+        uep_host_uep_dispatch_layout_args;
+    FP8_CAST: Fp8CastArgs = "uep_fp8_quantize", uep_host_uep_fp8_quantize,
+        uep_host_uep_fp8_quantize_args;
+    FP8_CAST_X16: Fp8CastArgs = "uep_fp8_quantize_x16", uep_host_uep_fp8_quantize_x16,
+        uep_host_uep_fp8_quantize_x16_args;
+    NVFP4_CAST: Nvfp4CastArgs = "uep_nvfp4_quantize", uep_host_uep_nvfp4_quantize,
+        uep_host_uep_nvfp4_quantize_args;
+    REDUCE: ReduceArgs = "uep_reduce", uep_host_uep_reduce, uep_host_uep_reduce_args;
+    FIFO_PUSH: FifoPushArgs = "uep_fifo_push", uep_host_uep_fifo_push,
+        uep_host_uep_fifo_push_args;
+    FIFO_PING: FifoPingArgs = "uep_fifo_ping", uep_host_uep_fifo_ping,
+        uep_host_uep_fifo_ping_args;
+    LL_SEND: LlSendArgs = "uep_ll_send", uep_host_uep_ll_send, uep_host_uep_ll_send_args;
+    SELFTEST: SelftestArgs = "uep_selftest", uep_host_uep_selftest, uep_host_uep_selftest_args;
+}
+
+/// Runs `entry`'s kernel over `grid` with `args`; returns once every thread ended, or
+/// with the host runtime's error (a misused collective, a deadlock, a spin past the
+/// deadline).
+///
+/// # Safety
+///
+/// Every address in `args` is valid, for as long as the launch runs, for all that the
+/// kernel reads and writes there (what `kernels/api.cuh` says of each field), and no
+/// other thread writes what the kernel reads meanwhile unless the kernel reads it
+/// atomically.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn launch<A>(entry: &Entry<A>, grid: Grid, args: &A) -> Result<(), String> {
+    let mut msg = vec![0u8; 1024];
+    let mut err = HostError {
+        msg: msg.as_mut_ptr().cast(),
+        len: msg.len(),
+    };
+    // SAFETY: `grid` and `err` are live for the call and `err` names `msg`'s bytes; the
+    // caller vouches for `args`.
+    let rc = unsafe { (entry.run)(&grid, args, &mut err) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let end = msg.iter().position(|&b| b == 0).unwrap_or(msg.len());
+    Err(format!(
+        "{} on the host grid ({} blocks of {} threads): {}",
+        entry.name,
+        grid.blocks,
+        grid.threads,
+        String::from_utf8_lossy(&msg[..end])
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_argument_struct_is_the_size_cxx_gives_it() {
+        use std::mem::size_of;
+        let sizes = [
+            (LAYOUT.name, LAYOUT.args_bytes(), size_of::<LayoutArgs>()),
+            (
+                FP8_CAST.name,
+                FP8_CAST.args_bytes(),
+                size_of::<Fp8CastArgs>(),
+            ),
+            (
+                FP8_CAST_X16.name,
+                FP8_CAST_X16.args_bytes(),
+                size_of::<Fp8CastArgs>(),
+            ),
+            (
+                NVFP4_CAST.name,
+                NVFP4_CAST.args_bytes(),
+                size_of::<Nvfp4CastArgs>(),
+            ),
+            (REDUCE.name, REDUCE.args_bytes(), size_of::<ReduceArgs>()),
+            (
+                FIFO_PUSH.name,
+                FIFO_PUSH.args_bytes(),
+                size_of::<FifoPushArgs>(),
+            ),
+            (
+                FIFO_PING.name,
+                FIFO_PING.args_bytes(),
+                size_of::<FifoPingArgs>(),
+            ),
+            (LL_SEND.name, LL_SEND.args_bytes(), size_of::<LlSendArgs>()),
+            (
+                SELFTEST.name,
+                SELFTEST.args_bytes(),
+                size_of::<SelftestArgs>(),
+            ),
+        ];
+        for (name, cxx, rust) in sizes {
+            assert_eq!(cxx, rust, "{name}'s argument: C++ {cxx} bytes, Rust {rust}");
+        }
+        assert_eq!(
+            std::mem::size_of::<uep_ep::device::Part>(),
+            12,
+            "uep::ReducePart is three 4-byte fields"
+        );
+    }
+}

@@ -1,0 +1,192 @@
+//! The emulated GPU device (`--device emu`): uep's kernels, the same sources a GPU runs
+//! (`kernels/*.cu`), built for the host and run on CPU threads as a grid whose blocks
+//! all run at once (`kernels/host/runtime.h`). Built by default, with no CUDA compiler
+//! or driver, so that CI runs every kernel on every commit, bit for bit against the
+//! host device.
+//!
+//! The phases with a kernel run it ([`EmuDevice::KERNELS`]); the others run the host
+//! device's definition on CPU threads, and [`Device::take_kernel_phases`] says which
+//! ran as kernels. A small grid by default (two blocks of two warps): it runs on the
+//! machine's cores beside every other rank's.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use half::bf16;
+use uep_ep::device::{
+    CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, Phase, ReducePhase,
+};
+use uep_ep::{Cast, DispatchLayout, EpError};
+use uep_fifo::FifoAlloc;
+
+mod ffi;
+pub(crate) mod kernels;
+
+pub use ffi::Grid;
+
+#[cfg(test)]
+mod tests;
+
+use crate::layout::{fits, RouteShape};
+use crate::quant::Loads;
+
+/// The emulated GPU; see the module docs.
+///
+/// ```
+/// use uep_cuda::EmuDevice;
+/// use uep_ep::device::{Device, LayoutPhase, Phase};
+/// let device = EmuDevice::new(2);
+/// let topk_idx = [0i64, 5, 3, -1];
+/// let phase = LayoutPhase { topk_idx: &topk_idx, topk: 2, num_experts: 8, num_ranks: 2, ranks_per_node: 2 };
+/// let layout = device.layout(&phase).unwrap();
+/// assert_eq!(layout.num_tokens_per_rank, [1, 2]);
+/// assert!(device.take_kernel_phases().contains(Phase::Layout));
+/// ```
+#[derive(Debug)]
+pub struct EmuDevice {
+    /// Runs the phases that have no kernel yet.
+    host: HostDevice,
+    grid: Grid,
+    /// The phases run as kernels since the last `take_kernel_phases`.
+    ran: AtomicU32,
+}
+
+/// An error of the host build's launch, which is uep's own fault.
+fn launch_failed(e: String) -> EpError {
+    EpError::Internal(format!("emulated device: {e}"))
+}
+
+impl EmuDevice {
+    /// The phases that run as kernels on this device.
+    pub const KERNELS: [Phase; 3] = [Phase::Layout, Phase::Cast, Phase::Reduce];
+
+    /// The default grid: two blocks of two warps, spins bounded by uep's default wait.
+    pub const GRID: Grid = Grid {
+        blocks: 2,
+        threads: 64,
+        timeout_ns: 100_000_000_000,
+    };
+
+    /// An emulated GPU with the default grid; the phases without a kernel run on
+    /// `threads` CPU threads.
+    pub fn new(threads: usize) -> EmuDevice {
+        EmuDevice::with_grid(threads, EmuDevice::GRID)
+    }
+
+    /// An emulated GPU whose kernels run on `grid`.
+    pub fn with_grid(threads: usize, grid: Grid) -> EmuDevice {
+        EmuDevice {
+            host: HostDevice::new(threads),
+            grid,
+            ran: AtomicU32::new(0),
+        }
+    }
+
+    /// The grid every kernel runs on.
+    pub fn grid(&self) -> Grid {
+        self.grid
+    }
+
+    /// How long a kernel's spin may last.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_nanos(self.grid.timeout_ns)
+    }
+
+    fn ran(&self, phase: Phase) {
+        let mut set = KernelPhases::default();
+        set.insert(phase);
+        self.ran.fetch_or(set.bits(), Ordering::Relaxed);
+    }
+}
+
+impl Device for EmuDevice {
+    fn name(&self) -> &str {
+        "emu"
+    }
+
+    fn lanes(&self) -> usize {
+        self.host.lanes()
+    }
+
+    fn take_kernel_phases(&self) -> KernelPhases {
+        KernelPhases::from_bits(self.ran.swap(0, Ordering::Relaxed))
+    }
+
+    fn launch(
+        &self,
+        n: usize,
+        kernel: &(dyn Fn(Range<usize>) -> uep_ep::Result<()> + Sync),
+    ) -> uep_ep::Result<()> {
+        self.host.launch(n, kernel)
+    }
+
+    fn fifo_alloc(&self) -> &dyn FifoAlloc {
+        &HostFifos
+    }
+
+    fn layout(&self, p: &LayoutPhase<'_>) -> uep_ep::Result<DispatchLayout> {
+        let s = RouteShape {
+            tokens: p.topk_idx.len() / p.topk.max(1),
+            topk: p.topk,
+            experts: p.num_experts,
+            ranks: p.num_ranks,
+            ranks_per_node: p.ranks_per_node,
+        };
+        // No tokens (nothing to launch over), a shape the kernel does not take, or an id
+        // it rejects: the host's definition runs, and says what is wrong exactly as it
+        // would on the host device.
+        if s.tokens == 0 || !fits(s) || p.topk_idx.len() != s.tokens * s.topk {
+            return self.host.layout(p);
+        }
+        let layout = kernels::layout(self.grid, p.topk_idx, s).map_err(launch_failed)?;
+        self.ran(Phase::Layout);
+        match layout {
+            Ok(layout) => Ok(layout),
+            Err(bad) => match self.host.layout(p) {
+                Err(e) => Err(e),
+                Ok(_) => Err(EpError::Internal(format!(
+                    "the emulated layout kernel rejected topk_idx entry {bad}, which the host accepts"
+                ))),
+            },
+        }
+    }
+
+    fn cast(&self, p: &CastPhase<'_>, q: &mut [u8], scales: &mut [f32]) -> uep_ep::Result<()> {
+        p.check(q.len(), scales.len())?;
+        let x: &[u16] = bytemuck::cast_slice(p.x);
+        if x.is_empty() {
+            return Ok(());
+        }
+        match p.cast {
+            Cast::Fp8 { round_scale } => {
+                kernels::fp8_cast(self.grid, Loads::X16, x, round_scale, q, scales)
+            }
+            Cast::Nvfp4(n) => {
+                kernels::nvfp4_cast(self.grid, x, n, q, bytemuck::cast_slice_mut(scales))
+            }
+        }
+        .map_err(launch_failed)?;
+        self.ran(Phase::Cast);
+        Ok(())
+    }
+
+    fn reduce(&self, p: &ReducePhase<'_>, out: &mut [bf16]) -> uep_ep::Result<()> {
+        p.check(out.len())?;
+        if p.tokens() == 0 || p.hidden == 0 {
+            return self.host.reduce(p, out);
+        }
+        // Each source where it is: the caller's tensor, or the area of symmetric memory
+        // the phase's publication makes readable.
+        let sources: Vec<&[u16]> = (p.sources.iter())
+            .map(|&s| p.memory.rows(s))
+            .collect::<uep_ep::Result<_>>()?;
+        let out: &mut [u16] = bytemuck::cast_slice_mut(out);
+        kernels::reduce(
+            self.grid, &sources, p.starts, p.parts, p.hidden, p.weighted, out,
+        )
+        .map_err(launch_failed)?;
+        self.ran(Phase::Reduce);
+        Ok(())
+    }
+}
