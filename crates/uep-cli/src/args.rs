@@ -23,8 +23,11 @@ pub enum DeviceKind {
     /// CPU threads (`--threads` of them a rank).
     #[default]
     Host,
-    /// GPU 0 for the compute phases (layout, FP8 cast, combine reduction) and FIFOs in
-    /// pinned memory it maps; needs a build with `--features cuda`.
+    /// The emulated GPU: uep's kernels (the GPU's sources built for the host) on CPU
+    /// threads for the phases that have one, the host definitions for the rest.
+    Emu,
+    /// GPU 0 for the compute phases (layout, FP8 and NVFP4 casts, combine reduction)
+    /// and FIFOs in pinned memory it maps; needs a build with `--features cuda`.
     Cuda,
 }
 

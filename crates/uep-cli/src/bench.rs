@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use uep_bootstrap::{EnvSource, Group, LaunchSpec, WorldInfo};
-use uep_ep::device::{Device, HostDevice};
+use uep_ep::device::{Device, HostDevice, KernelPhases};
 use uep_ep::{
     Buffer, BufferConfig, Cast, CombineArgs, DispatchArgs, JoinPoint, LlCombineInput,
     LlDispatchArgs,
@@ -111,6 +111,8 @@ struct Measured {
     net_bytes: u64,
     /// What this rank handed to its proxy per iteration (measured).
     wire_bytes: u64,
+    /// The phases that ran as kernels on this rank's device.
+    kernels: KernelPhases,
     timer: Timer,
 }
 
@@ -183,6 +185,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         } else {
             (2 * args.hidden) as u64
         },
+        device: setup.kernels.clone(),
     };
     let mut measured = Vec::new();
     if run_normal {
@@ -203,6 +206,8 @@ struct Setup {
     provider: String,
     /// The device's name.
     device: String,
+    /// The device, asked after each op which phases ran as kernels.
+    kernels: Arc<dyn Device>,
 }
 
 /// The Buffer of this rank, configured from the flags and the launcher; without a
@@ -268,17 +273,27 @@ fn open_buffer(
     uep_ep::set_spin_only(args.spin_waits);
     let device = open_device(args.device, threads)?;
     let device_name = device.name().to_string();
-    let (buffer, joined) = match group {
-        Some(group) => (Buffer::with_device(Arc::new(group), cfg, device)?, None),
+    let (buffer, joined, device) = match group {
+        Some(group) => (
+            Buffer::with_device(Arc::new(group), cfg, device.clone())?,
+            None,
+            device,
+        ),
         None => {
+            // A replacement joins on the host device.
             let (buffer, at) = Buffer::join(cfg, info.rank, info.world_size)?;
-            (buffer, Some(at))
+            (
+                buffer,
+                Some(at),
+                Arc::new(HostDevice::new(threads)) as Arc<dyn Device>,
+            )
         }
     };
     let setup = Setup {
         threads,
         provider,
         device: device_name,
+        kernels: device,
     };
     Ok((buffer, setup, joined))
 }
@@ -287,6 +302,7 @@ fn open_buffer(
 fn open_device(kind: DeviceKind, threads: usize) -> anyhow::Result<Arc<dyn Device>> {
     Ok(match kind {
         DeviceKind::Host => Arc::new(HostDevice::new(threads)),
+        DeviceKind::Emu => Arc::new(uep_cuda::EmuDevice::new(threads)),
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda => Arc::new(uep_cuda::CudaDevice::open(0, threads)?),
         #[cfg(not(feature = "cuda"))]
@@ -322,6 +338,8 @@ struct OpTally {
     copy_bytes: u64,
     /// Bytes handed to the proxy.
     wire: u64,
+    /// The phases that ran as kernels in the op's calls.
+    kernels: KernelPhases,
 }
 
 impl Tally {
@@ -334,6 +352,7 @@ impl Tally {
                 timer: Timer::new(args.warmup, args.iters),
                 copy_bytes,
                 wire: 0,
+                kernels: KernelPhases::default(),
             })
             .collect();
         Tally {
@@ -357,10 +376,12 @@ impl Tally {
             .sum::<u64>();
     }
 
-    /// Op `i` took `elapsed`, and the proxy was handed `wire` bytes more.
-    fn record(&mut self, i: usize, elapsed: Duration, wire: Option<u64>) {
+    /// Op `i` took `elapsed`, the proxy was handed `wire` bytes more, and `kernels` ran
+    /// as kernels.
+    fn record(&mut self, i: usize, elapsed: Duration, wire: Option<u64>, kernels: KernelPhases) {
         self.ops[i].timer.record(elapsed);
         self.ops[i].wire += wire.unwrap_or(0);
+        self.ops[i].kernels = self.ops[i].kernels.union(kernels);
     }
 
     /// Every op, per iteration.
@@ -374,6 +395,7 @@ impl Tally {
                 bytes: copies * o.copy_bytes / iters,
                 net_bytes: net * o.copy_bytes / iters,
                 wire_bytes: o.wire / iters,
+                kernels: o.kernels,
                 timer: o.timer,
             })
             .collect()
@@ -397,6 +419,8 @@ struct Run<'a> {
     bad: Mismatches,
     /// Bytes of one dispatched token (with its FP8 scales and metadata).
     token_bytes: u64,
+    /// The Buffer's device, which says after each op what ran as kernels.
+    device: Arc<dyn Device>,
 }
 
 impl Run<'_> {
@@ -463,9 +487,10 @@ impl Run<'_> {
     ) -> anyhow::Result<()> {
         self.progress.set_message("layout");
         buffer.barrier()?;
+        self.device.take_kernel_phases();
         let start = Instant::now();
         let l = buffer.get_dispatch_layout(&case.sent[self.rank].topk_idx)?;
-        tally.record(0, start.elapsed(), None);
+        tally.record(0, start.elapsed(), None, self.device.take_kernel_phases());
         let want = &case.layout.is_token_in_rank;
         self.bad
             .eq("layout.is_token_in_rank", &l.is_token_in_rank, want);
@@ -501,6 +526,7 @@ impl Run<'_> {
         .expert_alignment(args.expert_alignment)
         .num_worst_tokens(args.num_worst_tokens);
         let sent = buffer.net_bytes_sent();
+        self.device.take_kernel_phases();
         let start = Instant::now();
         let out = buffer.dispatch(args_d)?;
         let took = start.elapsed();
@@ -516,7 +542,12 @@ impl Run<'_> {
         if args.cached && scratch.cached.is_none() {
             scratch.cached = Some(handle.clone());
         }
-        tally.record(1, took, step.timed.then(|| buffer.net_bytes_sent() - sent));
+        tally.record(
+            1,
+            took,
+            step.timed.then(|| buffer.net_bytes_sent() - sent),
+            self.device.take_kernel_phases(),
+        );
         self.progress.inc(1);
         Ok((handle, w, dump))
     }
@@ -540,6 +571,7 @@ impl Run<'_> {
         buffer.barrier()?;
         let combined = &mut scratch.combined;
         let sent = buffer.net_bytes_sent();
+        self.device.take_kernel_phases();
         let start = Instant::now();
         let out_w = (combined.combined_topk_weights.as_deref_mut()).filter(|_| w.is_some());
         let combine_args = CombineArgs {
@@ -554,7 +586,7 @@ impl Run<'_> {
             out_w,
         )?;
         let wire = step.timed.then(|| buffer.net_bytes_sent() - sent);
-        tally.record(2, start.elapsed(), wire);
+        tally.record(2, start.elapsed(), wire, self.device.take_kernel_phases());
         if step.check {
             let want = &case.expected_combine;
             self.bad
@@ -633,6 +665,7 @@ impl Run<'_> {
         self.progress.set_message("ll_dispatch");
         buffer.barrier()?;
         let sent = buffer.net_bytes_sent();
+        self.device.take_kernel_phases();
         let start = Instant::now();
         let mut out = buffer.low_latency_dispatch(
             LlDispatchArgs::new(x, &mine.topk_idx).cast(Cast::fp8_if(args.fp8, args.round_scale)),
@@ -657,7 +690,12 @@ impl Run<'_> {
             identity_expert(out.recv_x, begin..begin + n as usize, h, layout, dst)?;
         }
         let handle = out.handle;
-        tally.record(0, took, step.timed.then(|| buffer.net_bytes_sent() - sent));
+        tally.record(
+            0,
+            took,
+            step.timed.then(|| buffer.net_bytes_sent() - sent),
+            self.device.take_kernel_phases(),
+        );
         self.progress.inc(1);
 
         self.progress.set_message("ll_combine");
@@ -667,6 +705,7 @@ impl Run<'_> {
             false => LlCombineInput::Rows(y),
         };
         let sent = buffer.net_bytes_sent();
+        self.device.take_kernel_phases();
         let start = Instant::now();
         let combined =
             buffer.low_latency_combine(input, &mine.topk_idx, &mine.topk_weights, &handle)?;
@@ -674,6 +713,7 @@ impl Run<'_> {
             1,
             start.elapsed(),
             step.timed.then(|| buffer.net_bytes_sent() - sent),
+            self.device.take_kernel_phases(),
         );
         if step.check {
             self.bad
@@ -718,7 +758,7 @@ fn report(
             &merged,
         ),
     };
-    let reports = op_reports(args, buffer, measured, &merged, &limits);
+    let reports = op_reports(args, setup, buffer, measured, &merged, &limits);
     if let Some(path) = std::env::var_os(crate::peers::REPORT_VAR) {
         // A job of `--peers`: the report is for the caller, not the terminal.
         std::fs::write(path, render_json(&reports))?;
@@ -734,9 +774,19 @@ fn report(
 struct Merged {
     /// Mismatching outputs over all ranks.
     total_bad: u64,
-    /// Per op: every rank's samples, and the sums of their bytes, network bytes and
-    /// bytes handed to the proxy.
-    ops: Vec<(Samples, u64, u64, u64)>,
+    /// Per op, over every rank.
+    ops: Vec<MergedOp>,
+}
+
+/// One op over every rank: the samples, the sums of the bytes, network bytes and bytes
+/// handed to the proxy, and the phases that ran as kernels on any rank.
+#[derive(Default)]
+struct MergedOp {
+    samples: Samples,
+    bytes: u64,
+    net: u64,
+    wire: u64,
+    kernels: KernelPhases,
 }
 
 /// Sends this rank's verdict and samples to rank 0 (every rank prints its own
@@ -752,6 +802,7 @@ fn gather(
         blob.extend_from_slice(&m.bytes.to_le_bytes());
         blob.extend_from_slice(&m.net_bytes.to_le_bytes());
         blob.extend_from_slice(&m.wire_bytes.to_le_bytes());
+        blob.extend_from_slice(&u64::from(m.kernels.bits()).to_le_bytes());
         blob.extend_from_slice(&(m.timer.samples.len() as u64).to_le_bytes());
         for d in m.timer.samples.durations() {
             blob.extend_from_slice(&(d.as_nanos() as u64).to_le_bytes());
@@ -764,20 +815,28 @@ fn gather(
     }
     let mut merged = Merged {
         total_bad: 0,
-        ops: measured.iter().map(|_| (Samples::new(), 0, 0, 0)).collect(),
+        ops: (measured.iter())
+            .map(|_| MergedOp {
+                samples: Samples::new(),
+                ..Default::default()
+            })
+            .collect(),
     };
     for b in &all {
         let mut words = b
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
         merged.total_bad += words.next().unwrap_or(1);
-        for (samples, bytes, net, wire) in merged.ops.iter_mut() {
-            *bytes += words.next().unwrap_or(0);
-            *net += words.next().unwrap_or(0);
-            *wire += words.next().unwrap_or(0);
+        for op in merged.ops.iter_mut() {
+            op.bytes += words.next().unwrap_or(0);
+            op.net += words.next().unwrap_or(0);
+            op.wire += words.next().unwrap_or(0);
+            let ran = KernelPhases::from_bits(words.next().unwrap_or(0) as u32);
+            op.kernels = op.kernels.union(ran);
             let n = words.next().unwrap_or(0);
             for _ in 0..n {
-                samples.push(Duration::from_nanos(words.next().unwrap_or(0)));
+                op.samples
+                    .push(Duration::from_nanos(words.next().unwrap_or(0)));
             }
         }
     }
@@ -796,8 +855,8 @@ fn machine_limits(
 ) -> std::collections::HashMap<&'static str, Option<f64>> {
     let world = world as u64;
     let mut limits = std::collections::HashMap::new();
-    for (m, (_, bytes, net, _)) in measured.iter().zip(&merged.ops) {
-        let (bytes, net) = (bytes / world, net / world);
+    for (m, op) in measured.iter().zip(&merged.ops) {
+        let (bytes, net) = (op.bytes / world, op.net / world);
         if bytes == 0 {
             continue;
         }
@@ -827,6 +886,7 @@ fn machine_limits(
 /// A row of the table for each op: per rank bytes, rates, the limit, the times.
 fn op_reports(
     args: &BenchArgs,
+    setup: &Setup,
     buffer: &Buffer,
     measured: &[Measured],
     merged: &Merged,
@@ -834,10 +894,12 @@ fn op_reports(
 ) -> Vec<OpReport> {
     let world = buffer.num_ranks();
     let dtype = if args.fp8 { "fp8" } else { "bf16" };
+    let device = &setup.device;
     let mut reports = Vec::new();
-    for (m, (samples, bytes, net, wire)) in measured.iter().zip(&merged.ops) {
+    for (m, op) in measured.iter().zip(&merged.ops) {
+        let (samples, wire) = (&op.samples, op.wire);
         let s = samples.summary().expect("iters >= 1");
-        let (bytes, net) = (bytes / world as u64, net / world as u64);
+        let (bytes, net) = (op.bytes / world as u64, op.net / world as u64);
         reports.push(OpReport {
             op: m.op.into(),
             mode: m.mode.into(),
@@ -864,6 +926,8 @@ fn op_reports(
             p99_us: s.p99_us,
             iters: samples.len() / world,
             verified: merged.total_bad == 0,
+            device: device.to_string(),
+            kernel_phases: op.kernels.names().into_iter().map(String::from).collect(),
         });
     }
     reports
@@ -889,6 +953,24 @@ fn print_report(
         setup.device,
         setup.threads
     );
+    let mut ran = reports
+        .iter()
+        .flat_map(|r| r.kernel_phases.iter())
+        .collect::<Vec<_>>();
+    ran.sort_by_key(|p| {
+        uep_ep::device::Phase::ALL
+            .iter()
+            .position(|q| q.name() == p.as_str())
+    });
+    ran.dedup();
+    if !ran.is_empty() {
+        let ran: Vec<&str> = ran.iter().map(|p| p.as_str()).collect();
+        println!(
+            "kernel phases on device {}: {} (the others on CPU threads)",
+            setup.device,
+            ran.join(", ")
+        );
+    }
     print!("{}", render_table(reports));
     let (cmds, kernel_time) = buffer.kernel_pushes();
     if cmds > 0 {

@@ -56,6 +56,11 @@ pub struct OpReport {
     pub iters: usize,
     /// Whether the results were checked against the reference and matched.
     pub verified: bool,
+    /// The device that ran the op's phases (`"host"`, `"emu"`, `"cuda"`).
+    pub device: String,
+    /// The phases that ran as kernels in the op's calls on any rank, by their `Device`
+    /// method names (`"layout"`, `"cast"`, ...); the others ran on CPU threads.
+    pub kernel_phases: Vec<String>,
 }
 
 /// GB/s (1e9 bytes per second) for `bytes` moved in `avg_us` microseconds;
@@ -382,6 +387,8 @@ mod tests {
             p99_us: 1200.0,
             iters: 50,
             verified,
+            device: "emu".to_string(),
+            kernel_phases: vec!["layout".to_string(), "reduce".to_string()],
         }
     }
 
