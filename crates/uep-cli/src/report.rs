@@ -499,6 +499,8 @@ mod tests {
             "p99_us",
             "iters",
             "verified",
+            "device",
+            "kernel_phases",
         ];
         for object in array {
             let object = object.as_object().unwrap();
@@ -514,6 +516,8 @@ mod tests {
         assert_eq!(first["net_gbps"], 45.5);
         assert_eq!(first["limit_gbps"], 300.0);
         assert_eq!(first["verified"], true);
+        assert_eq!(first["device"], "emu");
+        assert_eq!(first["kernel_phases"], serde_json::json!(["layout", "reduce"]));
         assert!(array[1]["limit_gbps"].is_null());
         assert_eq!(render_json(&[]).trim(), "[]");
     }
