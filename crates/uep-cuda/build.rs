@@ -74,7 +74,22 @@ fn host_build() {
         build
             .flag(format!("-fsanitize={sanitizer}"))
             .flag("-fno-omit-frame-pointer");
-        println!("cargo:rustc-link-arg=-fsanitize={sanitizer}");
+        // Rust links with -nodefaultlibs: name the compiler's runtime itself (the tests
+        // run with it preloaded, `./dev test`'s long tier, so it comes first).
+        let runtime = if sanitizer == "address" {
+            "asan"
+        } else {
+            "tsan"
+        };
+        let lib = Command::new(env::var("CXX").unwrap_or_else(|_| "c++".into()))
+            .arg(format!("-print-file-name=lib{runtime}.so"))
+            .output()
+            .expect("asking the C++ compiler where its sanitizer runtime is");
+        let lib = PathBuf::from(String::from_utf8_lossy(&lib.stdout).trim());
+        if let Some(dir) = lib.parent() {
+            println!("cargo:rustc-link-search=native={}", dir.display());
+        }
+        println!("cargo:rustc-link-lib=dylib={runtime}");
     }
     for kernel in KERNELS {
         build.file(format!("kernels/{kernel}.cu"));

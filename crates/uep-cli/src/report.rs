@@ -517,7 +517,10 @@ mod tests {
         assert_eq!(first["limit_gbps"], 300.0);
         assert_eq!(first["verified"], true);
         assert_eq!(first["device"], "emu");
-        assert_eq!(first["kernel_phases"], serde_json::json!(["layout", "reduce"]));
+        assert_eq!(
+            first["kernel_phases"],
+            serde_json::json!(["layout", "reduce"])
+        );
         assert!(array[1]["limit_gbps"].is_null());
         assert_eq!(render_json(&[]).trim(), "[]");
     }

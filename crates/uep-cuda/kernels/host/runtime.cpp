@@ -194,9 +194,10 @@ void to_scheduler(Warp &w, Lane &me) {
     __builtin_unreachable();
 }
 
+// Records the running lane's error. The caller abandons the lane in its next statement,
+// once the message's temporaries are gone (an abandoned fiber's frames never unwind).
 void fail_here(Warp &w, Lane &me, const std::string &why) {
     w.launch->fail(fmt("%s lane %u: %s", w.where().c_str(), me.id, why.c_str()));
-    abandon(w, me);
 }
 
 std::string lanes_of(uint32_t mask) {
@@ -252,16 +253,22 @@ uint64_t collective(Op op, uint32_t mask, uint64_t value, unsigned param) {
     Warp &w = *tls_warp;
     Lane &me = *tls_lane;
     if (w.launch->failed.load(std::memory_order_acquire)) abandon(w, me);
-    if (!(mask >> me.id & 1))
-        fail_here(w, me, fmt("%s with mask {%s}, which leaves the lane itself out", op_name(op),
-                             lanes_of(mask).c_str()));
-    if (mask & ~w.lanes_mask())
+    if (!(mask >> me.id & 1)) {
+        fail_here(w, me, fmt("%s with mask {%s}, which leaves the lane itself out",
+                             op_name(op), lanes_of(mask).c_str()));
+        abandon(w, me);
+    }
+    if (mask & ~w.lanes_mask()) {
         fail_here(w, me, fmt("%s over lanes {%s}, but the warp has only %u (a block of %u threads)",
                              op_name(op), lanes_of(mask & ~w.lanes_mask()).c_str(), w.width,
                              w.launch->grid.threads));
-    if (mask & w.ended)
+        abandon(w, me);
+    }
+    if (mask & w.ended) {
         fail_here(w, me, fmt("%s over {%s}, but lane(s) %s already exited", op_name(op),
                              lanes_of(mask).c_str(), lanes_of(mask & w.ended).c_str()));
+        abandon(w, me);
+    }
     // Lanes of the mask waiting at another collective may still get there once theirs
     // completes; if none can, the scheduler reports the deadlock.
     uint32_t arrived = 1u << me.id;
@@ -470,9 +477,11 @@ void pause() {
     Launch &launch = *w.launch;
     if (launch.failed.load(std::memory_order_acquire)) abandon(w, me);
     ++me.pauses;
-    if (launch.deadline && (me.pauses & 63) == 0 && now_ns() > launch.deadline)
+    if (launch.deadline && (me.pauses & 63) == 0 && now_ns() > launch.deadline) {
         fail_here(w, me, fmt("spun past the launch's deadline (%.3f s)",
                              double(launch.grid.timeout_ns) * 1e-9));
+        abandon(w, me);
+    }
     // The warp's other lanes first (the word may be theirs to store), then the machine.
     for (unsigned l = 0; l < w.width; ++l) {
         if (l != me.id && w.lanes[l].state == State::Runnable) {
