@@ -219,6 +219,22 @@ mod cuda {
                 row("fp8 cast", &desc, &variant, m.time, m.bandwidth() / 1e9, "");
             }
         }
+        for &tokens in casts {
+            for ue8m0 in [false, true] {
+                let m = quant::check_nvfp4(&gpu, tokens, hidden, ue8m0, next(), a.iters)?;
+                let variant = if ue8m0 { "ue8m0" } else { "e4m3" };
+                let desc = format!("{tokens} × {hidden}");
+                let note = "copies in and out included";
+                row(
+                    "nvfp4 cast",
+                    &desc,
+                    variant,
+                    m.time,
+                    m.bandwidth() / 1e9,
+                    note,
+                );
+            }
+        }
         for (tokens, weighted) in [(128, true), (big, true), (big, false)] {
             let m = reduce::check(&gpu, tokens, 8, hidden, weighted, next(), a.iters)?;
             let variant = if weighted { "weighted" } else { "sum" };
@@ -226,6 +242,17 @@ mod cuda {
             row("combine", &desc, variant, m.time, m.bandwidth() / 1e9, "");
         }
         ll_send_rows(&gpu, a, hidden, &mut next)?;
+        // The emulated device's semantics (warp collectives, barriers, a resident grid)
+        // against this GPU's.
+        uep_cuda::selftest::check(&gpu, info.sms)?;
+        row(
+            "selftest",
+            "collectives, barriers, spins",
+            "",
+            Duration::ZERO,
+            0.0,
+            "",
+        );
         println!("every row: the GPU's output equals the host device's, bit for bit");
         Ok(true)
     }

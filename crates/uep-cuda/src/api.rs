@@ -118,10 +118,6 @@ pub(crate) struct SelftestArgs {
     pub(crate) pad: u32,
 }
 
-/// Words each thread of the self-test writes (`uep::kSelftestWords`).
-#[cfg(test)]
-pub(crate) const SELFTEST_WORDS: usize = 8;
-
 /// The address of a slice's first element, as a kernel argument.
 pub(crate) fn addr<T>(s: &[T]) -> u64 {
     s.as_ptr() as u64

@@ -21,6 +21,7 @@ pub(crate) mod kernels {
     pub(crate) const LAYOUT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/layout.fatbin"));
     pub(crate) const REDUCE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/reduce.fatbin"));
     pub(crate) const LL_SEND: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ll_send.fatbin"));
+    pub(crate) const SELFTEST: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/selftest.fatbin"));
 }
 
 /// Maps a driver error to [`CudaError::Driver`] naming what was being done.

@@ -46,6 +46,7 @@ pub mod ll_send;
 pub mod quant;
 #[cfg(feature = "cuda")]
 pub mod reduce;
+pub mod selftest;
 
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;

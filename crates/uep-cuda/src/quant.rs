@@ -60,9 +60,9 @@ impl Loads {
 }
 
 #[cfg(feature = "cuda")]
-pub use run::check;
-#[cfg(feature = "cuda")]
 pub(crate) use run::{cast, cast_nvfp4};
+#[cfg(feature = "cuda")]
+pub use run::{check, check_nvfp4};
 
 #[cfg(feature = "cuda")]
 mod run {
@@ -238,5 +238,68 @@ mod run {
             time,
             bytes: bytes(tokens, hidden),
         })
+    }
+
+    /// Casts fresh inputs to NVFP4 on the GPU (global scale from their largest finite
+    /// magnitude, as a caller computes it), compares every code and scale byte with the
+    /// host device's cast, then times `iters` launches.
+    pub fn check_nvfp4(
+        gpu: &Gpu,
+        tokens: usize,
+        hidden: usize,
+        ue8m0: bool,
+        seed: u64,
+        iters: usize,
+    ) -> Result<Measured, CudaError> {
+        use uep_ep::device::{CastPhase, Device, HostDevice};
+        if tokens == 0 || hidden == 0 || hidden % GROUP != 0 {
+            return Err(CudaError::Invalid(format!(
+                "hidden {hidden} must be a positive multiple of {GROUP}, tokens {tokens} positive"
+            )));
+        }
+        let x = inputs(tokens, hidden, seed);
+        let amax = (x.iter().map(|v| v.to_f32().abs()))
+            .filter(|v| v.is_finite())
+            .fold(1e-6f32, f32::max);
+        let cast = uep_ep::quant::Nvfp4 {
+            global_scale: 448.0 * 6.0 / amax,
+            ue8m0,
+        };
+        let (mut want_q, mut want_s) = (vec![0u8; x.len() / 2], vec![0f32; x.len() / 64]);
+        let phase = CastPhase {
+            x: &x,
+            hidden,
+            cast: uep_ep::Cast::Nvfp4(cast),
+        };
+        HostDevice::new(1)
+            .cast(&phase, &mut want_q, &mut want_s)
+            .map_err(|e| CudaError::Invalid(e.to_string()))?;
+        let f = gpu.function(kernels::CAST, "uep_nvfp4_quantize")?;
+        let bits: Vec<u16> = x.iter().map(|v| v.to_bits()).collect();
+        let (mut q, mut sf) = (vec![0xa5u8; want_q.len()], vec![0xa5u8; want_s.len() * 4]);
+        let time = gpu.time(1 + iters, || {
+            cast_nvfp4(gpu, &f, &bits, cast, &mut q, &mut sf)
+        })?;
+        let want_sf: &[u8] = bytemuck::cast_slice(&want_s);
+        if let Some(i) = (0..q.len()).find(|&i| q[i] != want_q[i]) {
+            return Err(CudaError::Mismatch(format!(
+                "NVFP4 codes differ from the host at token {} byte {} (seed {seed}): {:#04x} vs {:#04x}",
+                i / (hidden / 2),
+                i % (hidden / 2),
+                q[i],
+                want_q[i]
+            )));
+        }
+        if let Some(i) = (0..sf.len()).find(|&i| sf[i] != want_sf[i]) {
+            return Err(CudaError::Mismatch(format!(
+                "NVFP4 scale differs from the host at token {} block {} (seed {seed}): {:#04x} vs {:#04x}",
+                i / (hidden / 16),
+                i % (hidden / 16),
+                sf[i],
+                want_sf[i]
+            )));
+        }
+        let bytes = (tokens * (hidden * 2 + hidden / 2 + hidden / 16)) as u64;
+        Ok(Measured { seed, time, bytes })
     }
 }

@@ -7,11 +7,13 @@ use uep_ep::quant::Nvfp4;
 use uep_ep::DispatchLayout;
 
 use super::ffi::{self, Grid};
-use crate::api::{addr, addr_mut, Fp8CastArgs, LayoutArgs, Nvfp4CastArgs, ReduceArgs};
 #[cfg(test)]
-use crate::api::{SelftestArgs, SELFTEST_WORDS};
+use crate::api::SelftestArgs;
+use crate::api::{addr, addr_mut, Fp8CastArgs, LayoutArgs, Nvfp4CastArgs, ReduceArgs};
 use crate::layout::{fits, RouteShape};
 use crate::quant::Loads;
+#[cfg(test)]
+use crate::selftest::WORDS as SELFTEST_WORDS;
 
 /// Channels of a cast group.
 const GROUP: usize = uep_ep::quant::FP8_GROUP;
