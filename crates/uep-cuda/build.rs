@@ -19,6 +19,7 @@ const KERNELS: &[&str] = &[
     "layout",
     "cast",
     "reduce",
+    "ll_pack",
     "fifo_bench",
     "ll_send",
     "selftest",

@@ -54,8 +54,12 @@ fn every_op_on_two_ranks_names_its_kernel_phases() {
         assert_eq!(kernels(&reports, "combine"), ["reduce"]);
         assert_eq!(kernels(&reports, "ll_combine"), ["reduce"]);
         // Only an FP8 dispatch casts.
-        let cast: &[&str] = if fp8 { &["cast"] } else { &[] };
-        assert_eq!(kernels(&reports, "ll_dispatch"), cast);
+        let sends: &[&str] = if fp8 {
+            &["cast", "ll_pack"]
+        } else {
+            &["ll_pack"]
+        };
+        assert_eq!(kernels(&reports, "ll_dispatch"), sends);
     }
     // The host device runs every phase on CPU threads: no kernel phases.
     let out = Command::new(env!("CARGO_BIN_EXE_uep"))

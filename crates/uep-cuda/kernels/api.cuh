@@ -89,6 +89,48 @@ struct LlSendArgs {
     uint32_t tokens, topk, hidden, experts, ranks, round_scale;
 };
 
+// Where the LL dispatch's pack puts one rank's copies (ll_pack.cu).
+enum LlSinkKind : uint32_t {
+    kLlSkip = 0,    // nowhere: a masked rank
+    kLlPeer = 1,    // a rank of this node: each copy at its row of that rank's areas
+    kLlPacket = 2,  // a rank of another node: each token once into a staged packet
+};
+
+struct LlPackSink {
+    uint32_t kind;         // an LlSinkKind
+    uint32_t packet_rows;  // packet: rows in it
+    uint8_t *region;       // peer: that rank's memory; packet: this rank's
+    const uint32_t *row_of;  // packet: [tokens] each token's row in it, UINT32_MAX none
+    // The packet's areas, byte offsets in `region`.
+    uint64_t rows_off, scales_off, ids_off, slots_off, weights_off;
+    // Pushing the packet's rows (chunk_done null: the kernel pushes none): rows
+    // [c * chunk_rows, (c + 1) * chunk_rows) leave as one write once all are stored.
+    uint32_t *chunk_done;  // [chunks] rows stored so far in each chunk (zeroed)
+    SharedRing ring;       // the FIFO, leased to the kernel
+    uint64_t src_base;     // the staging area's offset in this rank's region
+    uint64_t dst_base;     // where it lands at the peer
+    uint64_t *writes;      // writes pushed under the key (the count signal counts them)
+    uint64_t *sent_bytes;  // bytes handed to the proxy (this rank's network path)
+    uint64_t *kernel_cmds;  // commands kernels pushed (this rank's network path)
+    uint32_t chunk_rows, dst_rank, key_kind, key;
+};
+
+// The LL dispatch's pack (ll_pack.cu): every (token, slot) copy into its row at a
+// same-node rank, every token once into the packet of each rank on another node it
+// goes to, the packets' rows pushed as they are complete.
+struct LlPackArgs {
+    const uint8_t *x;         // [tokens, row_bytes] rows as sent
+    const float *scales;      // [tokens, scale_words] (null for bf16)
+    const int64_t *topk_idx;  // [tokens, topk]
+    const float *weights;     // [tokens, topk] (null: none given)
+    const uint32_t *pos;      // [tokens * topk] each copy's row in its expert's block
+    const LlPackSink *sinks;  // [ranks]
+    // The receive areas, byte offsets in every rank's region.
+    uint64_t recv_x_off, recv_scales_off, recv_src_off, recv_weight_off;
+    uint32_t tokens, row_bytes, scale_words, topk;
+    uint32_t rank, ranks, experts_per_rank, max_tokens;
+};
+
 // The host build's own check (selftest.cu): what the warp collectives, barriers and
 // spins give, and the errors the host build reports.
 struct SelftestArgs {
@@ -122,4 +164,5 @@ UEP_KERNEL void uep_reduce(uep::ReduceArgs a);
 UEP_KERNEL void uep_fifo_push(uep::FifoPushArgs a);
 UEP_KERNEL void uep_fifo_ping(uep::FifoPingArgs a);
 UEP_KERNEL void uep_ll_send(uep::LlSendArgs a);
+UEP_KERNEL void uep_ll_pack(uep::LlPackArgs a);
 UEP_KERNEL void uep_selftest(uep::SelftestArgs a);

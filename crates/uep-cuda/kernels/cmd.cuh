@@ -19,6 +19,10 @@ constexpr uint64_t kFlagCombine = 1ull << 4;
 constexpr uint64_t kFlagLlBuffer = 1ull << 5;
 constexpr unsigned kRankShift = 6;
 constexpr uint32_t kRankMask = 0x3ff;
+// An LL write's piggyback slot: bit 15 the LL namespace, bit 10 a count signal (not set
+// for a data arrival), bits 0..9 the fence key (uep-proxy's cmds.rs has the table).
+constexpr uint64_t kLlSlot = 1ull << 15;
+constexpr uint32_t kLlKeyMask = 0x3ff;
 
 struct Cmd {
     uint64_t word0, word1;
@@ -32,6 +36,18 @@ UEP_HOST_DEVICE Cmd write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_
     Cmd c;
     c.word0 = kKindWrite | flags | (uint64_t(dst_rank & kRankMask) << kRankShift) |
               (kPiggybackNone << 16) | (uint64_t(len) << 32);
+    c.word1 = (dst_off >> 4) | ((src_off >> 4) << 32);
+    return c;
+}
+
+// An LL data write of `len` bytes to `dst_rank` that the receiver counts as one
+// arrival under the fence key (`kind`, `key`): uep-proxy's `cmds::ll_write`.
+UEP_HOST_DEVICE Cmd ll_write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_off,
+                                 uint32_t len, uint32_t kind, uint32_t key) {
+    Cmd c;
+    c.word0 = kKindWrite | (kind ? kFlagLlBuffer : 0) |
+              (uint64_t(dst_rank & kRankMask) << kRankShift) |
+              ((kLlSlot | (key & kLlKeyMask)) << 16) | (uint64_t(len) << 32);
     c.word1 = (dst_off >> 4) | ((src_off >> 4) << 32);
     return c;
 }

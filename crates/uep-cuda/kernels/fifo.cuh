@@ -104,4 +104,32 @@ struct Producer {
     UEP_DEVICE bool consumed(uint64_t slot) const { return ld_acquire_sys(tail_word()) > slot; }
 };
 
+// A ring many producers of one kernel push into at once, exclusive to the kernel for
+// its launch (the host holds a `DeviceLease`): a producer claims slots by adding to
+// `head` (the region's own word, as MSCCL++'s device FIFO claims its head with an
+// atomic), waits until the consumer freed them, and publishes each as above. Slots
+// leave in claim order: the consumer gates on each slot's word0 in turn.
+struct SharedRing {
+    uint64_t *base;
+    uint64_t capacity;  // a power of two
+
+    UEP_DEVICE uint64_t *word(uint64_t index, int w) const {
+        return base + kFifoSlotsOff / 8 + 2 * (index & (capacity - 1)) + w;
+    }
+
+    // Claims `n` consecutive slots (n <= capacity) and waits until they are free;
+    // returns the first. One thread's call.
+    UEP_DEVICE uint64_t claim(uint32_t n) const {
+        const uint64_t first = atomic_add(base + kFifoHeadOff / 8, uint64_t(n));
+        while (first + n - ld_acquire_sys(base + kFifoTailOff / 8) > capacity) pause();
+        return first;
+    }
+
+    // Publishes `c` in claimed slot `slot`.
+    UEP_DEVICE void publish(uint64_t slot, Cmd c) const {
+        st_relaxed_sys(word(slot, 1), c.word1);
+        st_release_sys(word(slot, 0), c.word0);
+    }
+};
+
 }  // namespace uep

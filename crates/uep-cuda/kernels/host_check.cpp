@@ -29,6 +29,13 @@ void uep_cuda_host_write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_o
     out[1] = c.word1;
 }
 
+void uep_cuda_host_ll_write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_off,
+                                uint32_t len, uint32_t kind, uint32_t key, uint64_t out[2]) {
+    const uep::Cmd c = uep::ll_write_cmd(dst_rank, src_off, dst_off, len, kind, key);
+    out[0] = c.word0;
+    out[1] = c.word1;
+}
+
 void uep_cuda_host_fifo_layout(uint64_t out[3]) {
     out[0] = uep::kFifoHeadOff;
     out[1] = uep::kFifoTailOff;

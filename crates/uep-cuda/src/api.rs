@@ -107,6 +107,64 @@ pub(crate) struct LlSendArgs {
     pub(crate) round_scale: u32,
 }
 
+/// `uep::LlPackSink`: where the LL dispatch's pack puts one rank's copies.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LlPackSink {
+    pub(crate) kind: u32,
+    pub(crate) packet_rows: u32,
+    pub(crate) region: u64,
+    pub(crate) row_of: u64,
+    pub(crate) rows_off: u64,
+    pub(crate) scales_off: u64,
+    pub(crate) ids_off: u64,
+    pub(crate) slots_off: u64,
+    pub(crate) weights_off: u64,
+    pub(crate) chunk_done: u64,
+    pub(crate) ring_base: u64,
+    pub(crate) ring_capacity: u64,
+    pub(crate) src_base: u64,
+    pub(crate) dst_base: u64,
+    pub(crate) writes: u64,
+    pub(crate) sent_bytes: u64,
+    pub(crate) kernel_cmds: u64,
+    pub(crate) chunk_rows: u32,
+    pub(crate) dst_rank: u32,
+    pub(crate) key_kind: u32,
+    pub(crate) key: u32,
+}
+
+/// `uep::LlSinkKind`.
+pub(crate) const LL_SKIP: u32 = 0;
+/// `uep::LlSinkKind`: a same-node rank.
+pub(crate) const LL_PEER: u32 = 1;
+/// `uep::LlSinkKind`: a packet for a rank of another node.
+pub(crate) const LL_PACKET: u32 = 2;
+
+/// `uep::LlPackArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LlPackArgs {
+    pub(crate) x: u64,
+    pub(crate) scales: u64,
+    pub(crate) topk_idx: u64,
+    pub(crate) weights: u64,
+    pub(crate) pos: u64,
+    pub(crate) sinks: u64,
+    pub(crate) recv_x_off: u64,
+    pub(crate) recv_scales_off: u64,
+    pub(crate) recv_src_off: u64,
+    pub(crate) recv_weight_off: u64,
+    pub(crate) tokens: u32,
+    pub(crate) row_bytes: u32,
+    pub(crate) scale_words: u32,
+    pub(crate) topk: u32,
+    pub(crate) rank: u32,
+    pub(crate) ranks: u32,
+    pub(crate) experts_per_rank: u32,
+    pub(crate) max_tokens: u32,
+}
+
 /// `uep::SelftestArgs`.
 #[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
 #[repr(C)]
@@ -147,6 +205,8 @@ mod gpu {
         Fp8CastArgs,
         Nvfp4CastArgs,
         ReduceArgs,
+        LlPackSink,
+        LlPackArgs,
         FifoPushArgs,
         FifoPingArgs,
         LlSendArgs,

@@ -19,6 +19,15 @@ mod ffi {
             flags: u64,
             out: *mut u64,
         );
+        pub fn uep_cuda_host_ll_write_cmd(
+            dst_rank: u32,
+            src_off: u64,
+            dst_off: u64,
+            len: u32,
+            kind: u32,
+            key: u32,
+            out: *mut u64,
+        );
         pub fn uep_cuda_host_fifo_layout(out: *mut u64);
     }
 }
@@ -66,6 +75,30 @@ pub fn write_cmd(dst_rank: u32, src_off: u64, dst_off: u64, len: u32, flags: u64
     #[allow(unsafe_code)]
     unsafe {
         ffi::uep_cuda_host_write_cmd(dst_rank, src_off, dst_off, len, flags, out.as_mut_ptr())
+    };
+    (out[0], out[1])
+}
+
+/// `cmd.cuh`'s `ll_write_cmd`, as `(word0, word1)`.
+pub fn ll_write_cmd(
+    dst_rank: u32,
+    (src_off, dst_off, len): (u64, u64, u32),
+    kind: u32,
+    key: u32,
+) -> (u64, u64) {
+    let mut out = [0u64; 2];
+    // SAFETY: writes exactly two u64s into `out`.
+    #[allow(unsafe_code)]
+    unsafe {
+        ffi::uep_cuda_host_ll_write_cmd(
+            dst_rank,
+            src_off,
+            dst_off,
+            len,
+            kind,
+            key,
+            out.as_mut_ptr(),
+        )
     };
     (out[0], out[1])
 }

@@ -152,6 +152,22 @@ proptest! {
     }
 }
 
+proptest! {
+    #[test]
+    fn ll_write_cmd_equals_the_proxys_encoder(
+        rank in 0..uep_wire::MAX_RANKS,
+        src in 0u64..(1 << 32),
+        dst in 0u64..(1 << 32),
+        len in 0u32..(1 << 24),
+        kind in 0u8..2,
+        key in 0u16..uep_wire::MAX_LOCAL_EXPERTS as u16,
+    ) {
+        let want = uep_proxy::cmds::ll_write(rank, src << 4, dst << 4, len, kind, key).unwrap();
+        let got = dev::ll_write_cmd(rank as u32, (src << 4, dst << 4, len), kind.into(), key.into());
+        prop_assert_eq!(got, (want.word0, want.word1));
+    }
+}
+
 #[test]
 fn fifo_layout_is_uep_fifos() {
     let want = [

@@ -254,7 +254,7 @@ impl NormalAreas {
     }
 }
 
-/// One of the [`LL_BUFFERS`] low-latency buffers.
+/// One of the low-latency buffers (two, used in turn).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LlAreas {
     /// The shape they are sized for.

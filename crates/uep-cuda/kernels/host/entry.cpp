@@ -20,4 +20,7 @@ UEP_HOST_ENTRY(uep_reduce, ReduceArgs)
 UEP_HOST_ENTRY(uep_fifo_push, FifoPushArgs)
 UEP_HOST_ENTRY(uep_fifo_ping, FifoPingArgs)
 UEP_HOST_ENTRY(uep_ll_send, LlSendArgs)
+UEP_HOST_ENTRY(uep_ll_pack, LlPackArgs)
 UEP_HOST_ENTRY(uep_selftest, SelftestArgs)
+
+extern "C" size_t uep_host_ll_pack_sink_bytes() { return sizeof(uep::LlPackSink); }

@@ -6,8 +6,8 @@ use std::ffi::{c_char, c_int};
 use std::time::Duration;
 
 use crate::api::{
-    FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlSendArgs, Nvfp4CastArgs, ReduceArgs,
-    SelftestArgs,
+    FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlPackArgs, LlSendArgs, Nvfp4CastArgs,
+    ReduceArgs, SelftestArgs,
 };
 
 /// A one-dimensional grid, and how long a spin in it may last (`uep_host_grid`).
@@ -63,6 +63,9 @@ macro_rules! entries {
     ($($konst:ident: $args:ty = $kernel:literal, $run:ident, $size:ident;)*) => {
         #[allow(unsafe_code)]
         unsafe extern "C" {
+            #[cfg(test)]
+            #[link_name = "uep_host_ll_pack_sink_bytes"]
+            safe fn ll_pack_sink_bytes() -> usize;
             $(
                 fn $run(grid: *const Grid, args: *const $args, err: *mut HostError) -> c_int;
                 safe fn $size() -> usize;
@@ -91,6 +94,7 @@ entries! {
     NVFP4_CAST: Nvfp4CastArgs = "uep_nvfp4_quantize", uep_host_uep_nvfp4_quantize,
         uep_host_uep_nvfp4_quantize_args;
     REDUCE: ReduceArgs = "uep_reduce", uep_host_uep_reduce, uep_host_uep_reduce_args;
+    LL_PACK: LlPackArgs = "uep_ll_pack", uep_host_uep_ll_pack, uep_host_uep_ll_pack_args;
     FIFO_PUSH: FifoPushArgs = "uep_fifo_push", uep_host_uep_fifo_push,
         uep_host_uep_fifo_push_args;
     FIFO_PING: FifoPingArgs = "uep_fifo_ping", uep_host_uep_fifo_ping,
@@ -135,6 +139,7 @@ pub(crate) unsafe fn launch<A>(entry: &Entry<A>, grid: Grid, args: &A) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::LlPackSink;
 
     #[test]
     fn every_argument_struct_is_the_size_cxx_gives_it() {
@@ -157,6 +162,7 @@ mod tests {
                 size_of::<Nvfp4CastArgs>(),
             ),
             (REDUCE.name, REDUCE.args_bytes(), size_of::<ReduceArgs>()),
+            (LL_PACK.name, LL_PACK.args_bytes(), size_of::<LlPackArgs>()),
             (
                 FIFO_PUSH.name,
                 FIFO_PUSH.args_bytes(),
@@ -177,6 +183,11 @@ mod tests {
         for (name, cxx, rust) in sizes {
             assert_eq!(cxx, rust, "{name}'s argument: C++ {cxx} bytes, Rust {rust}");
         }
+        assert_eq!(
+            ll_pack_sink_bytes(),
+            size_of::<LlPackSink>(),
+            "uep::LlPackSink"
+        );
         assert_eq!(
             std::mem::size_of::<uep_ep::device::Part>(),
             12,

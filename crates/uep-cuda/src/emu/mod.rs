@@ -15,13 +15,15 @@ use std::time::Duration;
 
 use half::bf16;
 use uep_ep::device::{
-    CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, Phase, ReducePhase,
+    CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, LlPackPhase, Phase,
+    ReducePhase,
 };
 use uep_ep::{Cast, DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
 
 mod ffi;
 pub(crate) mod kernels;
+mod pack;
 
 pub use ffi::Grid;
 
@@ -59,7 +61,7 @@ fn launch_failed(e: String) -> EpError {
 
 impl EmuDevice {
     /// The phases that run as kernels on this device.
-    pub const KERNELS: [Phase; 3] = [Phase::Layout, Phase::Cast, Phase::Reduce];
+    pub const KERNELS: [Phase; 4] = [Phase::Layout, Phase::Cast, Phase::Reduce, Phase::LlPack];
 
     /// The default grid: two blocks of two warps, spins bounded by uep's default wait.
     pub const GRID: Grid = Grid {
@@ -187,6 +189,16 @@ impl Device for EmuDevice {
         )
         .map_err(launch_failed)?;
         self.ran(Phase::Reduce);
+        Ok(())
+    }
+
+    fn ll_pack(&self, p: &LlPackPhase<'_>) -> uep_ep::Result<()> {
+        // A warp a token, a lane a slot: top-k past a warp's width runs on the host.
+        if p.tokens() == 0 || p.areas.shape.topk > 32 {
+            return self.host.ll_pack(p);
+        }
+        pack::ll_pack(self.grid, p)?;
+        self.ran(Phase::LlPack);
         Ok(())
     }
 }

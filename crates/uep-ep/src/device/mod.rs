@@ -54,13 +54,19 @@ use uep_fifo::FifoAlloc;
 use crate::error::{EpError, Result};
 use crate::layout::DispatchLayout;
 
+pub use crate::map::LlAreas;
+pub use crate::net::KernelPort;
+pub use crate::packet::LlDispatchPacket;
 pub use crate::symm::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};
 pub use crate::wait::{Peer, Seen, Wait};
 pub use copy::CopyPhase;
 pub use host::{HostDevice, HostFifos};
 pub use kernels::{KernelPhases, Phase};
 pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase};
-pub use pack::{LlCombinePackPhase, LlPackPhase, LlTokens, LlUnpackPhase, LlUnpacked};
+pub use pack::{
+    DispatchRemote, LlCombinePackPhase, LlPackPhase, LlSink, LlTokens, LlUnpackPhase, LlUnpacked,
+    Sink,
+};
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
 pub use signal::{SignalPhase, Store, Until, WaitPhase, Word};
 

@@ -1,18 +1,21 @@
-//! The data-moving phases' descriptors: where a kernel stores each row it moves, as
-//! ranks and areas of symmetric memory (offsets and shapes) and staged packets whose
-//! port the kernel pushes its writes into.
+//! The low-latency data-moving phases' descriptors: where a kernel stores each row it
+//! moves, as ranks and areas of symmetric memory (offsets and shapes) and staged
+//! packets whose port the kernel pushes its writes into.
 //!
-//! Their fields are the crate's own types (areas of the symmetric layout, staged
-//! packets): a device outside the crate runs the host definition over its
-//! [`Device::launch`](super::Device::launch), which each phase's default method does.
+//! [`LlPackPhase`]'s fields are public and plain (areas, offsets, counts, the packets'
+//! layouts, a [`KernelPort`] for each packet), so a device outside the crate runs it
+//! as a kernel; the others' fields are still the crate's own types, and such a device
+//! runs their host definitions over its [`Device::launch`](super::Device::launch),
+//! which each phase's default method does.
 
 use std::ops::Range;
 
 use half::bf16;
 
 use crate::area::{Area, SliceRows};
+use crate::error::Result;
 use crate::map::LlAreas;
-use crate::net::Staged;
+use crate::net::{KernelPort, Staged};
 use crate::packet::LlDispatchPacket;
 use crate::symm;
 
@@ -44,13 +47,13 @@ pub(crate) fn slots_on(chosen: &[i64], r: usize, epr: usize, out: &mut [i32]) {
 #[derive(Clone, Copy, Debug)]
 pub struct LlTokens<'a> {
     /// `[T, row_bytes]` bytes as sent.
-    pub(crate) bytes: &'a [u8],
+    pub bytes: &'a [u8],
     /// Bytes a row.
-    pub(crate) row_bytes: usize,
+    pub row_bytes: usize,
     /// `[T, scale_words]` scale words (empty for bf16).
-    pub(crate) scales: &'a [f32],
+    pub scales: &'a [f32],
     /// Scale words a row (0 for bf16).
-    pub(crate) scale_words: usize,
+    pub scale_words: usize,
 }
 
 impl<'a> LlTokens<'a> {
@@ -65,8 +68,13 @@ impl<'a> LlTokens<'a> {
     }
 
     /// Tokens.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.bytes.len() / self.row_bytes.max(1)
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Token `t`'s bytes as sent.
@@ -83,7 +91,7 @@ impl<'a> LlTokens<'a> {
 /// Where a low-latency kernel puts one rank's rows: nowhere, straight into a rank of
 /// this node, or into a packet staged for a rank on another node (`P` says where).
 #[derive(Debug)]
-pub(crate) enum Sink<P> {
+pub enum Sink<P> {
     /// Nothing: a masked rank (elastic mode).
     Skip,
     /// A same-node rank: each row straight into its place in that rank's areas (a
@@ -95,40 +103,67 @@ pub(crate) enum Sink<P> {
 }
 
 /// Where the pack phase of a low-latency dispatch puts one rank's copies.
-pub(crate) type LlSink = Sink<Box<DispatchRemote>>;
+pub type LlSink = Sink<Box<DispatchRemote>>;
 
 /// A dispatch's packet to a rank on another node: each token once, at row `row_of[t]`
 /// of `packet` in the staging area (`u32::MAX` for a token that goes nowhere there).
-/// Where rows are whole 16-byte words the kernel pushes them through the staging area's
-/// port as they fill; the signal sends the rest.
+/// Where rows are whole 16-byte words ([`DispatchRemote::pushes_rows`]) the kernel
+/// pushes them through the staging area's port as they fill, under the packet's one
+/// fence key; the signal sends the rest.
 #[derive(Debug)]
-pub(crate) struct DispatchRemote {
-    pub(crate) packet: LlDispatchPacket,
-    pub(crate) row_of: Vec<u32>,
+pub struct DispatchRemote {
+    /// The packet's areas in this rank's memory.
+    pub packet: LlDispatchPacket,
+    /// `[T]` each token's row in the packet.
+    pub row_of: Vec<u32>,
     pub(crate) staged: Staged,
+}
+
+impl DispatchRemote {
+    /// Whether the kernel pushes the packet's rows, rows of `row_bytes` bytes each.
+    pub fn pushes_rows(row_bytes: usize) -> bool {
+        kernel_pushes_rows(row_bytes)
+    }
+
+    /// The packet's port as a kernel pushes its rows into it.
+    pub fn kernel_port(&self) -> Result<KernelPort<'_>> {
+        self.staged.kernel_port(0)
+    }
+
+    /// Rows in the packet.
+    pub fn rows(&self) -> usize {
+        self.row_of.iter().filter(|&&r| r != u32::MAX).count()
+    }
 }
 
 /// The pack phase of a low-latency dispatch (the send half of DeepEP's
 /// `low_latency_dispatch` kernel): every (token, slot) copy into its row at a
 /// same-node rank, and every token once into the packet of each rank on another node
 /// it goes to. Signals are not part of it: they follow once every row is stored.
+///
+/// A copy of token `t`, slot `j`, for local expert `le` of rank `r` lands at row
+/// `le * R * M + rank * M + pos[t * K + j]` of `r`'s `recv_x` (and of `recv_scales`,
+/// `recv_src` = `t * K + j`, `recv_weight`); a packet's row `row_of[t]` holds the token,
+/// its scales, its index `t`, its slots' local experts on `r` (or `-1`) and all its
+/// weights (0 without them).
 #[derive(Debug)]
 pub struct LlPackPhase<'a> {
     /// The rows to send.
-    pub(crate) tokens: LlTokens<'a>,
+    pub tokens: LlTokens<'a>,
     /// `[T, K]` expert ids, `-1` for an empty slot.
-    pub(crate) topk_idx: &'a [i64],
+    pub topk_idx: &'a [i64],
     /// `[T, K]` gate weights, carried with each copy when given.
-    pub(crate) topk_weights: Option<&'a [f32]>,
+    pub topk_weights: Option<&'a [f32]>,
     /// `[T * K]` each copy's row in its expert's block (`u32::MAX` for a `-1` slot).
-    pub(crate) pos: &'a [u32],
+    pub pos: &'a [u32],
     /// The receive areas of the dispatch's buffer (the same offsets on every rank).
-    pub(crate) areas: &'a LlAreas,
-    /// This rank and the job's ranks.
-    pub(crate) rank: usize,
-    pub(crate) num_ranks: usize,
+    pub areas: &'a LlAreas,
+    /// This rank.
+    pub rank: usize,
+    /// The job's ranks.
+    pub num_ranks: usize,
     /// `[rank]` where each rank's copies go.
-    pub(crate) sinks: &'a [LlSink],
+    pub sinks: &'a [LlSink],
     /// This rank's memory (the packets) and its node's ranks' (the copies).
     pub(crate) memory: &'a symm::Symmetric,
 }
@@ -137,6 +172,14 @@ impl LlPackPhase<'_> {
     /// Tokens packed.
     pub fn tokens(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// The address and length of `rank`'s memory (this rank's, or a same-node rank's)
+    /// in this process, where its areas' offsets start: what a kernel of a device whose
+    /// symmetric memory is host memory stores into.
+    pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
+        let region = self.memory.peer_region(rank)?;
+        Ok((region.as_ptr() as usize, region.len()))
     }
 }
 

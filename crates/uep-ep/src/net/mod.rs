@@ -54,8 +54,8 @@ use crate::wait::{Peer, Remote, Wait};
 
 pub use crate::config::{NetConfig, DEFAULT_WRITE_BYTES};
 pub use crate::packet::{Channel, CHANNELS, LL_BUFFERS};
-pub use port::Port;
 use port::{encode, Counting, PortInit};
+pub use port::{KernelPort, Port};
 pub(crate) use rejoin::Joining;
 
 /// The proxy channel of the ordered stream to each peer (normal mode and the
@@ -207,6 +207,12 @@ impl Staged {
     /// still being packed, ahead of its announcement or count signal.
     pub fn port(&self) -> &Port {
         &self.port
+    }
+
+    /// The port as a device's kernel pushes block `block`'s writes into it itself.
+    pub fn kernel_port(&self, block: usize) -> Result<KernelPort<'_>> {
+        let bases = (self.area.offset(), self.landing.offset());
+        self.port.kernel_port(block, bases)
     }
 }
 

@@ -60,6 +60,46 @@ pub struct Port {
     kernel_cmds: Arc<AtomicU64>,
 }
 
+/// A port as a device's kernel pushes into it itself, without the host: the FIFO (to
+/// lease for the launch, `uep_fifo::DeviceLease`), the fixed fields of every write's
+/// command, and the counters the host reads once the kernel is done. Made by
+/// [`DispatchRemote::kernel_port`](crate::device::DispatchRemote::kernel_port).
+#[derive(Debug)]
+pub struct KernelPort<'a> {
+    /// The FIFO the writes go into.
+    pub fifo: &'a Arc<Fifo>,
+    /// This rank (the writes' source) and the peer they go to.
+    pub me: usize,
+    /// The peer the writes go to.
+    pub dst_rank: usize,
+    /// Where the staging area starts in this rank's region, and where it lands at the
+    /// peer: a write of bytes `a..b` of the area goes from `src_base + a` to
+    /// `dst_base + a`.
+    pub src_base: usize,
+    /// See [`KernelPort::src_base`].
+    pub dst_base: usize,
+    /// The largest write the path makes; a kernel may make larger ones where the fence's
+    /// count needs it (every write still fits the wire's 24-bit length).
+    pub write_bytes: usize,
+    /// The fence key every write carries: (the LL call's kind bit, the key).
+    pub key: (u8, u16),
+    /// Writes pushed under the key: the kernel adds one for each it pushes, and the
+    /// count signal that ends the packet counts them.
+    pub writes: &'a AtomicU64,
+    /// Bytes this rank's network path handed to the proxy: the kernel adds its writes'.
+    pub sent_bytes: &'a AtomicU64,
+    /// Commands kernels pushed on this rank's network path: the kernel adds its own.
+    pub kernel_cmds: &'a AtomicU64,
+    port: &'a Port,
+}
+
+impl KernelPort<'_> {
+    /// Unpark the proxy thread that owns the FIFO, once the kernel pushed.
+    pub fn wake(&self) {
+        self.port.wake();
+    }
+}
+
 /// Everything a [`Port`] is opened with.
 pub(crate) struct PortInit {
     pub fifo: Arc<Fifo>,
@@ -158,6 +198,38 @@ impl Port {
                 detail: format!("the FIFO of proxy thread {} stayed full ({e})", self.thread),
                 waited: self.proxy_timeout,
             })
+    }
+
+    /// The port of a fenced packet as a kernel pushes block `block`'s writes into it,
+    /// for a staging area at `src_base` that lands at `dst_base`.
+    pub(crate) fn kernel_port(
+        &self,
+        block: usize,
+        (src_base, dst_base): (usize, usize),
+    ) -> Result<KernelPort<'_>> {
+        let key = match &self.counting {
+            Counting::Fenced(keys) => keys.get(block).copied(),
+            Counting::Ordered => None,
+        };
+        let (Some(key), Some(writes)) = (key, self.writes.get(block)) else {
+            return Err(EpError::internal(format!(
+                "a kernel pushes block {block} of a {:?} packet to rank {}, which has no such fence key",
+                self.ch, self.dst
+            )));
+        };
+        Ok(KernelPort {
+            fifo: &self.fifo,
+            me: self.me,
+            dst_rank: self.dst,
+            src_base,
+            dst_base,
+            write_bytes: self.write_bytes,
+            key,
+            writes,
+            sent_bytes: &self.sent_bytes,
+            kernel_cmds: &self.kernel_cmds,
+            port: self,
+        })
     }
 
     /// Unpark the proxy thread that owns the FIFO (an idle one sleeps up to 1 ms).

@@ -1,0 +1,210 @@
+//! The LL dispatch's pack as a kernel on the emulated device (`kernels/ll_pack.cu`): the
+//! phase's descriptor turned into the kernel's argument, every index the kernel follows
+//! checked first, and the packets' FIFOs leased to the kernel for the launch.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use uep_ep::device::{DispatchRemote, LlAreas, LlPackPhase, Sink};
+use uep_ep::{EpError, Result};
+use uep_fifo::{DeviceLease, Fifo};
+
+use super::ffi::{self, Grid};
+use crate::api::{addr, LlPackArgs, LlPackSink, LL_PACKET, LL_PEER, LL_SKIP};
+
+/// Writes a packet's rows may take under one fence key: a count signal counts at most
+/// 255, and the rest of the packet (its header) leaves with the signal.
+const CHUNKS: usize = 250;
+
+/// An error of the phase as handed to the kernel: uep's own fault.
+fn bad(what: String) -> EpError {
+    EpError::Internal(format!("emulated ll_pack: {what}"))
+}
+
+/// The address of an atomic counter, for the kernel to add to.
+fn counter(c: &AtomicU64) -> u64 {
+    c.as_ptr() as u64
+}
+
+/// What the launch holds: each packet's chunk counters and the leases of the FIFOs the
+/// kernel pushes into (one a FIFO: packets to several peers may share one).
+#[derive(Default)]
+struct Held {
+    chunks: Vec<Vec<u32>>,
+    leases: Vec<DeviceLease<Arc<Fifo>>>,
+}
+
+/// Checks that every copy of `p` lands inside the areas the kernel writes: ids of
+/// existing experts, rows inside their expert's block, packet rows inside the packet.
+fn check(p: &LlPackPhase<'_>) -> Result<()> {
+    let (t, k, s) = (p.tokens(), p.areas.shape.topk, p.areas.shape);
+    let t_k = t * k;
+    let lens_ok = p.tokens.bytes.len() == t * p.tokens.row_bytes
+        && p.tokens.scales.len() == t * p.tokens.scale_words
+        && p.topk_idx.len() == t_k
+        && p.pos.len() == t_k
+        && p.topk_weights.is_none_or(|w| w.len() == t_k)
+        && p.sinks.len() == p.num_ranks
+        && t <= s.max_tokens;
+    if !lens_ok {
+        return Err(bad(format!("{t} tokens with inputs of the wrong lengths")));
+    }
+    let within = |(&e, &pos): (&i64, &u32)| {
+        e == -1 || (e >= 0 && (e as usize) < s.num_experts && (pos as usize) < s.max_tokens)
+    };
+    if !p.topk_idx.iter().zip(p.pos).all(within) {
+        return Err(bad("an expert id or a row out of range".into()));
+    }
+    Ok(())
+}
+
+/// The kernel's view of `sink`, rank `r`'s: its kind, the memory it writes and, for a
+/// packet, where its rows go and how they are pushed.
+fn sink_args(
+    p: &LlPackPhase<'_>,
+    sink: &Sink<Box<DispatchRemote>>,
+    held: &mut Held,
+) -> Result<LlPackSink> {
+    let areas: &LlAreas = p.areas;
+    let row_bytes = p.tokens.row_bytes;
+    let (base, len) = match sink {
+        Sink::Skip => {
+            return Ok(LlPackSink {
+                kind: LL_SKIP,
+                ..Default::default()
+            })
+        }
+        Sink::Peer(r) => p.region(*r)?,
+        Sink::Packet(_) => p.region(p.rank)?,
+    };
+    let Sink::Packet(remote) = sink else {
+        // The receive areas are at the same offsets in every region.
+        if areas
+            .recv_x
+            .end()
+            .max(areas.recv_weight.end())
+            .max(areas.recv_src.end())
+            > len
+        {
+            return Err(bad("receive areas outside a peer's memory".into()));
+        }
+        return Ok(LlPackSink {
+            kind: LL_PEER,
+            region: base as u64,
+            ..Default::default()
+        });
+    };
+    let pk = &remote.packet;
+    let rows = remote.rows();
+    if remote.row_of.len() != p.tokens()
+        || remote
+            .row_of
+            .iter()
+            .any(|&r| r != u32::MAX && r as usize >= rows)
+        || pk.rows.end().max(pk.weights.end()) > len
+        || pk.rows.len() != rows * row_bytes
+    {
+        return Err(bad("a packet's rows do not fit its area".into()));
+    }
+    let mut out = LlPackSink {
+        kind: LL_PACKET,
+        packet_rows: rows as u32,
+        region: base as u64,
+        row_of: addr(&remote.row_of),
+        rows_off: pk.rows.offset() as u64,
+        scales_off: pk.scales.offset() as u64,
+        ids_off: pk.ids.offset() as u64,
+        slots_off: pk.slots.offset() as u64,
+        weights_off: pk.weights.offset() as u64,
+        ..Default::default()
+    };
+    if !DispatchRemote::pushes_rows(row_bytes) || rows == 0 {
+        return Ok(out);
+    }
+    // Chunks of about a write's size, and never more than a count signal counts.
+    let port = remote.kernel_port()?;
+    let chunk_rows = (port.write_bytes / row_bytes.max(1))
+        .max(rows.div_ceil(CHUNKS))
+        .max(1);
+    if chunk_rows * row_bytes >= uep_wire::MAX_WRITE_LEN as usize {
+        return Err(bad(format!(
+            "a chunk of {chunk_rows} rows of {row_bytes} bytes is more than a write moves"
+        )));
+    }
+    let fifo: &Fifo = port.fifo;
+    if !held.leases.iter().any(|l| std::ptr::eq(l.fifo(), fifo)) {
+        held.leases
+            .push(DeviceLease::claim(port.fifo.clone()).map_err(|e| bad(e.to_string()))?);
+    }
+    let lease = (held.leases.iter())
+        .find(|l| std::ptr::eq(l.fifo(), fifo))
+        .expect("leased above");
+    held.chunks.push(vec![0u32; rows.div_ceil(chunk_rows)]);
+    let done = held.chunks.last_mut().expect("pushed above");
+    out.chunk_done = done.as_mut_ptr() as u64;
+    out.ring_base = lease.region_addr() as u64;
+    out.ring_capacity = port.fifo.capacity() as u64;
+    out.src_base = port.src_base as u64;
+    out.dst_base = port.dst_base as u64;
+    out.writes = counter(port.writes);
+    out.sent_bytes = counter(port.sent_bytes);
+    out.kernel_cmds = counter(port.kernel_cmds);
+    out.chunk_rows = chunk_rows as u32;
+    out.dst_rank = port.dst_rank as u32;
+    out.key_kind = port.key.0.into();
+    out.key = port.key.1.into();
+    Ok(out)
+}
+
+/// Runs `p` as the `uep_ll_pack` kernel on `grid`, then wakes the proxies of the
+/// packets it pushed into.
+pub(crate) fn ll_pack(grid: Grid, p: &LlPackPhase<'_>) -> Result<()> {
+    check(p)?;
+    let mut held = Held::default();
+    let sinks = (p.sinks.iter())
+        .map(|s| sink_args(p, s, &mut held))
+        .collect::<Result<Vec<_>>>()?;
+    let (areas, s) = (p.areas, p.areas.shape);
+    let args = LlPackArgs {
+        x: addr(p.tokens.bytes),
+        scales: if p.tokens.scale_words > 0 {
+            addr(p.tokens.scales)
+        } else {
+            0
+        },
+        topk_idx: addr(p.topk_idx),
+        weights: p.topk_weights.map_or(0, addr),
+        pos: addr(p.pos),
+        sinks: addr(&sinks),
+        recv_x_off: areas.recv_x.offset() as u64,
+        recv_scales_off: areas.recv_scales.offset() as u64,
+        recv_src_off: areas.recv_src.offset() as u64,
+        recv_weight_off: areas.recv_weight.offset() as u64,
+        tokens: p.tokens() as u32,
+        row_bytes: p.tokens.row_bytes as u32,
+        scale_words: p.tokens.scale_words as u32,
+        topk: s.topk as u32,
+        rank: p.rank as u32,
+        ranks: p.num_ranks as u32,
+        experts_per_rank: s.experts_per_rank(p.num_ranks) as u32,
+        max_tokens: s.max_tokens as u32,
+    };
+    // SAFETY: `check` bounds every expert id, row and length the kernel follows;
+    // `sink_args` checked each sink's areas against its region (mapped while the phase
+    // lives), its rows against its packet, and leased each FIFO the kernel pushes into
+    // (no other producer until the leases drop, after the launch); the counters are
+    // atomics the host reads only after the launch. All live until it returns.
+    #[allow(unsafe_code)]
+    unsafe {
+        ffi::launch(&ffi::LL_PACK, grid, &args).map_err(bad)?;
+    }
+    drop(held);
+    for sink in p.sinks {
+        if let Sink::Packet(remote) = sink {
+            if let Ok(port) = remote.kernel_port() {
+                port.wake();
+            }
+        }
+    }
+    Ok(())
+}
