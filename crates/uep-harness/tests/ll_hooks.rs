@@ -297,13 +297,15 @@ fn a_combine_is_received_with_the_input_it_was_sent_with() {
         let (mut buf, me) = buffer(group, 1);
         let idx = vec![1 - me as i64; TOKENS];
         let w = vec![1f32; TOKENS];
-        let out = buf
-            .low_latency_dispatch(LlDispatchArgs::new(&x(me, 0), &idx))
-            .expect("dispatch");
+        // The peer that refuses first aborts: the other may learn it in its send, or
+        // still in its dispatch (an abort ends a peer's waits at once).
+        let out = match buf.low_latency_dispatch(LlDispatchArgs::new(&x(me, 0), &idx)) {
+            Ok(out) => out,
+            Err(e) => return e.to_string(),
+        };
         let y = bf16_rows(&out).to_vec();
         let handle = out.handle;
         let mut combined = vec![bf16::ZERO; TOKENS * HIDDEN];
-        // The peer that refuses first aborts: the other may learn it in its send.
         match buf.low_latency_combine_send(LlCombineInput::ZeroCopy, &idx, &w, &handle) {
             Ok(pending) => buf
                 .low_latency_combine_recv(pending, &y, &mut combined)
