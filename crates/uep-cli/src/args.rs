@@ -79,9 +79,14 @@ pub struct BenchArgs {
     /// Send FP8 e4m3 (+ a scale per 128 channels) instead of bf16.
     #[arg(long)]
     pub fp8: bool,
-    /// With --fp8: round scales up to powers of two (UE8M0) in low-latency dispatch.
+    /// With --fp8: round scales up to powers of two (UE8M0) in low-latency dispatch;
+    /// with --nvfp4: UE8M0 block scales instead of e4m3.
     #[arg(long)]
     pub round_scale: bool,
+    /// Low-latency dispatch casts to NVFP4 (e2m1 with a scale byte per 16 channels and a
+    /// global scale from every rank's largest magnitude); needs --mode ll.
+    #[arg(long, conflicts_with = "fp8")]
+    pub nvfp4: bool,
     /// Token routing: uniform, same-rank, one-expert, empty-ranks, mixed.
     #[arg(long, default_value = "uniform")]
     pub routing: Routing,
@@ -242,11 +247,17 @@ pub(crate) fn validate(args: &BenchArgs) -> anyhow::Result<()> {
             args.experts, args.ranks
         ));
     }
-    if args.fp8 && args.hidden % 128 != 0 {
+    if (args.fp8 || args.nvfp4) && args.hidden % 128 != 0 {
         return bad(format!(
-            "--fp8 needs --hidden to be a multiple of 128, got {}",
+            "--fp8 and --nvfp4 need --hidden to be a multiple of 128, got {}",
             args.hidden
         ));
+    }
+    if args.nvfp4 && (args.mode != Modes::Ll || args.soak.is_some()) {
+        return bad(
+            "--nvfp4 is a low-latency cast, as DeepEP's: it needs --mode ll (and takes no --soak)"
+                .into(),
+        );
     }
     if args.num_worst_tokens > 0 && args.num_worst_tokens != args.ranks * args.tokens {
         return bad(format!(

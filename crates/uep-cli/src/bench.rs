@@ -180,10 +180,10 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         steps,
         progress: Progress::new(total, "uep bench", rank == 0 && !args.json),
         bad: Mismatches::new(rank),
-        token_bytes: if args.fp8 {
-            (args.hidden + args.hidden / 128 * 4 + 16) as u64
-        } else {
-            (2 * args.hidden) as u64
+        token_bytes: match (args.fp8, args.nvfp4) {
+            (true, _) => (args.hidden + args.hidden / 128 * 4 + 16) as u64,
+            (_, true) => (args.hidden / 2 + args.hidden / 64 * 4 + 16) as u64,
+            _ => (2 * args.hidden) as u64,
         },
         device: setup.kernels.clone(),
     };
@@ -196,6 +196,25 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     }
     run.progress.finish();
     report(args, &buffer, &info, &setup, &measured, &run.bad)
+}
+
+/// What a low-latency dispatch of `inputs` (every rank's) casts to: FP8, or NVFP4 with
+/// the global scale a caller computes over every rank's tokens (`448 * 6 / amax`), or
+/// nothing.
+fn ll_cast(args: &BenchArgs, inputs: &[RankInput]) -> Option<Cast> {
+    if !args.nvfp4 {
+        return Cast::fp8_if(args.fp8, args.round_scale);
+    }
+    let amax = (inputs.iter())
+        .filter_map(|i| i.x.as_bf16())
+        .flatten()
+        .map(|v| v.to_f32().abs())
+        .filter(|v| v.is_finite())
+        .fold(0f32, f32::max);
+    Some(Cast::Nvfp4(uep_ep::quant::Nvfp4 {
+        global_scale: 448.0 * 6.0 / amax.max(1e-12),
+        ue8m0: args.round_scale,
+    }))
 }
 
 /// What `open_buffer` chose, for the report.
@@ -536,7 +555,14 @@ impl Run<'_> {
         let dump = (args.dump.is_some() && step.last).then(|| crate::dump::Dump::normal(&out, h));
         let n = out.handle.num_recv_tokens;
         scratch.y.resize(n * h, bf16::ZERO);
-        identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, &mut scratch.y)?;
+        identity_expert(
+            out.recv_x,
+            0..n,
+            h,
+            ScaleLayout::RowMajor,
+            None,
+            &mut scratch.y,
+        )?;
         let w = out.recv_topk_weights.map(<[f32]>::to_vec);
         let handle = out.handle;
         if args.cached && scratch.cached.is_none() {
@@ -621,7 +647,8 @@ impl Run<'_> {
     ) -> anyhow::Result<Vec<Measured>> {
         let (args, shape, rank) = (self.args, self.shape, self.rank);
         let (world, lws) = (shape.num_ranks, shape.ranks_per_node);
-        let mut case = LlCase::new(rank, inputs, &shape, max_ll, args.fp8, args.round_scale)?;
+        let cast = ll_cast(args, &inputs);
+        let mut case = LlCase::new(rank, inputs, &shape, max_ll, cast)?;
         let t_n = case.inputs[rank].num_tokens;
         let epr = (args.experts / world) as i64;
         let ops = [
@@ -633,7 +660,8 @@ impl Run<'_> {
         for step in 0..self.steps {
             if args.fresh && step > 0 {
                 let inputs = make_inputs(args, &shape, args.ll_tokens, step_salt(0x11, step))?;
-                case = LlCase::new(rank, inputs, &shape, max_ll, args.fp8, args.round_scale)?;
+                let cast = ll_cast(args, &inputs);
+                case = LlCase::new(rank, inputs, &shape, max_ll, cast)?;
             }
             let step = self.step(step);
             if step.timed {
@@ -667,9 +695,8 @@ impl Run<'_> {
         let sent = buffer.net_bytes_sent();
         self.device.take_kernel_phases();
         let start = Instant::now();
-        let mut out = buffer.low_latency_dispatch(
-            LlDispatchArgs::new(x, &mine.topk_idx).cast(Cast::fp8_if(args.fp8, args.round_scale)),
-        )?;
+        let mut out =
+            buffer.low_latency_dispatch(LlDispatchArgs::new(x, &mine.topk_idx).cast(case.cast))?;
         let took = start.elapsed();
         if step.check {
             uep_harness::check::ll_dispatch(&mut self.bad, &out, &case.expected, h);
@@ -687,7 +714,11 @@ impl Run<'_> {
         for (le, &n) in out.recv_count.iter().enumerate() {
             let begin = le * rows_per_expert;
             let layout = ScaleLayout::ColumnMajor { rows_per_expert };
-            identity_expert(out.recv_x, begin..begin + n as usize, h, layout, dst)?;
+            let nvfp4 = match case.cast {
+                Some(Cast::Nvfp4(n)) => Some(n),
+                _ => None,
+            };
+            identity_expert(out.recv_x, begin..begin + n as usize, h, layout, nvfp4, dst)?;
         }
         let handle = out.handle;
         tally.record(
@@ -893,7 +924,11 @@ fn op_reports(
     limits: &std::collections::HashMap<&'static str, Option<f64>>,
 ) -> Vec<OpReport> {
     let world = buffer.num_ranks();
-    let dtype = if args.fp8 { "fp8" } else { "bf16" };
+    let dtype = match (args.fp8, args.nvfp4) {
+        (true, _) => "fp8",
+        (_, true) => "nvfp4",
+        _ => "bf16",
+    };
     let device = &setup.device;
     let mut reports = Vec::new();
     for (m, op) in measured.iter().zip(&merged.ops) {

@@ -76,6 +76,31 @@ fn two_ranks_every_routing_bf16_and_fp8() {
 }
 
 #[test]
+fn low_latency_nvfp4_with_both_scale_formats() {
+    // e2m1 with e4m3 block scales, then UE8M0 ones, on one node and across two.
+    for more in [vec!["--ranks", "2"], vec!["--ranks", "4", "--nodes", "2"]] {
+        for ue8m0 in [false, true] {
+            let mut args = small("4", "16");
+            args.extend([
+                "--mode",
+                "ll",
+                "--nvfp4",
+                "--routing",
+                "mixed",
+                "--drop-prob",
+                "0.1",
+            ]);
+            args.extend(&more);
+            if ue8m0 {
+                args.push("--round-scale");
+            }
+            let reports = bench(&args);
+            assert_eq!(reports[0]["dtype"], "nvfp4", "{args:?}");
+        }
+    }
+}
+
+#[test]
 fn three_ranks_non_power_of_two_experts() {
     // 18 experts on 3 ranks: 6 a rank, fewer than top-k 8, so same-rank routing names
     // experts twice and one token reaches a rank many times.
@@ -172,6 +197,11 @@ fn bad_flags_are_rejected_with_a_reason() {
             "multiple of --ranks",
         ),
         (vec!["--fp8", "--hidden", "200"], "multiple of 128"),
+        (vec!["--nvfp4"], "needs --mode ll"),
+        (
+            vec!["--nvfp4", "--fp8", "--mode", "ll"],
+            "cannot be used with",
+        ),
         (vec!["--ranks", "4", "--nodes", "3"], "multiple of --nodes"),
         (vec!["--routing", "sideways"], "uniform"),
         (

@@ -98,6 +98,13 @@ fn nodes_across_libfabric_and_edge_routings() {
             emu_bench(&args);
         }
     }
+    // NVFP4, both block scale formats.
+    for more in [&[][..], &["--round-scale"][..]] {
+        let mut args = vec!["--ranks", "4", "--nodes", "2", "--mode", "ll", "--nvfp4"];
+        args.extend(more);
+        let reports = emu_bench(&args);
+        assert_eq!(kernels(&reports, "ll_dispatch"), ["cast", "ll_pack"]);
+    }
     // Empty ranks, every slot of a token on one rank, one expert for all, -1 slots.
     for routing in ["empty-ranks", "same-rank", "one-expert"] {
         emu_bench(&[

@@ -1,8 +1,8 @@
 //! One step's inputs together with what the reference says every output must be.
 
 use half::bf16;
-use uep_ep::quant::{dequantize, quantize};
-use uep_ep::{get_dispatch_layout, DispatchLayout, RecvTokens, Result, Tokens};
+use uep_ep::quant::{dequantize, nvfp4_dequantize_token, quantize, Nvfp4};
+use uep_ep::{get_dispatch_layout, Cast, DispatchLayout, RecvTokens, Result, Tokens};
 
 use crate::reference::{self, LlRecv, NormalRecv};
 use crate::workload::{JobShape, RankInput, TokenData};
@@ -19,11 +19,15 @@ pub fn to_fp8(input: &RankInput, hidden: usize) -> Result<RankInput> {
     })
 }
 
-/// `data` as the [`Tokens`] a dispatch takes.
+/// `data` as the [`Tokens`] a dispatch takes (bf16 or FP8; NVFP4 is a low-latency
+/// dispatch's cast, never its input).
 pub fn tokens(data: &TokenData) -> Tokens<'_> {
     match data {
         TokenData::Bf16(v) => Tokens::Bf16(v),
         TokenData::Fp8 { data, scales } => Tokens::Fp8 { data, scales },
+        TokenData::Nvfp4 { .. } => {
+            panic!("NVFP4 rows are what a low-latency dispatch casts to, never its input")
+        }
     }
 }
 
@@ -40,7 +44,8 @@ pub enum ScaleLayout {
 }
 
 /// What an identity expert returns for received rows `rows` of `x`: the rows
-/// themselves, or their dequantised values rounded to bf16, written into `y` (which
+/// themselves, or their dequantised values rounded to bf16 (NVFP4 rows by `nvfp4`, the
+/// call's cast), written into `y` (which
 /// keeps its size, so other rows stay as they were, and is reused across steps: a real
 /// expert computes only the rows it got, into memory it keeps).
 pub fn identity_expert(
@@ -48,6 +53,7 @@ pub fn identity_expert(
     rows: std::ops::Range<usize>,
     hidden: usize,
     layout: ScaleLayout,
+    nvfp4: Option<Nvfp4>,
     y: &mut [bf16],
 ) -> Result<()> {
     let span = rows.start * hidden..rows.end * hidden;
@@ -70,10 +76,25 @@ pub fn identity_expert(
                 *o = bf16::from_f32(v);
             }
         }
-        RecvTokens::Nvfp4 { .. } => {
-            return Err(uep_ep::EpError::InvalidArgument(
-                "the identity expert takes bf16 or FP8 rows, not NVFP4".into(),
-            ))
+        RecvTokens::Nvfp4 { data, scales } => {
+            let (Some(cast), ScaleLayout::ColumnMajor { rows_per_expert }) = (nvfp4, layout) else {
+                return Err(uep_ep::EpError::InvalidArgument(
+                    "the identity expert takes NVFP4 rows of a low-latency dispatch with their cast".into(),
+                ));
+            };
+            let (rb, w) = (hidden / 2, hidden / 64);
+            let mut values = vec![0f32; hidden];
+            for r in rows {
+                let (e, j) = (r / rows_per_expert, r % rows_per_expert);
+                let words: Vec<u32> = (0..w)
+                    .map(|c| scales[(e * w + c) * rows_per_expert + j])
+                    .collect();
+                let sf: &[u8] = bytemuck::cast_slice(&words);
+                nvfp4_dequantize_token(&data[r * rb..(r + 1) * rb], sf, cast, &mut values);
+                for (o, v) in y[r * hidden..(r + 1) * hidden].iter_mut().zip(&values) {
+                    *o = bf16::from_f32(*v);
+                }
+            }
         }
     }
     Ok(())
@@ -141,25 +162,27 @@ pub struct LlCase {
     pub expected: LlRecv,
     /// What this rank's combine returns when every expert is the identity.
     pub expected_combine: Vec<bf16>,
+    /// What the dispatch casts its rows to (`None`: bf16 as given).
+    pub cast: Option<Cast>,
 }
 
 impl LlCase {
-    /// The case of `rank` for every rank's `inputs`, `max_tokens` a rank.
+    /// The case of `rank` for every rank's `inputs`, `max_tokens` a rank, the dispatch
+    /// casting to `cast`.
     pub fn new(
         rank: usize,
         inputs: Vec<RankInput>,
         shape: &JobShape,
         max_tokens: usize,
-        fp8: bool,
-        round_scale: bool,
+        cast: Option<Cast>,
     ) -> Result<Self> {
-        let expected = reference::ll_dispatch(&inputs, shape, rank, max_tokens, fp8, round_scale)?;
-        let expected_combine =
-            reference::ll_combine_identity(&inputs, shape, rank, fp8, round_scale)?;
+        let expected = reference::ll_dispatch(&inputs, shape, rank, max_tokens, cast)?;
+        let expected_combine = reference::ll_combine_identity(&inputs, shape, rank, cast)?;
         Ok(LlCase {
             inputs,
             expected,
             expected_combine,
+            cast,
         })
     }
 }

@@ -197,6 +197,25 @@ pub fn ll_dispatch(bad: &mut Mismatches, out: &LlDispatchOutput<'_>, want: &LlRe
                     &s[rows.start * g..rows.end * g],
                 );
             }
+            // NVFP4 scale words come column-major too, `[E/R, H/64, R*M]`.
+            (
+                RecvTokens::Nvfp4 { data, scales },
+                TokenData::Nvfp4 {
+                    data: d, scales: s, ..
+                },
+            ) => {
+                let (rb, w) = (hidden / 2, hidden / 64);
+                let span = rows.start * rb..rows.end * rb;
+                bad.bits(&what, &data[span.clone()], &d[span]);
+                let got: Vec<u32> = (0..n as usize)
+                    .flat_map(|j| (0..w).map(move |c| scales[(le * w + c) * rows_per_expert + j]))
+                    .collect();
+                bad.bits(
+                    &format!("{what} scales"),
+                    &got,
+                    &s[rows.start * w..rows.end * w],
+                );
+            }
             (got, want) => bad.tokens(&what, got, want, rows, hidden),
         }
     }

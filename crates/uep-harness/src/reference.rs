@@ -9,7 +9,8 @@ use half::bf16;
 
 use crate::workload::{JobShape, RankInput, TokenData};
 use uep_ep::invalid;
-use uep_ep::quant::{quantize_token, FP8_GROUP};
+use uep_ep::quant::{nvfp4_quantize_token, quantize_token, FP8_GROUP};
+use uep_ep::Cast;
 use uep_ep::Result;
 use uep_ep::{get_dispatch_layout, DispatchLayout};
 
@@ -392,8 +393,8 @@ impl TokenSums {
 /// ascending, inside a source by (token, slot) ascending. Rows past `count[e]` are zero / `-1`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlRecv {
-    /// `[E/R, R*M, H]` bf16, or FP8 (`quantize_token` of the source token with the call's
-    /// `round_scale`) with `[E/R, R*M, H/128]` scales.
+    /// `[E/R, R*M, H]` bf16, or the call's cast of the source token (FP8 with
+    /// `[E/R, R*M, H/128]` scales, NVFP4 with `[E/R, R*M, H/64]` scale words).
     pub x: TokenData,
     /// `[E/R]`: rows received by each local expert.
     pub count: Vec<i32>,
@@ -414,8 +415,7 @@ pub fn ll_dispatch(
     shape: &JobShape,
     rank: usize,
     max_tokens_per_rank: usize,
-    use_fp8: bool,
-    round_scale: bool,
+    cast: Option<Cast>,
 ) -> Result<LlRecv> {
     check_inputs(inputs, shape)?;
     check_rank(rank, shape)?;
@@ -426,16 +426,16 @@ pub fn ll_dispatch(
         shape.topk,
         shape.experts_per_rank(),
     );
-    if use_fp8 && h % FP8_GROUP != 0 {
+    if cast.is_some() && h % FP8_GROUP != 0 {
         return Err(invalid!(
-            "ll_dispatch: use_fp8 needs hidden = {h} to be a multiple of {FP8_GROUP}"
+            "ll_dispatch: a cast needs hidden = {h} to be a multiple of {FP8_GROUP}"
         ));
     }
     let xs = ll_inputs(inputs, m)?;
     let rows_per_expert = r_count * m;
     to_i32(rows_per_expert, "num_ranks * max_tokens_per_rank")?;
     let rows = epr * rows_per_expert;
-    let mut x = LlRows::new(rows, h, use_fp8.then_some(round_scale));
+    let mut x = LlRows::new(rows, h, cast);
     let mut count = vec![0i32; epr];
     let mut src_token = vec![-1i32; rows];
     let mut src_slot = vec![-1i32; rows];
@@ -493,45 +493,63 @@ fn ll_inputs(inputs: &[RankInput], m: usize) -> Result<Vec<&[bf16]>> {
     Ok(xs)
 }
 
-/// The rows of an LL receive as they are written: bf16, or FP8 with a scale per 128
-/// channels (`Some(round_scale)`).
+/// The rows of an LL receive as they are written: bf16, or the call's cast (FP8 with
+/// a scale per 128 channels, NVFP4 with a scale byte per 16).
 struct LlRows {
     h: usize,
+    cast: Option<Cast>,
     bf16: Vec<bf16>,
-    fp8: Option<(Vec<u8>, Vec<f32>, bool)>,
+    /// The cast's codes and scale words, `row_bytes` and `words` a row.
+    codes: Vec<u8>,
+    words: Vec<f32>,
 }
 
 impl LlRows {
-    fn new(rows: usize, h: usize, fp8: Option<bool>) -> Self {
-        let groups = h / FP8_GROUP;
+    fn new(rows: usize, h: usize, cast: Option<Cast>) -> Self {
+        let (row_bytes, words) = cast.map_or((0, 0), |c| {
+            (c.format().row_bytes(h), c.format().scale_words(h))
+        });
         LlRows {
             h,
-            bf16: match fp8 {
+            cast,
+            bf16: match cast {
                 Some(_) => Vec::new(),
                 None => vec![bf16::ZERO; rows * h],
             },
-            fp8: fp8.map(|round| (vec![0u8; rows * h], vec![0f32; rows * groups], round)),
+            codes: vec![0u8; rows * row_bytes],
+            words: vec![0f32; rows * words],
         }
     }
 
     /// Writes `src` as row `row`.
     fn put(&mut self, row: usize, src: &[bf16]) {
-        let (h, g) = (self.h, self.h / FP8_GROUP);
-        match &mut self.fp8 {
-            Some((q, scales, round)) => quantize_token(
-                src,
-                *round,
-                &mut q[row * h..(row + 1) * h],
-                &mut scales[row * g..(row + 1) * g],
-            ),
-            None => self.bf16[row * h..(row + 1) * h].copy_from_slice(src),
+        let h = self.h;
+        let Some(cast) = self.cast else {
+            return self.bf16[row * h..(row + 1) * h].copy_from_slice(src);
+        };
+        let (rb, w) = (cast.format().row_bytes(h), cast.format().scale_words(h));
+        let (q, s) = (
+            &mut self.codes[row * rb..(row + 1) * rb],
+            &mut self.words[row * w..(row + 1) * w],
+        );
+        match cast {
+            Cast::Fp8 { round_scale } => quantize_token(src, round_scale, q, s),
+            Cast::Nvfp4(n) => nvfp4_quantize_token(src, n, q, bytemuck::cast_slice_mut(s)),
         }
     }
 
     fn into_data(self) -> TokenData {
-        match self.fp8 {
-            Some((data, scales, _)) => TokenData::Fp8 { data, scales },
+        match self.cast {
             None => TokenData::Bf16(self.bf16),
+            Some(Cast::Fp8 { .. }) => TokenData::Fp8 {
+                data: self.codes,
+                scales: self.words,
+            },
+            Some(Cast::Nvfp4(cast)) => TokenData::Nvfp4 {
+                data: self.codes,
+                scales: self.words.iter().map(|w| w.to_bits()).collect(),
+                cast,
+            },
         }
     }
 }
@@ -739,6 +757,14 @@ pub fn identity_row(x: &TokenData, t: usize, hidden: usize, out: &mut [f32]) {
                 *o = bf16::from_f32(*o).to_f32();
             }
         }
+        TokenData::Nvfp4 { data, scales, cast } => {
+            let (rb, w) = (hidden / 2, hidden / 64);
+            let sf: &[u8] = bytemuck::cast_slice(&scales[t * w..(t + 1) * w]);
+            uep_ep::quant::nvfp4_dequantize_token(&data[t * rb..(t + 1) * rb], sf, *cast, out);
+            for o in out.iter_mut() {
+                *o = bf16::from_f32(*o).to_f32();
+            }
+        }
     }
 }
 
@@ -823,8 +849,7 @@ pub fn ll_combine_identity(
     inputs: &[RankInput],
     shape: &JobShape,
     rank: usize,
-    use_fp8: bool,
-    round_scale: bool,
+    cast: Option<Cast>,
 ) -> Result<Vec<bf16>> {
     check_inputs(inputs, shape)?;
     check_rank(rank, shape)?;
@@ -833,11 +858,15 @@ pub fn ll_combine_identity(
     let Some(x) = input.x.as_bf16() else {
         return Err(invalid!("reference: low-latency inputs must be bf16"));
     };
-    let sent = if use_fp8 {
-        let (data, scales) = uep_ep::quant::quantize(x, h, round_scale)?;
-        TokenData::Fp8 { data, scales }
-    } else {
-        input.x.clone()
+    let sent = match cast {
+        None => input.x.clone(),
+        Some(cast) => {
+            let mut rows = LlRows::new(input.num_tokens, h, Some(cast));
+            for t in 0..input.num_tokens {
+                rows.put(t, &x[t * h..(t + 1) * h]);
+            }
+            rows.into_data()
+        }
     };
     let mut out = vec![bf16::ZERO; input.num_tokens * h];
     let mut row = vec![0f32; h];
@@ -1136,7 +1165,7 @@ mod tests {
     fn ll_dispatch_hand_worked() {
         let (inputs, shape) = (hand_inputs(), shape3());
         let m = 3;
-        let r0 = ll_dispatch(&inputs, &shape, 0, m, false, false).unwrap();
+        let r0 = ll_dispatch(&inputs, &shape, 0, m, None).unwrap();
         assert_eq!(r0.count, vec![1, 2]);
         // Expert 0: (s0, t0, k0). Expert 1: (s1, t0, k0), (s1, t0, k1).
         // Each expert owns R * M = 9 rows.
@@ -1161,7 +1190,7 @@ mod tests {
             .chain(&x[11 * H..])
             .all(|v| v.to_bits() == 0));
 
-        let r2 = ll_dispatch(&inputs, &shape, 2, m, false, false).unwrap();
+        let r2 = ll_dispatch(&inputs, &shape, 2, m, None).unwrap();
         // Expert 4 <- (s0, t2, k1); expert 5 <- (s0, t2, k0).
         assert_eq!(r2.count, vec![1, 1]);
         assert_eq!((r2.src_token[0], r2.src_slot[0]), (2, 1));
@@ -1169,7 +1198,7 @@ mod tests {
 
         // FP8: each row is quantize_token of the source token with the call's round_scale.
         for round_scale in [false, true] {
-            let f = ll_dispatch(&inputs, &shape, 0, m, true, round_scale).unwrap();
+            let f = ll_dispatch(&inputs, &shape, 0, m, Cast::fp8_if(true, round_scale)).unwrap();
             let TokenData::Fp8 { data, scales } = &f.x else {
                 panic!("fp8 expected")
             };
@@ -1186,7 +1215,7 @@ mod tests {
     /// LL combine with y = recv_x gives bf16(sum_k w_k * x_t) in slot order.
     fn check_ll_round_trip(inputs: &[RankInput], shape: &JobShape, m: usize) {
         let recvs: Vec<LlRecv> = (0..shape.num_ranks)
-            .map(|r| ll_dispatch(inputs, shape, r, m, false, false).unwrap())
+            .map(|r| ll_dispatch(inputs, shape, r, m, None).unwrap())
             .collect();
         let ys: Vec<Vec<bf16>> = recvs.iter().map(|r| bf16_rows(&r.x).to_vec()).collect();
         let (h, k) = (shape.hidden, shape.topk);
@@ -1212,7 +1241,7 @@ mod tests {
         let (inputs, shape) = (hand_inputs(), shape3());
         check_ll_round_trip(&inputs, &shape, 3);
         let recvs: Vec<LlRecv> = (0..3)
-            .map(|r| ll_dispatch(&inputs, &shape, r, 3, false, false).unwrap())
+            .map(|r| ll_dispatch(&inputs, &shape, r, 3, None).unwrap())
             .collect();
         let ys: Vec<Vec<bf16>> = recvs.iter().map(|r| bf16_rows(&r.x).to_vec()).collect();
         let c = ll_combine(&shape, &recvs, &ys, &inputs, 1, 3).unwrap();
@@ -1259,7 +1288,7 @@ mod tests {
     fn ll_combine_detects_missing_or_misrouted_rows() {
         let (inputs, shape) = (hand_inputs(), shape3());
         let mut recvs: Vec<LlRecv> = (0..3)
-            .map(|r| ll_dispatch(&inputs, &shape, r, 3, false, false).unwrap())
+            .map(|r| ll_dispatch(&inputs, &shape, r, 3, None).unwrap())
             .collect();
         let ys: Vec<Vec<bf16>> = recvs.iter().map(|r| bf16_rows(&r.x).to_vec()).collect();
         recvs[0].layout_range[0] = (0, 0); // rank 0 expert 0 "loses" (s0, t0, k0)
@@ -1282,7 +1311,7 @@ mod tests {
     fn argument_errors_name_the_problem() {
         let (inputs, shape) = (hand_inputs(), shape3());
         let err = |r: Result<LlRecv>| r.unwrap_err().to_string();
-        let e = err(ll_dispatch(&inputs, &shape, 0, 2, false, false));
+        let e = err(ll_dispatch(&inputs, &shape, 0, 2, None));
         assert!(
             e.contains("rank 0 has 3 tokens") && e.contains("max_tokens_per_rank = 2"),
             "{e}"
@@ -1292,13 +1321,11 @@ mod tests {
             let (data, scales) = quantize(bf16_rows(&i.x), H, false).unwrap();
             i.x = TokenData::Fp8 { data, scales };
         }
-        assert!(err(ll_dispatch(&fp8, &shape, 0, 3, false, false)).contains("takes bf16 input"));
-        assert!(
-            err(ll_dispatch(&inputs, &shape, 3, 3, false, false)).contains("rank 3 out of range")
-        );
+        assert!(err(ll_dispatch(&fp8, &shape, 0, 3, None)).contains("takes bf16 input"));
+        assert!(err(ll_dispatch(&inputs, &shape, 3, 3, None)).contains("rank 3 out of range"));
         // One token naming expert 1 twice: 2 rows from rank 1 > M = 1.
         let dup = vec![input(0, vec![]), input(1, vec![1, 1]), input(2, vec![])];
-        let e = err(ll_dispatch(&dup, &shape, 0, 1, false, false));
+        let e = err(ll_dispatch(&dup, &shape, 0, 1, None));
         assert!(e.contains("rank 1 sends 2 rows to expert 1"), "{e}");
 
         let mut mixed = inputs.clone();
@@ -1402,7 +1429,9 @@ mod tests {
                     .collect();
                 let m = 9;
                 let ll: Vec<LlRecv> = (0..6)
-                    .map(|r| ll_dispatch(&bf16_inputs, &shape, r, m, fp8, fp8).unwrap())
+                    .map(|r| {
+                        ll_dispatch(&bf16_inputs, &shape, r, m, Cast::fp8_if(fp8, fp8)).unwrap()
+                    })
                     .collect();
                 let lly: Vec<Vec<bf16>> =
                     ll.iter().map(|r| as_y(&r.x, r.src_token.len())).collect();
@@ -1423,7 +1452,9 @@ mod tests {
                         "{routing} fp8={fp8} {ranks_per_node} ranks a node, rank {rank}"
                     );
                     let general = ll_combine(&shape, &ll, &lly, &bf16_inputs, rank, m).unwrap();
-                    let fast = ll_combine_identity(&bf16_inputs, &shape, rank, fp8, fp8).unwrap();
+                    let fast =
+                        ll_combine_identity(&bf16_inputs, &shape, rank, Cast::fp8_if(fp8, fp8))
+                            .unwrap();
                     assert_eq!(
                         general.iter().map(|b| b.to_bits()).collect::<Vec<_>>(),
                         fast.iter().map(|b| b.to_bits()).collect::<Vec<_>>(),

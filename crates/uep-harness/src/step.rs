@@ -54,7 +54,7 @@ pub fn normal_step(
     check::normal_dispatch(bad, &out, &dispatched.expected, h);
     let n = out.handle.num_recv_tokens;
     y.resize(n * h, bf16::ZERO);
-    identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, y)?;
+    identity_expert(out.recv_x, 0..n, h, ScaleLayout::RowMajor, None, y)?;
     let w = out.recv_topk_weights.map(<[f32]>::to_vec);
     let handle = out.handle;
     let combined = buffer.combine(y, w.as_deref(), &handle)?;
@@ -94,7 +94,13 @@ pub fn ll_step(
             true => without_ranks(inputs, shape, masked),
             false => inputs.to_vec(),
         };
-        LlCase::new(rank, seen, shape, max_tokens, opts.fp8, opts.round_scale)
+        LlCase::new(
+            rank,
+            seen,
+            shape,
+            max_tokens,
+            Cast::fp8_if(opts.fp8, opts.round_scale),
+        )
     };
     let mut out = buffer.low_latency_dispatch(
         LlDispatchArgs::new(x, &mine.topk_idx).cast(Cast::fp8_if(opts.fp8, opts.round_scale)),
@@ -113,7 +119,7 @@ pub fn ll_step(
     for (le, &n) in out.recv_count.iter().enumerate() {
         let begin = le * rows_per_expert;
         let layout = ScaleLayout::ColumnMajor { rows_per_expert };
-        identity_expert(out.recv_x, begin..begin + n as usize, h, layout, y)?;
+        identity_expert(out.recv_x, begin..begin + n as usize, h, layout, None, y)?;
     }
     let handle = out.handle;
     let input = match opts.zero_copy {

@@ -13,7 +13,7 @@ use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use uep_ep::invalid;
-use uep_ep::quant::{quantize, FP8_GROUP};
+use uep_ep::quant::{quantize, Nvfp4, FP8_GROUP};
 use uep_ep::{EpError, Result};
 
 /// Token activations of one rank, row-major.
@@ -27,6 +27,17 @@ pub enum TokenData {
         data: Vec<u8>,
         /// `[T, H/128]` scales.
         scales: Vec<f32>,
+    },
+    /// NVFP4 `[T, H/2]` bytes of e2m1 pairs and `[T, H/64]` words of four block scales
+    /// each, cast with `cast` (see [`uep_ep::quant::Nvfp4`]): what a low-latency
+    /// dispatch receives when it casts to NVFP4.
+    Nvfp4 {
+        /// `[T, H/2]` e2m1 pairs, the even channel in the low nibble.
+        data: Vec<u8>,
+        /// `[T, H/64]` block scale words.
+        scales: Vec<u32>,
+        /// The global scale and the scales' format.
+        cast: Nvfp4,
     },
 }
 
@@ -45,6 +56,18 @@ impl TokenData {
         let (len, scales) = match self {
             TokenData::Bf16(x) => (x.len(), None),
             TokenData::Fp8 { data, scales } => (data.len(), Some(scales.len())),
+            TokenData::Nvfp4 { data, scales, .. } => {
+                let rows = data.len() / (hidden / 2).max(1);
+                return match data.len() == rows * (hidden / 2) && scales.len() * 64 == rows * hidden
+                {
+                    true => Ok(rows),
+                    false => Err(invalid!(
+                        "token data: NVFP4 rows of hidden {hidden}: {} bytes and {} scale words",
+                        data.len(),
+                        scales.len()
+                    )),
+                };
+            }
         };
         if len % hidden != 0 {
             return Err(invalid!(
@@ -64,11 +87,11 @@ impl TokenData {
         Ok(rows)
     }
 
-    /// The bf16 rows, or `None` for FP8 data.
+    /// The bf16 rows, or `None` for FP8 and NVFP4 data.
     pub fn as_bf16(&self) -> Option<&[bf16]> {
         match self {
             TokenData::Bf16(x) => Some(x),
-            TokenData::Fp8 { .. } => None,
+            TokenData::Fp8 { .. } | TokenData::Nvfp4 { .. } => None,
         }
     }
 }
@@ -422,6 +445,11 @@ pub fn without_ranks(inputs: &[RankInput], shape: &JobShape, masked: &[bool]) ->
                     TokenData::Fp8 { .. } => TokenData::Fp8 {
                         data: Vec::new(),
                         scales: Vec::new(),
+                    },
+                    TokenData::Nvfp4 { cast, .. } => TokenData::Nvfp4 {
+                        data: Vec::new(),
+                        scales: Vec::new(),
+                        cast: *cast,
                     },
                 };
                 return RankInput {
