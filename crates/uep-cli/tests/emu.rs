@@ -4,7 +4,10 @@
 //! for bit against the sequential reference; the JSON rows say which phases ran as
 //! kernels.
 
+use std::path::Path;
 use std::process::Command;
+
+use uep_harness::npy::{NpyArray, NpyData};
 
 /// `uep bench --device emu --json` with `args` (small defaults first, so later flags
 /// win): the reports, every one verified and on the emulated device.
@@ -118,6 +121,65 @@ fn nodes_across_libfabric_and_edge_routings() {
             "0.2",
         ]);
     }
+}
+
+/// Rank `r`'s inputs of 4 ranks (16 experts, top-4, hidden 256) for `--inputs`: rank 1
+/// has no tokens; rank 0's first token every slot `-1`, its second every slot one
+/// expert, its third four experts of one rank; rank 2 sends expert 5 two copies of each
+/// of its 8 tokens (16 rows, as many as a source may send an expert in a call); rank 3 a
+/// mix with `-1` slots.
+fn edge_inputs(r: usize) -> (usize, Vec<i64>) {
+    match r {
+        0 => {
+            let mut ids = vec![-1, -1, -1, -1, 9, 9, 9, 9, 12, 13, 14, 15];
+            ids.extend((0..13).flat_map(|t| [(t % 16) as i64, -1, ((t * 7 + 3) % 16) as i64, 2]));
+            (16, ids)
+        }
+        1 => (0, Vec::new()),
+        2 => (8, [5, 5, -1, -1].repeat(8)),
+        _ => (
+            9,
+            (0..36)
+                .map(|i| if i % 5 == 0 { -1 } else { (i * 3 % 16) as i64 })
+                .collect(),
+        ),
+    }
+}
+
+fn write_edge_inputs(dir: &Path) {
+    let (h, k) = (256, 4);
+    for r in 0..4 {
+        let (t, ids) = edge_inputs(r);
+        let d = dir.join(format!("rank{r}"));
+        std::fs::create_dir_all(&d).unwrap();
+        // bf16 bits of small values, different on every row and rank.
+        let x: Vec<u16> = (0..t * h)
+            .map(|i| 0x3c00 + ((i * 7 + r * 13) % 512) as u16)
+            .collect();
+        let w: Vec<f32> = (0..t * k).map(|i| 0.25 + (i % 3) as f32 * 0.125).collect();
+        let write = |name: &str, shape: Vec<usize>, data: NpyData| {
+            NpyArray::new(shape, data)
+                .unwrap()
+                .write(&d.join(name))
+                .unwrap();
+        };
+        write("x.npy", vec![t, h], NpyData::U16(x));
+        write("topk_idx.npy", vec![t, k], NpyData::I64(ids));
+        write("topk_weights.npy", vec![t, k], NpyData::F32(w));
+    }
+}
+
+#[test]
+fn edge_inputs_read_from_files() {
+    let dir = std::env::temp_dir().join(format!("uep-emu-inputs-{}", std::process::id()));
+    write_edge_inputs(&dir);
+    let path = dir.to_string_lossy().into_owned();
+    for more in [&["--nodes", "1"][..], &["--nodes", "2", "--fp8"][..]] {
+        let mut args = vec!["--ranks", "4", "--inputs", &path, "--ll-tokens", "16"];
+        args.extend(more);
+        emu_bench(&args);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
