@@ -20,6 +20,7 @@ const KERNELS: &[&str] = &[
     "cast",
     "reduce",
     "ll_pack",
+    "ll_unpack",
     "fifo_bench",
     "ll_send",
     "selftest",

@@ -57,10 +57,9 @@ fn every_op_on_two_ranks_names_its_kernel_phases() {
         assert_eq!(kernels(&reports, "combine"), ["reduce"]);
         assert_eq!(kernels(&reports, "ll_combine"), ["reduce"]);
         // Only an FP8 dispatch casts.
-        let sends: &[&str] = if fp8 {
-            &["cast", "ll_pack"]
-        } else {
-            &["ll_pack"]
+        let sends: &[&str] = match fp8 {
+            true => &["cast", "ll_pack", "ll_unpack"],
+            false => &["ll_pack", "ll_unpack"],
         };
         assert_eq!(kernels(&reports, "ll_dispatch"), sends);
     }
@@ -106,7 +105,10 @@ fn nodes_across_libfabric_and_edge_routings() {
         let mut args = vec!["--ranks", "4", "--nodes", "2", "--mode", "ll", "--nvfp4"];
         args.extend(more);
         let reports = emu_bench(&args);
-        assert_eq!(kernels(&reports, "ll_dispatch"), ["cast", "ll_pack"]);
+        assert_eq!(
+            kernels(&reports, "ll_dispatch"),
+            ["cast", "ll_pack", "ll_unpack"]
+        );
     }
     // Empty ranks, every slot of a token on one rank, one expert for all, -1 slots.
     for routing in ["empty-ranks", "same-rank", "one-expert"] {

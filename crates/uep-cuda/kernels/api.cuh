@@ -131,6 +131,33 @@ struct LlPackArgs {
     uint32_t rank, ranks, experts_per_rank, max_tokens;
 };
 
+// A packet that landed from a source on another node, as the LL receive reads it.
+struct LlLandedArgs {
+    uint32_t present;  // 0: the source is on this node (its rows are in recv_x)
+    uint32_t pad;
+    uint64_t rows_off;       // the packet's rows, a byte offset in the region
+    const uint32_t *starts;  // [experts + 1] each local expert's copies in rows/codes
+    const uint32_t *rows;    // each copy's row in the packet
+    const int32_t *codes;    // each copy's token * topk + slot
+    const float *scales;     // [packet rows, scale_words]
+    const float *weights;    // [packet rows, topk]
+};
+
+// The LL dispatch's receive (ll_unpack.cu): every local expert's rows packed to the
+// front of its block, sources ascending, scales column-major, the handle's tables.
+struct LlUnpackArgs {
+    uint8_t *region;               // this rank's memory
+    const uint32_t *counts;        // [experts, ranks] rows from each source
+    const LlLandedArgs *landed;    // [ranks]
+    uint64_t recv_x_off, out_scales_off, recv_scales_off, recv_src_off, recv_weight_off;
+    int32_t *layout_range;  // [experts, ranks, 2] (begin, count)
+    int32_t *recv_count;    // [experts]
+    int32_t *src_info;      // [experts, ranks * max_tokens], -1 filled
+    int32_t *src_slot;      // the same
+    float *src_weight;      // the same, or null (an unweighted dispatch)
+    uint32_t experts, ranks, max_tokens, row_bytes, scale_words, topk;
+};
+
 // The host build's own check (selftest.cu): what the warp collectives, barriers and
 // spins give, and the errors the host build reports.
 struct SelftestArgs {
@@ -165,4 +192,5 @@ UEP_KERNEL void uep_fifo_push(uep::FifoPushArgs a);
 UEP_KERNEL void uep_fifo_ping(uep::FifoPingArgs a);
 UEP_KERNEL void uep_ll_send(uep::LlSendArgs a);
 UEP_KERNEL void uep_ll_pack(uep::LlPackArgs a);
+UEP_KERNEL void uep_ll_unpack(uep::LlUnpackArgs a);
 UEP_KERNEL void uep_selftest(uep::SelftestArgs a);

@@ -6,25 +6,11 @@
 // (under the packet's fence key) into the FIFO, so the rows leave while later tokens
 // are packed and the writes a count signal counts do not grow with the warps.
 #include "api.cuh"
+#include "copy.cuh"
 
 namespace {
 
 using namespace uep;
-
-// `n` bytes from `src` to `dst`, by the whole warp: 16 bytes a lane where both and `n`
-// allow it, else 4, else 1.
-UEP_DEVICE void warp_copy(uint8_t *dst, const uint8_t *src, uint64_t n) {
-    const uint64_t how = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n;
-    if ((how & 15) == 0) {
-        for (uint64_t i = lane_id(); i < n / 16; i += kWarp)
-            reinterpret_cast<u32x4 *>(dst)[i] = reinterpret_cast<const u32x4 *>(src)[i];
-    } else if ((how & 3) == 0) {
-        for (uint64_t i = lane_id(); i < n / 4; i += kWarp)
-            reinterpret_cast<uint32_t *>(dst)[i] = reinterpret_cast<const uint32_t *>(src)[i];
-    } else {
-        for (uint64_t i = lane_id(); i < n; i += kWarp) dst[i] = src[i];
-    }
-}
 
 UEP_DEVICE bool on_rank(int64_t e, uint32_t r, uint32_t epr) {
     return e >= 0 && uint64_t(e) / epr == r;

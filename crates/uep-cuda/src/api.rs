@@ -165,6 +165,45 @@ pub(crate) struct LlPackArgs {
     pub(crate) max_tokens: u32,
 }
 
+/// `uep::LlLandedArgs`: a packet that landed from a source on another node.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LlLandedArgs {
+    pub(crate) present: u32,
+    pub(crate) pad: u32,
+    pub(crate) rows_off: u64,
+    pub(crate) starts: u64,
+    pub(crate) rows: u64,
+    pub(crate) codes: u64,
+    pub(crate) scales: u64,
+    pub(crate) weights: u64,
+}
+
+/// `uep::LlUnpackArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LlUnpackArgs {
+    pub(crate) region: u64,
+    pub(crate) counts: u64,
+    pub(crate) landed: u64,
+    pub(crate) recv_x_off: u64,
+    pub(crate) out_scales_off: u64,
+    pub(crate) recv_scales_off: u64,
+    pub(crate) recv_src_off: u64,
+    pub(crate) recv_weight_off: u64,
+    pub(crate) layout_range: u64,
+    pub(crate) recv_count: u64,
+    pub(crate) src_info: u64,
+    pub(crate) src_slot: u64,
+    pub(crate) src_weight: u64,
+    pub(crate) experts: u32,
+    pub(crate) ranks: u32,
+    pub(crate) max_tokens: u32,
+    pub(crate) row_bytes: u32,
+    pub(crate) scale_words: u32,
+    pub(crate) topk: u32,
+}
+
 /// `uep::SelftestArgs`.
 #[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
 #[repr(C)]
@@ -207,6 +246,8 @@ mod gpu {
         ReduceArgs,
         LlPackSink,
         LlPackArgs,
+        LlLandedArgs,
+        LlUnpackArgs,
         FifoPushArgs,
         FifoPingArgs,
         LlSendArgs,

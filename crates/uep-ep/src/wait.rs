@@ -357,6 +357,11 @@ impl Seen {
         self.value
     }
 
+    /// What a wait whose acquire load saw `value` (a word met, or its low half) made.
+    pub(crate) fn acquired(value: u64) -> Seen {
+        Seen { value }
+    }
+
     /// A `Seen` for tests of readers whose memory no peer writes.
     #[cfg(test)]
     pub(crate) fn nothing_to_wait_for() -> Seen {

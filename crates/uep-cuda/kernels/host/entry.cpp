@@ -21,6 +21,8 @@ UEP_HOST_ENTRY(uep_fifo_push, FifoPushArgs)
 UEP_HOST_ENTRY(uep_fifo_ping, FifoPingArgs)
 UEP_HOST_ENTRY(uep_ll_send, LlSendArgs)
 UEP_HOST_ENTRY(uep_ll_pack, LlPackArgs)
+UEP_HOST_ENTRY(uep_ll_unpack, LlUnpackArgs)
 UEP_HOST_ENTRY(uep_selftest, SelftestArgs)
 
 extern "C" size_t uep_host_ll_pack_sink_bytes() { return sizeof(uep::LlPackSink); }
+extern "C" size_t uep_host_ll_landed_bytes() { return sizeof(uep::LlLandedArgs); }

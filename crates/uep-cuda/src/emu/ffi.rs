@@ -6,8 +6,8 @@ use std::ffi::{c_char, c_int};
 use std::time::Duration;
 
 use crate::api::{
-    FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlPackArgs, LlSendArgs, Nvfp4CastArgs,
-    ReduceArgs, SelftestArgs,
+    FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlPackArgs, LlSendArgs, LlUnpackArgs,
+    Nvfp4CastArgs, ReduceArgs, SelftestArgs,
 };
 
 /// A one-dimensional grid, and how long a spin in it may last (`uep_host_grid`).
@@ -66,6 +66,9 @@ macro_rules! entries {
             #[cfg(test)]
             #[link_name = "uep_host_ll_pack_sink_bytes"]
             safe fn ll_pack_sink_bytes() -> usize;
+            #[cfg(test)]
+            #[link_name = "uep_host_ll_landed_bytes"]
+            safe fn ll_landed_bytes() -> usize;
             $(
                 fn $run(grid: *const Grid, args: *const $args, err: *mut HostError) -> c_int;
                 safe fn $size() -> usize;
@@ -95,6 +98,8 @@ entries! {
         uep_host_uep_nvfp4_quantize_args;
     REDUCE: ReduceArgs = "uep_reduce", uep_host_uep_reduce, uep_host_uep_reduce_args;
     LL_PACK: LlPackArgs = "uep_ll_pack", uep_host_uep_ll_pack, uep_host_uep_ll_pack_args;
+    LL_UNPACK: LlUnpackArgs = "uep_ll_unpack", uep_host_uep_ll_unpack,
+        uep_host_uep_ll_unpack_args;
     FIFO_PUSH: FifoPushArgs = "uep_fifo_push", uep_host_uep_fifo_push,
         uep_host_uep_fifo_push_args;
     FIFO_PING: FifoPingArgs = "uep_fifo_ping", uep_host_uep_fifo_ping,
@@ -139,7 +144,7 @@ pub(crate) unsafe fn launch<A>(entry: &Entry<A>, grid: Grid, args: &A) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::LlPackSink;
+    use crate::api::{LlLandedArgs, LlPackSink};
 
     #[test]
     fn every_argument_struct_is_the_size_cxx_gives_it() {
@@ -164,6 +169,11 @@ mod tests {
             (REDUCE.name, REDUCE.args_bytes(), size_of::<ReduceArgs>()),
             (LL_PACK.name, LL_PACK.args_bytes(), size_of::<LlPackArgs>()),
             (
+                LL_UNPACK.name,
+                LL_UNPACK.args_bytes(),
+                size_of::<LlUnpackArgs>(),
+            ),
+            (
                 FIFO_PUSH.name,
                 FIFO_PUSH.args_bytes(),
                 size_of::<FifoPushArgs>(),
@@ -187,6 +197,11 @@ mod tests {
             ll_pack_sink_bytes(),
             size_of::<LlPackSink>(),
             "uep::LlPackSink"
+        );
+        assert_eq!(
+            ll_landed_bytes(),
+            size_of::<LlLandedArgs>(),
+            "uep::LlLandedArgs"
         );
         assert_eq!(
             std::mem::size_of::<uep_ep::device::Part>(),

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use half::bf16;
 use uep_ep::device::{
-    CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, LlPackPhase, Phase,
-    ReducePhase,
+    CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, LlPackPhase,
+    LlUnpackPhase, LlUnpacked, Phase, ReducePhase,
 };
 use uep_ep::{Cast, DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
@@ -24,6 +24,7 @@ use uep_fifo::FifoAlloc;
 mod ffi;
 pub(crate) mod kernels;
 mod pack;
+mod unpack;
 
 pub use ffi::Grid;
 
@@ -61,7 +62,13 @@ fn launch_failed(e: String) -> EpError {
 
 impl EmuDevice {
     /// The phases that run as kernels on this device.
-    pub const KERNELS: [Phase; 4] = [Phase::Layout, Phase::Cast, Phase::Reduce, Phase::LlPack];
+    pub const KERNELS: [Phase; 5] = [
+        Phase::Layout,
+        Phase::Cast,
+        Phase::Reduce,
+        Phase::LlPack,
+        Phase::LlUnpack,
+    ];
 
     /// The default grid: two blocks of two warps, spins bounded by uep's default wait.
     pub const GRID: Grid = Grid {
@@ -200,5 +207,11 @@ impl Device for EmuDevice {
         pack::ll_pack(self.grid, p)?;
         self.ran(Phase::LlPack);
         Ok(())
+    }
+
+    fn ll_unpack(&self, p: &LlUnpackPhase<'_>) -> uep_ep::Result<LlUnpacked> {
+        let unpacked = unpack::ll_unpack(self.grid, p)?;
+        self.ran(Phase::LlUnpack);
+        Ok(unpacked)
     }
 }

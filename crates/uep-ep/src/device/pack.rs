@@ -242,16 +242,16 @@ impl LlCombinePackPhase<'_> {
 /// checked: its rows stay in the landing area until the receive packs them to the
 /// front.
 #[derive(Debug)]
-pub(crate) struct LlLanded {
+pub struct LlLanded {
     /// The packet's areas in this rank's landing area.
-    pub(crate) packet: LlDispatchPacket,
+    pub packet: LlDispatchPacket,
     /// `[experts]` (row in the packet, token * K + slot) of each copy, in (token, slot)
     /// order.
-    pub(crate) by_expert: Vec<Vec<(u32, i32)>>,
+    pub by_expert: Vec<Vec<(u32, i32)>>,
     /// `[n, words]` the tokens' scale words (none for bf16).
-    pub(crate) scales: Vec<f32>,
+    pub scales: Vec<f32>,
     /// `[n, K]` the tokens' gate weights.
-    pub(crate) weights: Vec<f32>,
+    pub weights: Vec<f32>,
 }
 
 /// The receive phase of a low-latency dispatch (the receive half of DeepEP's
@@ -260,27 +260,44 @@ pub(crate) struct LlLanded {
 /// their column-major place, and where every row came from recorded. A same-node
 /// source's rows move down in place (moves only go down); a packet's are copied out of
 /// the landing area, which never overlaps the rows.
+///
+/// A same-node source's rows sit at `le * R * M + src * M ..` of `recv_x` (with
+/// `recv_scales`, `recv_src`, `recv_weight` as it wrote them); a packet's rows in the
+/// landing area. Source `src`'s rows of expert `le` go to `le * R * M + base ..`, `base`
+/// the rows of the sources before it; its scale words column-major into `out_scales`
+/// (`[E/R, words, R * M]`).
 #[derive(Debug)]
 pub struct LlUnpackPhase<'a> {
     /// The receive areas of the dispatch's buffer.
-    pub(crate) areas: &'a LlAreas,
+    pub areas: &'a LlAreas,
     /// The job's ranks.
-    pub(crate) num_ranks: usize,
+    pub num_ranks: usize,
     /// `[E/R, R]` rows from each source (0 from a masked one).
-    pub(crate) counts: &'a [u32],
+    pub counts: &'a [u32],
     /// `[R]` the packet of each source on another node.
-    pub(crate) landed: &'a [Option<LlLanded>],
-    /// Bytes and scale words a row.
-    pub(crate) row_bytes: usize,
-    pub(crate) scale_words: usize,
+    pub landed: &'a [Option<LlLanded>],
+    /// Bytes a row.
+    pub row_bytes: usize,
+    /// Scale words a row.
+    pub scale_words: usize,
     /// Whether the dispatch carried gate weights.
-    pub(crate) weighted: bool,
+    pub weighted: bool,
     /// This rank's memory, published by every source.
     pub(crate) memory: &'a symm::Symmetric,
 }
 
+impl LlUnpackPhase<'_> {
+    /// The address and length of this rank's memory in this process, where the areas'
+    /// offsets start (see [`LlPackPhase::region`]).
+    pub fn region(&self) -> Result<(usize, usize)> {
+        let region = self.memory.local();
+        Ok((region.as_ptr() as usize, region.len()))
+    }
+}
+
 /// Where every row of a received low-latency dispatch came from: the handle's tables,
-/// as [`Device::ll_unpack`](super::Device::ll_unpack) makes them.
+/// as [`Device::ll_unpack`](super::Device::ll_unpack) makes them
+/// ([`LlUnpacked::new`] for a device's own).
 #[derive(Debug)]
 pub struct LlUnpacked {
     /// `[E/R, R]` (begin, count) of each source's block among an expert's rows.
@@ -292,4 +309,36 @@ pub struct LlUnpacked {
     pub(crate) src_slot: Vec<i32>,
     /// `[E/R, R*M]` each row's gate weight (weighted dispatches; empty otherwise).
     pub(crate) src_weight: Vec<f32>,
+}
+
+impl LlUnpacked {
+    /// The tables of a receive of `experts` local experts from `ranks` ranks, `rows`
+    /// rows an expert (`R * M`): `layout_range` `[E/R, R]`, `recv_count` `[E/R]`,
+    /// `src_info` and `src_slot` `[E/R, R*M]`, `src_weight` the same or empty (an
+    /// unweighted dispatch); refused if a length is not that.
+    pub fn new(
+        (experts, ranks, rows): (usize, usize, usize),
+        layout_range: Vec<(i32, i32)>,
+        recv_count: Vec<i32>,
+        (src_info, src_slot, src_weight): (Vec<i32>, Vec<i32>, Vec<f32>),
+    ) -> Result<LlUnpacked> {
+        let n = experts * rows;
+        let fits = layout_range.len() == experts * ranks
+            && recv_count.len() == experts
+            && src_info.len() == n
+            && src_slot.len() == n
+            && (src_weight.is_empty() || src_weight.len() == n);
+        if !fits {
+            return Err(crate::error::EpError::internal(format!(
+                "an LL receive's tables for {experts} experts of {ranks} ranks, {rows} rows each, have the wrong lengths"
+            )));
+        }
+        Ok(LlUnpacked {
+            layout_range,
+            recv_count,
+            src_info,
+            src_slot,
+            src_weight,
+        })
+    }
 }

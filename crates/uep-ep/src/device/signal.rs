@@ -12,9 +12,9 @@
 use std::sync::atomic::AtomicU64;
 
 use crate::area::{Area, Mem};
-use crate::error::Result;
+use crate::error::{EpError, Result};
 use crate::symm;
-use crate::wait::{Peer, Wait};
+use crate::wait::{Peer, Seen, Wait};
 
 /// What a waited word must reach.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,6 +110,26 @@ impl WaitPhase<'_> {
     pub fn host_word(&self, i: usize) -> Result<&AtomicU64> {
         let w = self.words[i];
         self.memory.peer_region(w.rank)?.word(w.area, 0)
+    }
+
+    /// What a device's wait returns for word `i`, which it saw hold `word` with an
+    /// acquire load (a kernel's spin, its value copied out once the kernel ended):
+    /// refused unless the word meets its [`Until`]. The [`Seen`] then lets the EP layer
+    /// read what the word publishes.
+    pub fn seen(&self, i: usize, word: u64) -> Result<Seen> {
+        let w = self.words.get(i).ok_or_else(|| {
+            EpError::internal(format!(
+                "a wait of {} words has no word {i}",
+                self.words.len()
+            ))
+        })?;
+        match w.until.met(word) {
+            Some(value) => Ok(Seen::acquired(value)),
+            None => Err(EpError::internal(format!(
+                "a device saw {word:#x} in rank {}'s word {:?}, which does not meet {:?}",
+                w.rank, w.area, w.until
+            ))),
+        }
     }
 
     /// The peer as the watch knows it: with its region where it shares this host, so

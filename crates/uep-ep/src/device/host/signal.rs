@@ -211,4 +211,27 @@ mod tests {
         );
         assert!(start.elapsed() < Duration::from_secs(5));
     }
+
+    #[test]
+    fn a_device_s_seen_must_meet_the_word_s_until() {
+        let (memory, map) = node_of_two();
+        let watch = Wait::new(Duration::from_secs(1), memory.local(), &map.control, None);
+        let words = [
+            Word::at(1, map.control.barrier, 0, Until::Epoch(7)).unwrap(),
+            Word::at(1, map.control.barrier, 1, Until::AtLeast(3)).unwrap(),
+        ];
+        let phase = WaitPhase {
+            words: &words,
+            peer: 1,
+            what: &|i| format!("word {i}"),
+            watch: &watch,
+            memory: &memory,
+        };
+        // What the host's wait would return: the epoch's low half, the word itself.
+        assert_eq!(phase.seen(0, (7 << 32) | 42).unwrap().value(), 42);
+        assert_eq!(phase.seen(1, 5).unwrap().value(), 5);
+        assert!(phase.seen(0, (6 << 32) | 42).is_err());
+        assert!(phase.seen(1, 2).is_err());
+        assert!(phase.seen(2, 9).is_err());
+    }
 }
