@@ -21,6 +21,7 @@ const KERNELS: &[&str] = &[
     "reduce",
     "ll_pack",
     "ll_unpack",
+    "ll_combine_pack",
     "fifo_bench",
     "ll_send",
     "selftest",

@@ -56,6 +56,8 @@ fn every_op_on_two_ranks_names_its_kernel_phases() {
         assert_eq!(kernels(&reports, "layout"), ["layout"]);
         assert_eq!(kernels(&reports, "combine"), ["reduce"]);
         assert_eq!(kernels(&reports, "ll_combine"), ["reduce"]);
+        let copy = emu_bench(&[&args[..], &["--ll-combine-copy", "--mode", "ll"]].concat());
+        assert_eq!(kernels(&copy, "ll_combine"), ["reduce", "ll_combine_pack"]);
         // Only an FP8 dispatch casts.
         let sends: &[&str] = match fp8 {
             true => &["cast", "ll_pack", "ll_unpack"],

@@ -96,6 +96,23 @@ enum LlSinkKind : uint32_t {
     kLlPacket = 2,  // a rank of another node: each token once into a staged packet
 };
 
+// Rows of a packet that the kernels storing them push themselves, in chunks: rows
+// [c * chunk_rows, (c + 1) * chunk_rows) leave as one write, under the packet's (or
+// group's) fence key, once all are stored, whichever warps stored them (push.cuh).
+struct ChunkedPush {
+    uint64_t rows_off;     // the first row, a byte offset in this rank's region
+    uint32_t rows;         // rows to push
+    uint32_t chunk_rows;   // rows a write covers (its last may be shorter)
+    uint32_t *chunk_done;  // [chunks] rows stored so far (zeroed); null: nothing pushed
+    SharedRing ring;       // the FIFO, leased to the kernel
+    uint64_t src_base;     // the staging area's offset in this rank's region
+    uint64_t dst_base;     // where it lands at the peer
+    uint64_t *writes;      // writes pushed under the key (the count signal counts them)
+    uint64_t *sent_bytes;  // bytes handed to the proxy (this rank's network path)
+    uint64_t *kernel_cmds;  // commands kernels pushed (this rank's network path)
+    uint32_t dst_rank, key_kind, key, pad;
+};
+
 struct LlPackSink {
     uint32_t kind;         // an LlSinkKind
     uint32_t packet_rows;  // packet: rows in it
@@ -103,16 +120,7 @@ struct LlPackSink {
     const uint32_t *row_of;  // packet: [tokens] each token's row in it, UINT32_MAX none
     // The packet's areas, byte offsets in `region`.
     uint64_t rows_off, scales_off, ids_off, slots_off, weights_off;
-    // Pushing the packet's rows (chunk_done null: the kernel pushes none): rows
-    // [c * chunk_rows, (c + 1) * chunk_rows) leave as one write once all are stored.
-    uint32_t *chunk_done;  // [chunks] rows stored so far in each chunk (zeroed)
-    SharedRing ring;       // the FIFO, leased to the kernel
-    uint64_t src_base;     // the staging area's offset in this rank's region
-    uint64_t dst_base;     // where it lands at the peer
-    uint64_t *writes;      // writes pushed under the key (the count signal counts them)
-    uint64_t *sent_bytes;  // bytes handed to the proxy (this rank's network path)
-    uint64_t *kernel_cmds;  // commands kernels pushed (this rank's network path)
-    uint32_t chunk_rows, dst_rank, key_kind, key;
+    ChunkedPush push;  // packet: its rows as they are stored
 };
 
 // The LL dispatch's pack (ll_pack.cu): every (token, slot) copy into its row at a
@@ -158,6 +166,28 @@ struct LlUnpackArgs {
     uint32_t experts, ranks, max_tokens, row_bytes, scale_words, topk;
 };
 
+// Where the LL combine's pack returns one source's rows (ll_combine_pack.cu).
+struct LlCombineSink {
+    uint32_t kind;    // an LlSinkKind
+    uint32_t groups;  // packet: its fence groups
+    uint8_t *region;  // peer: that rank's memory; packet: this rank's
+    uint64_t rows_off;        // peer: its combine rows; packet: the packet's rows
+    const uint32_t *first;     // packet: [experts] each expert's first row in it
+    const uint32_t *group_of;  // packet: [experts] each expert's fence group
+    const ChunkedPush *pushes;  // packet: [groups] each group's rows as they are stored
+};
+
+// The LL combine's send (ll_combine_pack.cu): every expert output row back to its
+// source, same-node ones into their combine rows, the others into packets.
+struct LlCombinePackArgs {
+    const uint16_t *y;              // [experts * ranks * max_tokens, hidden] bf16 bits
+    const int32_t *layout_range;    // [experts, ranks, 2] (begin, count)
+    const int32_t *src_info;        // [experts, ranks * max_tokens]
+    const int32_t *src_slot;        // the same
+    const LlCombineSink *sinks;     // [ranks]
+    uint32_t experts, ranks, max_tokens, hidden, topk, rank;
+};
+
 // The host build's own check (selftest.cu): what the warp collectives, barriers and
 // spins give, and the errors the host build reports.
 struct SelftestArgs {
@@ -193,4 +223,5 @@ UEP_KERNEL void uep_fifo_ping(uep::FifoPingArgs a);
 UEP_KERNEL void uep_ll_send(uep::LlSendArgs a);
 UEP_KERNEL void uep_ll_pack(uep::LlPackArgs a);
 UEP_KERNEL void uep_ll_unpack(uep::LlUnpackArgs a);
+UEP_KERNEL void uep_ll_combine_pack(uep::LlCombinePackArgs a);
 UEP_KERNEL void uep_selftest(uep::SelftestArgs a);

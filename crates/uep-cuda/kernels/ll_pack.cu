@@ -7,6 +7,7 @@
 // are packed and the writes a count signal counts do not grow with the warps.
 #include "api.cuh"
 #include "copy.cuh"
+#include "push.cuh"
 
 namespace {
 
@@ -34,29 +35,6 @@ UEP_DEVICE void to_peer(const LlPackArgs &a, const LlPackSink &s, uint32_t t, ui
     }
 }
 
-// Row `i` of packet `s` is stored: push its chunk if it was the chunk's last.
-UEP_DEVICE void row_stored(const LlPackArgs &a, const LlPackSink &s, uint32_t i) {
-    // Every lane's stores of the row before its count; the pusher's after the count.
-    sync_warp(kFullMask);
-    fence_sys();
-    const uint32_t c = i / s.chunk_rows, first = c * s.chunk_rows;
-    const uint32_t rows = s.packet_rows - first < s.chunk_rows ? s.packet_rows - first : s.chunk_rows;
-    uint32_t last = 0;
-    if (lane_id() == 0) last = atomic_add(s.chunk_done + c, 1u) + 1 == rows;
-    if (!shfl(kFullMask, last, 0)) return;
-    fence_sys();
-    if (lane_id() == 0) {
-        const uint64_t src = s.rows_off + uint64_t(first) * a.row_bytes;
-        const uint64_t len = uint64_t(rows) * a.row_bytes;
-        const Cmd cmd = ll_write_cmd(s.dst_rank, src, s.dst_base + (src - s.src_base), uint32_t(len),
-                                     s.key_kind, s.key);
-        s.ring.publish(s.ring.claim(1), cmd);
-        atomic_add(s.writes, uint64_t(1));
-        atomic_add(s.sent_bytes, len);
-        atomic_add(s.kernel_cmds, uint64_t(1));
-    }
-}
-
 // Token `t` into packet `s` for rank `r`: its row, scales, index, slots and weights.
 UEP_DEVICE void to_packet(const LlPackArgs &a, const LlPackSink &s, uint32_t t, uint32_t r,
                           const int64_t *chosen) {
@@ -76,7 +54,7 @@ UEP_DEVICE void to_packet(const LlPackArgs &a, const LlPackSink &s, uint32_t t, 
         reinterpret_cast<float *>(s.region + s.weights_off)[uint64_t(i) * k + lane] =
             a.weights ? a.weights[uint64_t(t) * k + lane] : 0.0f;
     }
-    if (s.chunk_done) row_stored(a, s, i);
+    if (s.push.chunk_done) row_stored(s.push, i, a.row_bytes);
 }
 
 }  // namespace

@@ -107,6 +107,27 @@ pub(crate) struct LlSendArgs {
     pub(crate) round_scale: u32,
 }
 
+/// `uep::ChunkedPush`: a packet's rows pushed by the kernels that store them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ChunkedPush {
+    pub(crate) rows_off: u64,
+    pub(crate) rows: u32,
+    pub(crate) chunk_rows: u32,
+    pub(crate) chunk_done: u64,
+    pub(crate) ring_base: u64,
+    pub(crate) ring_capacity: u64,
+    pub(crate) src_base: u64,
+    pub(crate) dst_base: u64,
+    pub(crate) writes: u64,
+    pub(crate) sent_bytes: u64,
+    pub(crate) kernel_cmds: u64,
+    pub(crate) dst_rank: u32,
+    pub(crate) key_kind: u32,
+    pub(crate) key: u32,
+    pub(crate) pad: u32,
+}
+
 /// `uep::LlPackSink`: where the LL dispatch's pack puts one rank's copies.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -120,18 +141,37 @@ pub(crate) struct LlPackSink {
     pub(crate) ids_off: u64,
     pub(crate) slots_off: u64,
     pub(crate) weights_off: u64,
-    pub(crate) chunk_done: u64,
-    pub(crate) ring_base: u64,
-    pub(crate) ring_capacity: u64,
-    pub(crate) src_base: u64,
-    pub(crate) dst_base: u64,
-    pub(crate) writes: u64,
-    pub(crate) sent_bytes: u64,
-    pub(crate) kernel_cmds: u64,
-    pub(crate) chunk_rows: u32,
-    pub(crate) dst_rank: u32,
-    pub(crate) key_kind: u32,
-    pub(crate) key: u32,
+    pub(crate) push: ChunkedPush,
+}
+
+/// `uep::LlCombineSink`: where the LL combine's pack returns one source's rows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LlCombineSink {
+    pub(crate) kind: u32,
+    pub(crate) groups: u32,
+    pub(crate) region: u64,
+    pub(crate) rows_off: u64,
+    pub(crate) first: u64,
+    pub(crate) group_of: u64,
+    pub(crate) pushes: u64,
+}
+
+/// `uep::LlCombinePackArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LlCombinePackArgs {
+    pub(crate) y: u64,
+    pub(crate) layout_range: u64,
+    pub(crate) src_info: u64,
+    pub(crate) src_slot: u64,
+    pub(crate) sinks: u64,
+    pub(crate) experts: u32,
+    pub(crate) ranks: u32,
+    pub(crate) max_tokens: u32,
+    pub(crate) hidden: u32,
+    pub(crate) topk: u32,
+    pub(crate) rank: u32,
 }
 
 /// `uep::LlSinkKind`.
@@ -244,8 +284,11 @@ mod gpu {
         Fp8CastArgs,
         Nvfp4CastArgs,
         ReduceArgs,
+        ChunkedPush,
         LlPackSink,
         LlPackArgs,
+        LlCombineSink,
+        LlCombinePackArgs,
         LlLandedArgs,
         LlUnpackArgs,
         FifoPushArgs,

@@ -22,7 +22,9 @@ UEP_HOST_ENTRY(uep_fifo_ping, FifoPingArgs)
 UEP_HOST_ENTRY(uep_ll_send, LlSendArgs)
 UEP_HOST_ENTRY(uep_ll_pack, LlPackArgs)
 UEP_HOST_ENTRY(uep_ll_unpack, LlUnpackArgs)
+UEP_HOST_ENTRY(uep_ll_combine_pack, LlCombinePackArgs)
 UEP_HOST_ENTRY(uep_selftest, SelftestArgs)
 
 extern "C" size_t uep_host_ll_pack_sink_bytes() { return sizeof(uep::LlPackSink); }
 extern "C" size_t uep_host_ll_landed_bytes() { return sizeof(uep::LlLandedArgs); }
+extern "C" size_t uep_host_ll_combine_sink_bytes() { return sizeof(uep::LlCombineSink); }

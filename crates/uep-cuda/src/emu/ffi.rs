@@ -6,8 +6,8 @@ use std::ffi::{c_char, c_int};
 use std::time::Duration;
 
 use crate::api::{
-    FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlPackArgs, LlSendArgs, LlUnpackArgs,
-    Nvfp4CastArgs, ReduceArgs, SelftestArgs,
+    FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlCombinePackArgs, LlPackArgs, LlSendArgs,
+    LlUnpackArgs, Nvfp4CastArgs, ReduceArgs, SelftestArgs,
 };
 
 /// A one-dimensional grid, and how long a spin in it may last (`uep_host_grid`).
@@ -69,6 +69,9 @@ macro_rules! entries {
             #[cfg(test)]
             #[link_name = "uep_host_ll_landed_bytes"]
             safe fn ll_landed_bytes() -> usize;
+            #[cfg(test)]
+            #[link_name = "uep_host_ll_combine_sink_bytes"]
+            safe fn ll_combine_sink_bytes() -> usize;
             $(
                 fn $run(grid: *const Grid, args: *const $args, err: *mut HostError) -> c_int;
                 safe fn $size() -> usize;
@@ -100,6 +103,8 @@ entries! {
     LL_PACK: LlPackArgs = "uep_ll_pack", uep_host_uep_ll_pack, uep_host_uep_ll_pack_args;
     LL_UNPACK: LlUnpackArgs = "uep_ll_unpack", uep_host_uep_ll_unpack,
         uep_host_uep_ll_unpack_args;
+    LL_COMBINE_PACK: LlCombinePackArgs = "uep_ll_combine_pack", uep_host_uep_ll_combine_pack,
+        uep_host_uep_ll_combine_pack_args;
     FIFO_PUSH: FifoPushArgs = "uep_fifo_push", uep_host_uep_fifo_push,
         uep_host_uep_fifo_push_args;
     FIFO_PING: FifoPingArgs = "uep_fifo_ping", uep_host_uep_fifo_ping,
@@ -144,7 +149,7 @@ pub(crate) unsafe fn launch<A>(entry: &Entry<A>, grid: Grid, args: &A) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{LlLandedArgs, LlPackSink};
+    use crate::api::{LlCombineSink, LlLandedArgs, LlPackSink};
 
     #[test]
     fn every_argument_struct_is_the_size_cxx_gives_it() {
@@ -202,6 +207,11 @@ mod tests {
             ll_landed_bytes(),
             size_of::<LlLandedArgs>(),
             "uep::LlLandedArgs"
+        );
+        assert_eq!(
+            ll_combine_sink_bytes(),
+            size_of::<LlCombineSink>(),
+            "uep::LlCombineSink"
         );
         assert_eq!(
             std::mem::size_of::<uep_ep::device::Part>(),

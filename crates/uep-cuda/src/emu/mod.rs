@@ -15,15 +15,17 @@ use std::time::Duration;
 
 use half::bf16;
 use uep_ep::device::{
-    CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, LlPackPhase,
-    LlUnpackPhase, LlUnpacked, Phase, ReducePhase,
+    CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, LlCombinePackPhase,
+    LlPackPhase, LlUnpackPhase, LlUnpacked, Phase, ReducePhase,
 };
 use uep_ep::{Cast, DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
 
+mod combine;
 mod ffi;
 pub(crate) mod kernels;
 mod pack;
+mod push;
 mod unpack;
 
 pub use ffi::Grid;
@@ -62,12 +64,13 @@ fn launch_failed(e: String) -> EpError {
 
 impl EmuDevice {
     /// The phases that run as kernels on this device.
-    pub const KERNELS: [Phase; 5] = [
+    pub const KERNELS: [Phase; 6] = [
         Phase::Layout,
         Phase::Cast,
         Phase::Reduce,
         Phase::LlPack,
         Phase::LlUnpack,
+        Phase::LlCombinePack,
     ];
 
     /// The default grid: two blocks of two warps, spins bounded by uep's default wait.
@@ -213,5 +216,11 @@ impl Device for EmuDevice {
         let unpacked = unpack::ll_unpack(self.grid, p)?;
         self.ran(Phase::LlUnpack);
         Ok(unpacked)
+    }
+
+    fn ll_combine_pack(&self, p: &LlCombinePackPhase<'_>) -> uep_ep::Result<()> {
+        combine::ll_combine_pack(self.grid, p)?;
+        self.ran(Phase::LlCombinePack);
+        Ok(())
     }
 }

@@ -2,36 +2,16 @@
 //! phase's descriptor turned into the kernel's argument, every index the kernel follows
 //! checked first, and the packets' FIFOs leased to the kernel for the launch.
 
-use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
-
 use uep_ep::device::{DispatchRemote, LlAreas, LlPackPhase, Sink};
 use uep_ep::{EpError, Result};
-use uep_fifo::{DeviceLease, Fifo};
 
 use super::ffi::{self, Grid};
+use super::push::{chunked, Held};
 use crate::api::{addr, LlPackArgs, LlPackSink, LL_PACKET, LL_PEER, LL_SKIP};
-
-/// Writes a packet's rows may take under one fence key: a count signal counts at most
-/// 255, and the rest of the packet (its header) leaves with the signal.
-const CHUNKS: usize = 250;
 
 /// An error of the phase as handed to the kernel: uep's own fault.
 fn bad(what: String) -> EpError {
     EpError::Internal(format!("emulated ll_pack: {what}"))
-}
-
-/// The address of an atomic counter, for the kernel to add to.
-fn counter(c: &AtomicU64) -> u64 {
-    c.as_ptr() as u64
-}
-
-/// What the launch holds: each packet's chunk counters and the leases of the FIFOs the
-/// kernel pushes into (one a FIFO: packets to several peers may share one).
-#[derive(Default)]
-struct Held {
-    chunks: Vec<Vec<u32>>,
-    leases: Vec<DeviceLease<Arc<Fifo>>>,
 }
 
 /// Checks that every copy of `p` lands inside the areas the kernel writes: ids of
@@ -79,12 +59,15 @@ fn sink_args(
     };
     let Sink::Packet(remote) = sink else {
         // The receive areas are at the same offsets in every region.
-        if areas
-            .recv_x
-            .end()
-            .max(areas.recv_weight.end())
-            .max(areas.recv_src.end())
-            > len
+        let ends = [
+            areas.recv_x.end(),
+            areas.recv_scales.end(),
+            areas.recv_src.end(),
+        ];
+        if ends
+            .into_iter()
+            .chain([areas.recv_weight.end()])
+            .any(|end| end > len)
         {
             return Err(bad("receive areas outside a peer's memory".into()));
         }
@@ -101,7 +84,15 @@ fn sink_args(
             .row_of
             .iter()
             .any(|&r| r != u32::MAX && r as usize >= rows)
-        || pk.rows.end().max(pk.weights.end()) > len
+        || [
+            pk.ids.end(),
+            pk.slots.end(),
+            pk.weights.end(),
+            pk.scales.end(),
+        ]
+        .into_iter()
+        .chain([pk.rows.end()])
+        .any(|end| end > len)
         || pk.rows.len() != rows * row_bytes
     {
         return Err(bad("a packet's rows do not fit its area".into()));
@@ -121,38 +112,8 @@ fn sink_args(
     if !DispatchRemote::pushes_rows(row_bytes) || rows == 0 {
         return Ok(out);
     }
-    // Chunks of about a write's size, and never more than a count signal counts.
     let port = remote.kernel_port()?;
-    let chunk_rows = (port.write_bytes / row_bytes.max(1))
-        .max(rows.div_ceil(CHUNKS))
-        .max(1);
-    if chunk_rows * row_bytes >= uep_wire::MAX_WRITE_LEN as usize {
-        return Err(bad(format!(
-            "a chunk of {chunk_rows} rows of {row_bytes} bytes is more than a write moves"
-        )));
-    }
-    let fifo: &Fifo = port.fifo;
-    if !held.leases.iter().any(|l| std::ptr::eq(l.fifo(), fifo)) {
-        held.leases
-            .push(DeviceLease::claim(port.fifo.clone()).map_err(|e| bad(e.to_string()))?);
-    }
-    let lease = (held.leases.iter())
-        .find(|l| std::ptr::eq(l.fifo(), fifo))
-        .expect("leased above");
-    held.chunks.push(vec![0u32; rows.div_ceil(chunk_rows)]);
-    let done = held.chunks.last_mut().expect("pushed above");
-    out.chunk_done = done.as_mut_ptr() as u64;
-    out.ring_base = lease.region_addr() as u64;
-    out.ring_capacity = port.fifo.capacity() as u64;
-    out.src_base = port.src_base as u64;
-    out.dst_base = port.dst_base as u64;
-    out.writes = counter(port.writes);
-    out.sent_bytes = counter(port.sent_bytes);
-    out.kernel_cmds = counter(port.kernel_cmds);
-    out.chunk_rows = chunk_rows as u32;
-    out.dst_rank = port.dst_rank as u32;
-    out.key_kind = port.key.0.into();
-    out.key = port.key.1.into();
+    out.push = chunked(&port, (pk.rows.offset(), rows, row_bytes), held)?;
     Ok(out)
 }
 
@@ -191,9 +152,9 @@ pub(crate) fn ll_pack(grid: Grid, p: &LlPackPhase<'_>) -> Result<()> {
     };
     // SAFETY: `check` bounds every expert id, row and length the kernel follows;
     // `sink_args` checked each sink's areas against its region (mapped while the phase
-    // lives), its rows against its packet, and leased each FIFO the kernel pushes into
-    // (no other producer until the leases drop, after the launch); the counters are
-    // atomics the host reads only after the launch. All live until it returns.
+    // lives) and its rows against its packet; `chunked` leased each FIFO the kernel
+    // pushes into (no other producer until the leases drop, after the launch), and the
+    // counters are atomics the host reads only after it. All live until it returns.
     #[allow(unsafe_code)]
     unsafe {
         ffi::launch(&ffi::LL_PACK, grid, &args).map_err(bad)?;

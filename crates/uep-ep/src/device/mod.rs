@@ -64,8 +64,8 @@ pub use host::{HostDevice, HostFifos};
 pub use kernels::{KernelPhases, Phase};
 pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase};
 pub use pack::{
-    DispatchRemote, LlCombinePackPhase, LlLanded, LlPackPhase, LlSink, LlTokens, LlUnpackPhase,
-    LlUnpacked, Sink,
+    CombineRemote, DispatchRemote, LlCombinePackPhase, LlCombineSink, LlLanded, LlPackPhase,
+    LlSink, LlTokens, LlUnpackPhase, LlUnpacked, Sink,
 };
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
 pub use signal::{SignalPhase, Store, Until, WaitPhase, Word};

@@ -185,25 +185,33 @@ impl LlPackPhase<'_> {
 
 /// Where the pack phase of a low-latency combine puts the rows it returns to one
 /// source rank (on another node: each expert's block into a staged packet).
-pub(crate) type LlCombineSink = Sink<Box<CombineRemote>>;
+pub type LlCombineSink = Sink<Box<CombineRemote>>;
 
 /// A combine's packet to a source on another node: where each local expert's rows
 /// start in it, how many there are, and the fence groups of adjacent experts, under
 /// whose keys the kernel pushes each expert's block.
 #[derive(Debug)]
-pub(crate) struct CombineRemote {
+pub struct CombineRemote {
     /// The packet's rows in the staging area.
-    pub(crate) rows: Area<u16>,
+    pub rows: Area<u16>,
     /// `[local expert]`: its first row in the packet.
-    pub(crate) first: Vec<usize>,
+    pub first: Vec<usize>,
     /// `[local expert]`: its rows in the packet.
-    pub(crate) counts: Vec<usize>,
+    pub counts: Vec<usize>,
     /// The fence groups, each a run of adjacent local experts.
-    pub(crate) groups: Vec<Range<usize>>,
+    pub groups: Vec<Range<usize>>,
     /// `[local expert]`: its group.
-    pub(crate) group_of: Vec<usize>,
+    pub group_of: Vec<usize>,
     /// The staging area and its port.
     pub(crate) staged: Staged,
+}
+
+impl CombineRemote {
+    /// The packet's port as a kernel pushes group `g`'s writes into it (under the
+    /// group's fence key).
+    pub fn kernel_port(&self, g: usize) -> Result<KernelPort<'_>> {
+        self.staged.kernel_port(g)
+    }
 }
 
 /// The pack phase of a low-latency combine (the send half of DeepEP's
@@ -211,22 +219,28 @@ pub(crate) struct CombineRemote {
 /// row to its source's `[token, slot]` row on this node, or into the packet for a
 /// source on another node, whose block (the expert's rows) it pushes as soon as it is
 /// copied. This rank's own rows stay where they are: the reduction reads them.
+///
+/// Row `le * R * M + j` of `y` (source `src`'s block `begin..begin + n` of expert `le`)
+/// goes to row `src_info * K + src_slot` of a same-node source's `combine_x`, or to row
+/// `first[le] + j - begin` of the packet for a source on another node.
 #[derive(Debug)]
 pub struct LlCombinePackPhase<'a> {
     /// `[E/R * R * M, hidden]` the expert outputs, in the dispatch's row order.
-    pub(crate) y: &'a [bf16],
+    pub y: &'a [bf16],
     /// `[E/R, R]` (begin, count) of each source's block among an expert's rows.
-    pub(crate) layout_range: &'a [(i32, i32)],
-    /// `[E/R, R*M]` source token and top-k slot of each row.
-    pub(crate) src_info: &'a [i32],
-    pub(crate) src_slot: &'a [i32],
+    pub layout_range: &'a [(i32, i32)],
+    /// `[E/R, R*M]` source token of each row.
+    pub src_info: &'a [i32],
+    /// `[E/R, R*M]` top-k slot of each row.
+    pub src_slot: &'a [i32],
     /// The areas of the combine's buffer (the same offsets on every rank).
-    pub(crate) areas: &'a LlAreas,
-    /// This rank and the job's ranks.
-    pub(crate) rank: usize,
-    pub(crate) num_ranks: usize,
+    pub areas: &'a LlAreas,
+    /// This rank.
+    pub rank: usize,
+    /// The job's ranks.
+    pub num_ranks: usize,
     /// `[rank]` where each source's rows go.
-    pub(crate) sinks: &'a [LlCombineSink],
+    pub sinks: &'a [LlCombineSink],
     /// This rank's memory (the packets) and its node's ranks' (the combine rows).
     pub(crate) memory: &'a symm::Symmetric,
 }
@@ -235,6 +249,12 @@ impl LlCombinePackPhase<'_> {
     /// Local experts the phase runs over.
     pub fn experts(&self) -> usize {
         self.areas.shape.experts_per_rank(self.num_ranks)
+    }
+
+    /// The address and length of `rank`'s memory (see [`LlPackPhase::region`]).
+    pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
+        let region = self.memory.peer_region(rank)?;
+        Ok((region.as_ptr() as usize, region.len()))
     }
 }
 

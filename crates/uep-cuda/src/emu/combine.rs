@@ -1,0 +1,169 @@
+//! The LL combine's send as a kernel on the emulated device
+//! (`kernels/ll_combine_pack.cu`): the phase's sinks as the kernel takes them, each
+//! packet's fence groups pushed in chunks, every row the kernel follows checked first.
+
+use uep_ep::device::{CombineRemote, LlCombinePackPhase, Sink};
+use uep_ep::{EpError, Result};
+
+use super::ffi::{self, Grid};
+use super::push::{chunked, Held};
+use crate::api::{
+    addr, ChunkedPush, LlCombinePackArgs, LlCombineSink, LL_PACKET, LL_PEER, LL_SKIP,
+};
+
+fn bad(what: String) -> EpError {
+    EpError::Internal(format!("emulated ll_combine_pack: {what}"))
+}
+
+/// What a packet's sink points at: each expert's first row and group, each group's push.
+#[derive(Default)]
+struct Tables {
+    first: Vec<u32>,
+    group_of: Vec<u32>,
+    pushes: Vec<ChunkedPush>,
+}
+
+/// A packet's tables, checked: its experts' rows inside its rows' area, each group's
+/// rows one run of them.
+fn packet_tables(
+    r: &CombineRemote,
+    experts: usize,
+    row_bytes: usize,
+    held: &mut Held,
+) -> Result<Tables> {
+    let rows = r.rows.len() * 2 / row_bytes.max(1);
+    let fits = r.first.len() == experts
+        && r.counts.len() == experts
+        && r.group_of.len() == experts
+        && (0..experts)
+            .all(|le| r.first[le] + r.counts[le] <= rows && r.group_of[le] < r.groups.len());
+    if !fits {
+        return Err(bad("a packet's experts do not fit its rows".into()));
+    }
+    let mut t = Tables {
+        first: r.first.iter().map(|&f| f as u32).collect(),
+        group_of: r.group_of.iter().map(|&g| g as u32).collect(),
+        pushes: Vec::with_capacity(r.groups.len()),
+    };
+    for (g, experts) in r.groups.iter().enumerate() {
+        let first = experts.clone().next().map_or(0, |le| r.first[le]);
+        let n: usize = experts.clone().map(|le| r.counts[le]).sum();
+        let port = r.kernel_port(g)?;
+        let rows_off = r.rows.offset() + first * row_bytes;
+        t.pushes.push(match n {
+            0 => ChunkedPush::default(),
+            n => chunked(&port, (rows_off, n, row_bytes), held)?,
+        });
+    }
+    Ok(t)
+}
+
+/// Runs `p` as the `uep_ll_combine_pack` kernel on `grid`, then wakes the proxies of the
+/// packets it pushed into.
+pub(crate) fn ll_combine_pack(grid: Grid, p: &LlCombinePackPhase<'_>) -> Result<()> {
+    let (s, r_n) = (p.areas.shape, p.num_ranks);
+    let (epr, m, h, k) = (p.experts(), s.max_tokens, s.hidden, s.topk);
+    let (rows, rb) = (epr * r_n * m, 2 * h);
+    let blocks_fit = p
+        .layout_range
+        .iter()
+        .all(|&(b, n)| b >= 0 && n >= 0 && (b + n) as usize <= m * r_n);
+    let sources_fit =
+        p.src_info.iter().zip(p.src_slot).all(|(&t, &j)| {
+            t >= -1 && j >= -1 && (t.max(0) as usize) < m && (j.max(0) as usize) < k
+        });
+    if p.y.len() < rows * h
+        || p.layout_range.len() != epr * r_n
+        || p.src_info.len() != rows
+        || p.src_slot.len() != rows
+        || p.sinks.len() != r_n
+        || !blocks_fit
+        || !sources_fit
+    {
+        return Err(bad("outputs, layout or sources of the wrong size".into()));
+    }
+    let mut held = Held::default();
+    let mut tables = Vec::with_capacity(r_n);
+    let mut sinks = Vec::with_capacity(r_n);
+    for (src, sink) in p.sinks.iter().enumerate() {
+        let mut t = Tables::default();
+        let out = match sink {
+            _ if src == p.rank => LlCombineSink {
+                kind: LL_SKIP,
+                ..Default::default()
+            },
+            Sink::Skip => LlCombineSink {
+                kind: LL_SKIP,
+                ..Default::default()
+            },
+            Sink::Peer(r) => {
+                let (base, len) = p.region(*r)?;
+                if p.areas.combine_x.end() > len || p.areas.combine_x.len() < m * k * h {
+                    return Err(bad("combine rows outside a peer's memory".into()));
+                }
+                LlCombineSink {
+                    kind: LL_PEER,
+                    region: base as u64,
+                    rows_off: p.areas.combine_x.offset() as u64,
+                    ..Default::default()
+                }
+            }
+            Sink::Packet(remote) => {
+                let (base, len) = p.region(p.rank)?;
+                if remote.rows.end() > len {
+                    return Err(bad("a packet's rows outside this rank's memory".into()));
+                }
+                t = packet_tables(remote, epr, rb, &mut held)?;
+                LlCombineSink {
+                    kind: LL_PACKET,
+                    groups: t.pushes.len() as u32,
+                    region: base as u64,
+                    rows_off: remote.rows.offset() as u64,
+                    ..Default::default()
+                }
+            }
+        };
+        sinks.push(out);
+        tables.push(t);
+    }
+    // The tables' addresses once they stay put.
+    for (sink, t) in sinks.iter_mut().zip(&tables) {
+        if sink.kind == LL_PACKET {
+            (sink.first, sink.group_of, sink.pushes) =
+                (addr(&t.first), addr(&t.group_of), addr(&t.pushes));
+        }
+    }
+    let layout: Vec<i32> = p.layout_range.iter().flat_map(|&(b, n)| [b, n]).collect();
+    let y: &[u16] = bytemuck::cast_slice(p.y);
+    let args = LlCombinePackArgs {
+        y: addr(y),
+        layout_range: addr(&layout),
+        src_info: addr(p.src_info),
+        src_slot: addr(p.src_slot),
+        sinks: addr(&sinks),
+        experts: epr as u32,
+        ranks: r_n as u32,
+        max_tokens: m as u32,
+        hidden: h as u32,
+        topk: k as u32,
+        rank: p.rank as u32,
+    };
+    // SAFETY: every block, source token and slot the kernel follows is in range and the
+    // outputs hold every row (checked above); each sink's rows lie in its region (a
+    // peer's combine rows, [M * K] of them; a packet's rows, each expert's block inside
+    // them, `packet_tables`); `chunked` leased each FIFO the kernel pushes into, and its
+    // counters are atomics the host reads after the launch. All live until it returns.
+    #[allow(unsafe_code)]
+    unsafe {
+        ffi::launch(&ffi::LL_COMBINE_PACK, grid, &args).map_err(bad)?;
+    }
+    drop(held);
+    for sink in p.sinks {
+        if let Sink::Packet(remote) = sink {
+            if let Ok(port) = remote.kernel_port(0) {
+                port.wake();
+            }
+        }
+    }
+    Ok(())
+}
