@@ -19,6 +19,7 @@ const KERNELS: &[&str] = &[
     "layout",
     "cast",
     "reduce",
+    "ll_place",
     "ll_pack",
     "ll_unpack",
     "ll_combine_pack",

@@ -60,8 +60,8 @@ fn every_op_on_two_ranks_names_its_kernel_phases() {
         assert_eq!(kernels(&copy, "ll_combine"), ["reduce", "ll_combine_pack"]);
         // Only an FP8 dispatch casts.
         let sends: &[&str] = match fp8 {
-            true => &["cast", "ll_pack", "ll_unpack"],
-            false => &["ll_pack", "ll_unpack"],
+            true => &["cast", "ll_place", "ll_pack", "ll_unpack"],
+            false => &["ll_place", "ll_pack", "ll_unpack"],
         };
         assert_eq!(kernels(&reports, "ll_dispatch"), sends);
     }
@@ -107,10 +107,8 @@ fn nodes_across_libfabric_and_edge_routings() {
         let mut args = vec!["--ranks", "4", "--nodes", "2", "--mode", "ll", "--nvfp4"];
         args.extend(more);
         let reports = emu_bench(&args);
-        assert_eq!(
-            kernels(&reports, "ll_dispatch"),
-            ["cast", "ll_pack", "ll_unpack"]
-        );
+        let sends = ["cast", "ll_place", "ll_pack", "ll_unpack"];
+        assert_eq!(kernels(&reports, "ll_dispatch"), sends);
     }
     // Empty ranks, every slot of a token on one rank, one expert for all, -1 slots.
     for routing in ["empty-ranks", "same-rank", "one-expert"] {

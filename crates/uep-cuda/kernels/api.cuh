@@ -166,6 +166,19 @@ struct LlUnpackArgs {
     uint32_t experts, ranks, max_tokens, row_bytes, scale_words, topk;
 };
 
+// The LL dispatch's placement (ll_place.cu): where every copy goes, from topk_idx
+// alone, with the routing's checks and fingerprint.
+struct LlPlaceArgs {
+    const int64_t *topk_idx;  // [tokens, topk]
+    uint32_t *per_expert;     // [experts] copies each expert gets
+    uint32_t *pos;            // [tokens * topk] each copy's row among its expert's (UINT32_MAX filled)
+    uint32_t *row_of;         // [ranks, tokens] each token's row among a rank's (UINT32_MAX filled)
+    uint32_t *rows;           // [ranks] tokens going to each rank
+    uint64_t *first_bad;      // UINT64_MAX, lowered to the first slot outside [-1, experts)
+    uint64_t *fingerprint;    // the routing's FNV-1a
+    uint32_t tokens, topk, experts, ranks;
+};
+
 // Where the LL combine's pack returns one source's rows (ll_combine_pack.cu).
 struct LlCombineSink {
     uint32_t kind;    // an LlSinkKind
@@ -221,6 +234,7 @@ UEP_KERNEL void uep_reduce(uep::ReduceArgs a);
 UEP_KERNEL void uep_fifo_push(uep::FifoPushArgs a);
 UEP_KERNEL void uep_fifo_ping(uep::FifoPingArgs a);
 UEP_KERNEL void uep_ll_send(uep::LlSendArgs a);
+UEP_KERNEL void uep_ll_place(uep::LlPlaceArgs a);
 UEP_KERNEL void uep_ll_pack(uep::LlPackArgs a);
 UEP_KERNEL void uep_ll_unpack(uep::LlUnpackArgs a);
 UEP_KERNEL void uep_ll_combine_pack(uep::LlCombinePackArgs a);

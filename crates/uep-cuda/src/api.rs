@@ -107,6 +107,23 @@ pub(crate) struct LlSendArgs {
     pub(crate) round_scale: u32,
 }
 
+/// `uep::LlPlaceArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LlPlaceArgs {
+    pub(crate) topk_idx: u64,
+    pub(crate) per_expert: u64,
+    pub(crate) pos: u64,
+    pub(crate) row_of: u64,
+    pub(crate) rows: u64,
+    pub(crate) first_bad: u64,
+    pub(crate) fingerprint: u64,
+    pub(crate) tokens: u32,
+    pub(crate) topk: u32,
+    pub(crate) experts: u32,
+    pub(crate) ranks: u32,
+}
+
 /// `uep::ChunkedPush`: a packet's rows pushed by the kernels that store them.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -284,6 +301,7 @@ mod gpu {
         Fp8CastArgs,
         Nvfp4CastArgs,
         ReduceArgs,
+        LlPlaceArgs,
         ChunkedPush,
         LlPackSink,
         LlPackArgs,

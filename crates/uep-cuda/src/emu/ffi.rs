@@ -6,8 +6,8 @@ use std::ffi::{c_char, c_int};
 use std::time::Duration;
 
 use crate::api::{
-    FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlCombinePackArgs, LlPackArgs, LlSendArgs,
-    LlUnpackArgs, Nvfp4CastArgs, ReduceArgs, SelftestArgs,
+    FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlCombinePackArgs, LlPackArgs,
+    LlPlaceArgs, LlSendArgs, LlUnpackArgs, Nvfp4CastArgs, ReduceArgs, SelftestArgs,
 };
 
 /// A one-dimensional grid, and how long a spin in it may last (`uep_host_grid`).
@@ -100,6 +100,7 @@ entries! {
     NVFP4_CAST: Nvfp4CastArgs = "uep_nvfp4_quantize", uep_host_uep_nvfp4_quantize,
         uep_host_uep_nvfp4_quantize_args;
     REDUCE: ReduceArgs = "uep_reduce", uep_host_uep_reduce, uep_host_uep_reduce_args;
+    LL_PLACE: LlPlaceArgs = "uep_ll_place", uep_host_uep_ll_place, uep_host_uep_ll_place_args;
     LL_PACK: LlPackArgs = "uep_ll_pack", uep_host_uep_ll_pack, uep_host_uep_ll_pack_args;
     LL_UNPACK: LlUnpackArgs = "uep_ll_unpack", uep_host_uep_ll_unpack,
         uep_host_uep_ll_unpack_args;
@@ -172,6 +173,11 @@ mod tests {
                 size_of::<Nvfp4CastArgs>(),
             ),
             (REDUCE.name, REDUCE.args_bytes(), size_of::<ReduceArgs>()),
+            (
+                LL_PLACE.name,
+                LL_PLACE.args_bytes(),
+                size_of::<LlPlaceArgs>(),
+            ),
             (LL_PACK.name, LL_PACK.args_bytes(), size_of::<LlPackArgs>()),
             (
                 LL_UNPACK.name,

@@ -16,7 +16,7 @@ use std::time::Duration;
 use half::bf16;
 use uep_ep::device::{
     CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, LlCombinePackPhase,
-    LlPackPhase, LlUnpackPhase, LlUnpacked, Phase, ReducePhase,
+    LlPackPhase, LlPlacePhase, LlPlacement, LlUnpackPhase, LlUnpacked, Phase, ReducePhase,
 };
 use uep_ep::{Cast, DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
@@ -25,6 +25,7 @@ mod combine;
 mod ffi;
 pub(crate) mod kernels;
 mod pack;
+mod place;
 mod push;
 mod unpack;
 
@@ -64,10 +65,11 @@ fn launch_failed(e: String) -> EpError {
 
 impl EmuDevice {
     /// The phases that run as kernels on this device.
-    pub const KERNELS: [Phase; 6] = [
+    pub const KERNELS: [Phase; 7] = [
         Phase::Layout,
         Phase::Cast,
         Phase::Reduce,
+        Phase::LlPlace,
         Phase::LlPack,
         Phase::LlUnpack,
         Phase::LlCombinePack,
@@ -222,5 +224,14 @@ impl Device for EmuDevice {
         combine::ll_combine_pack(self.grid, p)?;
         self.ran(Phase::LlCombinePack);
         Ok(())
+    }
+
+    fn ll_place(&self, p: &LlPlacePhase<'_>) -> uep_ep::Result<LlPlacement> {
+        if p.topk_idx.is_empty() {
+            return self.host.ll_place(p);
+        }
+        let placement = place::ll_place(self.grid, p)?;
+        self.ran(Phase::LlPlace);
+        Ok(placement)
     }
 }

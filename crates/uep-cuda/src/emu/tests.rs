@@ -420,3 +420,59 @@ fn the_ll_send_kernel_stages_the_host_cast_and_pushes_each_rank_once() {
         );
     }
 }
+
+#[test]
+fn the_placement_kernel_is_the_host_placement() {
+    use uep_ep::device::LlPlacePhase;
+    let seed = seed();
+    let (emu, host) = (EmuDevice::with_grid(1, grid(2, 64)), HostDevice::new(1));
+    for (i, (tokens, topk, experts, ranks, max_rows)) in [
+        (1, 1, 4, 1, 8),
+        (37, 8, 64, 8, 128),
+        (128, 8, 256, 16, 128),
+        (70, 5, 30, 3, 70),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let ids = routing(tokens, topk, experts, ranks, seed + i as u64);
+        let p = LlPlacePhase {
+            topk_idx: &ids,
+            topk,
+            num_experts: experts,
+            num_ranks: ranks,
+            max_rows,
+            rank: 3,
+        };
+        assert_eq!(
+            emu.ll_place(&p).unwrap(),
+            host.ll_place(&p).unwrap(),
+            "{p:?}"
+        );
+        assert!(emu.take_kernel_phases().contains(Phase::LlPlace));
+        // An id out of range, or an expert past its rows: the host's error, at the
+        // same slot, whichever comes first.
+        let mut bad = ids.clone();
+        bad[ids.len() / 2] = experts as i64;
+        bad[ids.len() - 1] = -2;
+        let p = LlPlacePhase {
+            topk_idx: &bad,
+            ..p
+        };
+        let (e, h) = (
+            emu.ll_place(&p).unwrap_err(),
+            host.ll_place(&p).unwrap_err(),
+        );
+        assert_eq!(e.to_string(), h.to_string());
+        let crowded = vec![1i64; ids.len()];
+        let p = LlPlacePhase {
+            topk_idx: &crowded,
+            max_rows: 3.min(ids.len()),
+            ..p
+        };
+        match (emu.ll_place(&p), host.ll_place(&p)) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b),
+            (a, b) => assert_eq!(a.unwrap_err().to_string(), b.unwrap_err().to_string()),
+        }
+    }
+}

@@ -18,6 +18,8 @@ pub enum Phase {
     Signal,
     /// [`Device::wait`](super::Device::wait).
     Wait,
+    /// [`Device::ll_place`](super::Device::ll_place).
+    LlPlace,
     /// [`Device::ll_pack`](super::Device::ll_pack).
     LlPack,
     /// [`Device::ll_unpack`](super::Device::ll_unpack).
@@ -36,7 +38,7 @@ pub enum Phase {
 
 impl Phase {
     /// Every phase, in the order reports list them.
-    pub const ALL: [Phase; 14] = [
+    pub const ALL: [Phase; 15] = [
         Phase::Layout,
         Phase::Cast,
         Phase::Reduce,
@@ -44,6 +46,7 @@ impl Phase {
         Phase::Write,
         Phase::Signal,
         Phase::Wait,
+        Phase::LlPlace,
         Phase::LlPack,
         Phase::LlUnpack,
         Phase::LlCombinePack,
@@ -63,6 +66,7 @@ impl Phase {
             Phase::Write => "write",
             Phase::Signal => "signal",
             Phase::Wait => "wait",
+            Phase::LlPlace => "ll_place",
             Phase::LlPack => "ll_pack",
             Phase::LlUnpack => "ll_unpack",
             Phase::LlCombinePack => "ll_combine_pack",

@@ -44,6 +44,7 @@ mod kernels;
 pub(crate) mod normal;
 pub(crate) mod pack;
 mod phase;
+mod place;
 mod signal;
 
 use std::ops::Range;
@@ -68,6 +69,8 @@ pub use pack::{
     LlSink, LlTokens, LlUnpackPhase, LlUnpacked, Sink,
 };
 pub use phase::{CastPhase, LayoutPhase, Part, ReducePhase, Rows, Symmetric};
+pub(crate) use place::fingerprint;
+pub use place::{LlPlacePhase, LlPlacement};
 pub use signal::{SignalPhase, Store, Until, WaitPhase, Word};
 
 /// What runs the EP layer's kernels; see the module docs.
@@ -187,6 +190,13 @@ pub trait Device: std::fmt::Debug + Send + Sync {
     /// definition, spinning on the calling thread.
     fn wait(&self, phase: &WaitPhase<'_>) -> Result<Vec<Seen>> {
         host::wait(phase)
+    }
+
+    /// The placement phase of a low-latency dispatch ([`LlPlacePhase`]): checks the
+    /// routing and says where every copy goes ([`LlPlacement`]), computed where
+    /// `topk_idx` lives. By default the host definition, on the calling thread.
+    fn ll_place(&self, phase: &LlPlacePhase<'_>) -> Result<LlPlacement> {
+        place::host_place(phase)
     }
 
     /// The pack phase of a low-latency dispatch ([`LlPackPhase`]): stores every copy

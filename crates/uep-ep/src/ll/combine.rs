@@ -3,9 +3,10 @@
 
 use half::bf16;
 
-use super::{check_window, fingerprint, LlCombineInput, LlCombinePending, LlHandle, LlState};
+use super::{check_window, LlCombineInput, LlCombinePending, LlHandle, LlState};
 use crate::area::{Area, SliceRows};
 use crate::ctx::Ctx;
+use crate::device::fingerprint;
 use crate::device::pack::{CombineRemote, LlCombineSink, Sink};
 use crate::device::{LlCombinePackPhase, Part, ReducePhase, Rows, Store, Symmetric, Until, Word};
 use crate::error::{EpError, Result};

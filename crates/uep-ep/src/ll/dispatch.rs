@@ -5,16 +5,14 @@ use std::time::Instant;
 
 use half::bf16;
 
-use super::{
-    check_window, fingerprint, LlDispatchArgs, LlDispatchOutput, LlHandle, LlPending, LlState,
-};
+use super::{check_window, LlDispatchArgs, LlDispatchOutput, LlHandle, LlPending, LlState};
 use crate::area::{Area, Mem, SliceRows};
 use crate::config::Shape;
 use crate::ctx::Ctx;
-use crate::device::pack::{
-    kernel_pushes_rows, on_rank, DispatchRemote, LlLanded, LlSink, LlTokens, Sink,
+use crate::device::pack::{kernel_pushes_rows, DispatchRemote, LlLanded, LlSink, LlTokens, Sink};
+use crate::device::{
+    CastPhase, Device, LlPackPhase, LlPlacePhase, LlPlacement, LlUnpackPhase, Store, Until, Word,
 };
-use crate::device::{CastPhase, Device, LlPackPhase, LlUnpackPhase, Store, Until, Word};
 use crate::error::{EpError, Result};
 use crate::invalid;
 use crate::map::LlAreas;
@@ -22,34 +20,6 @@ use crate::packet::{Channel, LlDispatchPacket, LL_BUFFERS};
 use crate::quant::Cast;
 use crate::tokens::{RecvTokens, TokenFormat};
 use crate::wait::{epoch_word, Seen};
-
-/// Where each copy goes inside its (expert, source) block: copies numbered per expert in
-/// (token, slot) order.
-struct Placement {
-    /// `[E]` copies per expert.
-    per_expert: Vec<u32>,
-    /// `[T * K]` each copy's row in its expert's block (`u32::MAX` for a `-1` slot).
-    pos: Vec<u32>,
-}
-
-impl Placement {
-    fn of(topk_idx: &[i64], num_experts: usize) -> Placement {
-        let mut per_expert = vec![0u32; num_experts];
-        let mut pos = vec![u32::MAX; topk_idx.len()];
-        for (p, &e) in pos.iter_mut().zip(topk_idx) {
-            if e >= 0 {
-                *p = per_expert[e as usize];
-                per_expert[e as usize] += 1;
-            }
-        }
-        Placement { per_expert, pos }
-    }
-
-    /// The counts of rank `r`'s `epr` experts.
-    fn counts_of(&self, r: usize, epr: usize) -> &[u32] {
-        self.per_expert.row(r, epr)
-    }
-}
 
 /// The rows to send, cast once per token (not once per copy): bf16 as given, or codes
 /// with their scale words (FP8, NVFP4).
@@ -117,7 +87,7 @@ impl Ctx {
 
     fn check_ll_dispatch(&self, s: Shape, args: &LlDispatchArgs<'_>) -> Result<()> {
         let (x, topk_idx) = (args.x, args.topk_idx);
-        let (e_n, k, h, m) = (s.num_experts, s.topk, s.hidden, s.max_tokens);
+        let (k, h, m) = (s.topk, s.hidden, s.max_tokens);
         if x.len() % h != 0 {
             return Err(invalid!(
                 "x has {} values, not a multiple of hidden = {h}",
@@ -150,27 +120,6 @@ impl Ctx {
                 topk_idx.len()
             ));
         }
-        let mut per_expert = vec![0usize; e_n];
-        for (i, &e) in topk_idx.iter().enumerate() {
-            if e < -1 || e >= e_n as i64 {
-                return Err(invalid!(
-                    "topk_idx[{}][{}] = {e} is outside [-1, {e_n})",
-                    i / k,
-                    i % k
-                ));
-            }
-            if e >= 0 {
-                per_expert[e as usize] += 1;
-                // Only a token naming one expert in several slots can get here.
-                if per_expert[e as usize] > m {
-                    return Err(invalid!(
-                        "expert {e} gets more than {m} rows from rank {} (a token names it in several slots); \
-                         low-latency mode has {m} rows per (expert, source)",
-                        self.topo.rank
-                    ));
-                }
-            }
-        }
         Ok(())
     }
 
@@ -179,6 +128,15 @@ impl Ctx {
     pub(crate) fn ll_send(&self, st: &mut LlState, args: LlDispatchArgs<'_>) -> Result<LlPending> {
         let shape = self.ll_areas(0)?.shape;
         self.check_ll_dispatch(shape, &args)?;
+        // The routing's own checks are the placement's, before the call begins.
+        let place = self.device.ll_place(&LlPlacePhase {
+            topk_idx: args.topk_idx,
+            topk: shape.topk,
+            num_experts: shape.num_experts,
+            num_ranks: self.topo.num_ranks,
+            max_rows: shape.max_tokens,
+            rank: self.topo.rank,
+        })?;
         let seq = st.dispatch.wrapping_add(1);
         let b = seq as usize % LL_BUFFERS;
         check_window(&st.unreceived, seq, ("dispatch", "dispatches"))?;
@@ -189,15 +147,20 @@ impl Ctx {
         if let Some(banks) = &mut st.banks {
             banks[(seq as usize + 1) % LL_BUFFERS].reclaim()?;
         }
-        let pending = self.ll_send_step(seq, args)?;
+        let pending = self.ll_send_step(seq, args, &place)?;
         st.unreceived[b] = Some(seq);
         Ok(pending)
     }
 
     /// The send half of step `seq`, in phases: enter → cast, while the host opens the
     /// sinks → pack → signal.
-    fn ll_send_step(&self, seq: u32, args: LlDispatchArgs<'_>) -> Result<LlPending> {
-        let (x, topk_idx) = (args.x, args.topk_idx);
+    fn ll_send_step(
+        &self,
+        seq: u32,
+        args: LlDispatchArgs<'_>,
+        place: &LlPlacement,
+    ) -> Result<LlPending> {
+        let x = args.x;
         let b = seq as usize % LL_BUFFERS;
         let areas = self.ll_areas(b)?;
         let s = areas.shape;
@@ -205,9 +168,8 @@ impl Ctx {
         // Enter the step: same-node peers may now write its buffer (see the module docs).
         let me = self.topo.rank;
         self.signal(&[Store::at(me, self.map.control.ll_entered, 0, seq as u64)?])?;
-        let place = Placement::of(topk_idx, s.num_experts);
         let format = args.cast.map_or(TokenFormat::Bf16, |c| c.format());
-        let open_sinks = || self.ll_open_sinks(seq, &areas, topk_idx, &place, format);
+        let open_sinks = || self.ll_open_sinks(seq, &areas, place, format);
         let device = &*self.device;
         // The cast runs while the host waits for the buffer's release and stages the
         // packets, which it does not touch.
@@ -217,8 +179,8 @@ impl Ctx {
             }
             None => (Rows::cast(device, x, s.hidden, None)?, open_sinks()?),
         };
-        self.ll_pack(&sinks, &areas, &args, &place, &rows)?;
-        let packets = self.ll_signal(sinks, seq, &areas, &place, rows.row_bytes)?;
+        self.ll_pack(&sinks, &areas, &args, place, &rows)?;
+        let packets = self.ll_signal(sinks, seq, &areas, place, rows.row_bytes)?;
         Ok(LlPending {
             buffer_id: self.id,
             seq,
@@ -226,7 +188,7 @@ impl Ctx {
             num_tokens: t_n,
             format: rows.format,
             weighted: args.topk_weights.is_some(),
-            topk_hash: fingerprint(topk_idx),
+            topk_hash: place.fingerprint,
             packets,
         })
     }
@@ -238,8 +200,7 @@ impl Ctx {
         &self,
         seq: u32,
         areas: &LlAreas,
-        topk_idx: &[i64],
-        place: &Placement,
+        place: &LlPlacement,
         format: TokenFormat,
     ) -> Result<Vec<LlSink>> {
         let b = seq as usize % LL_BUFFERS;
@@ -252,14 +213,7 @@ impl Ctx {
         let area = format!("buffer {b}");
         self.ll_sinks(at, ("LL dispatch", &area), |r, wait| {
             let mut staged = self.net()?.stage(ch, r, wait)?;
-            let mut row_of = vec![u32::MAX; topk_idx.len() / k.max(1)];
-            let mut n = 0u32;
-            for (t, row) in row_of.iter_mut().enumerate() {
-                if topk_idx.row(t, k).iter().any(|&e| on_rank(e, r, epr)) {
-                    *row = n;
-                    n += 1;
-                }
-            }
+            let (row_of, n) = (place.row_of(r).to_vec(), place.rows[r]);
             let p = LlDispatchPacket::layout(epr, n as usize, k, row_bytes, words)
                 .at_base(staged.area.offset());
             staged.fit_fence(p.rows.len(), self.device.lanes())?;
@@ -280,7 +234,7 @@ impl Ctx {
         sinks: &[LlSink],
         areas: &LlAreas,
         args: &LlDispatchArgs<'_>,
-        place: &Placement,
+        place: &LlPlacement,
         rows: &Rows<'_>,
     ) -> Result<()> {
         let phase = LlPackPhase {
@@ -311,7 +265,7 @@ impl Ctx {
         sinks: Vec<LlSink>,
         seq: u32,
         areas: &LlAreas,
-        place: &Placement,
+        place: &LlPlacement,
         row_bytes: usize,
     ) -> Result<Vec<u64>> {
         let (r_n, me) = (self.topo.num_ranks, self.topo.rank);
@@ -634,7 +588,7 @@ fn copies_by_expert(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::pack::slots_on;
+    use crate::device::pack::{on_rank, slots_on};
     use proptest::prelude::*;
 
     /// `[T, K]` routings over `ranks` ranks of `epr` experts, `-1` slots and repeats
@@ -652,10 +606,18 @@ mod tests {
 
     proptest! {
         /// What a sender packs for a peer on another node reads back, expert by expert,
-        /// as the copies in the order the sender numbered them ([`Placement`]).
+        /// as the copies in the order the sender numbered them ([`LlPlacement`]).
         #[test]
         fn a_packet_reads_back_in_placement_order((k, epr, ranks, topk_idx) in routing()) {
-            let place = Placement::of(&topk_idx, epr * ranks);
+            let phase = LlPlacePhase {
+                topk_idx: &topk_idx,
+                topk: k,
+                num_experts: epr * ranks,
+                num_ranks: ranks,
+                max_rows: usize::MAX,
+                rank: 0,
+            };
+            let place = crate::device::HostDevice::new(1).ll_place(&phase).unwrap();
             for r in 0..ranks {
                 let (mut ids, mut slots) = (Vec::new(), Vec::new());
                 for (t, chosen) in topk_idx.chunks(k).enumerate() {

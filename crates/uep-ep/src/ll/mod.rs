@@ -346,8 +346,3 @@ impl Ctx {
         Ok(self.unless_lost(r, released)?.is_some())
     }
 }
-
-/// FNV-1a of a routing: cheap, and only guards against passing another step's routing.
-pub(crate) fn fingerprint(topk_idx: &[i64]) -> u64 {
-    crate::fnv::hash(topk_idx.iter().map(|&v| v as u64))
-}
