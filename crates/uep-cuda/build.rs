@@ -23,6 +23,7 @@ const KERNELS: &[&str] = &[
     "ll_pack",
     "ll_unpack",
     "ll_combine_pack",
+    "normal_combine_send",
     "fifo_bench",
     "ll_send",
     "selftest",

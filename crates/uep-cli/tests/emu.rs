@@ -54,7 +54,10 @@ fn every_op_on_two_ranks_names_its_kernel_phases() {
         }
         let reports = emu_bench(&args);
         assert_eq!(kernels(&reports, "layout"), ["layout"]);
-        assert_eq!(kernels(&reports, "combine"), ["reduce"]);
+        assert_eq!(
+            kernels(&reports, "combine"),
+            ["reduce", "normal_combine_send"]
+        );
         assert_eq!(kernels(&reports, "ll_combine"), ["reduce"]);
         let copy = emu_bench(&[&args[..], &["--ll-combine-copy", "--mode", "ll"]].concat());
         assert_eq!(kernels(&copy, "ll_combine"), ["reduce", "ll_combine_pack"]);
@@ -197,7 +200,7 @@ fn an_elastic_job_goes_on_without_a_killed_rank() {
             "30",
         ])
         .args([
-            "--ranks", "4", "--nodes", "2", "--kill", "3@10", "--mode", "ll",
+            "--ranks", "4", "--nodes", "2", "--kill", "3@10", "--mode", "all",
         ])
         .args(["--tokens", "32", "--ll-tokens", "16", "--hidden", "256"])
         .args(["--experts", "16", "--topk", "4", "--timeout", "60"])

@@ -201,6 +201,26 @@ struct LlCombinePackArgs {
     uint32_t experts, ranks, max_tokens, hidden, topk, rank;
 };
 
+// Where the normal combine returns one source's rows (normal_combine_send.cu): nowhere
+// (region null), or the slot at a rank of this node whose rows and weights are indexed
+// by the source's token.
+struct ReturnSinkArgs {
+    uint8_t *region;      // that rank's memory, or null: the rows stay
+    uint64_t x_off;       // the slot's [tokens, hidden] rows
+    uint64_t weights_off;  // the slot's [tokens, topk] weights
+};
+
+// The normal combine's send (normal_combine_send.cu): every received row back to its
+// source's token row in the slot its sink names, with its weights.
+struct NormalCombineSendArgs {
+    const uint16_t *x;        // [rows, hidden] bf16 bits
+    const float *weights;     // [rows, topk], or null: the combine returns none
+    const int32_t *src_rank;  // [rows]
+    const int32_t *src_idx;   // [rows]
+    const ReturnSinkArgs *sinks;  // [ranks]
+    uint32_t rows, hidden, topk, pad;
+};
+
 // The host build's own check (selftest.cu): what the warp collectives, barriers and
 // spins give, and the errors the host build reports.
 struct SelftestArgs {
@@ -238,4 +258,5 @@ UEP_KERNEL void uep_ll_place(uep::LlPlaceArgs a);
 UEP_KERNEL void uep_ll_pack(uep::LlPackArgs a);
 UEP_KERNEL void uep_ll_unpack(uep::LlUnpackArgs a);
 UEP_KERNEL void uep_ll_combine_pack(uep::LlCombinePackArgs a);
+UEP_KERNEL void uep_normal_combine_send(uep::NormalCombineSendArgs a);
 UEP_KERNEL void uep_selftest(uep::SelftestArgs a);

@@ -261,6 +261,30 @@ pub(crate) struct LlUnpackArgs {
     pub(crate) topk: u32,
 }
 
+/// `uep::ReturnSinkArgs`: where the normal combine returns one source's rows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ReturnSinkArgs {
+    pub(crate) region: u64,
+    pub(crate) x_off: u64,
+    pub(crate) weights_off: u64,
+}
+
+/// `uep::NormalCombineSendArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct NormalCombineSendArgs {
+    pub(crate) x: u64,
+    pub(crate) weights: u64,
+    pub(crate) src_rank: u64,
+    pub(crate) src_idx: u64,
+    pub(crate) sinks: u64,
+    pub(crate) rows: u32,
+    pub(crate) hidden: u32,
+    pub(crate) topk: u32,
+    pub(crate) pad: u32,
+}
+
 /// `uep::SelftestArgs`.
 #[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
 #[repr(C)]
@@ -307,6 +331,8 @@ mod gpu {
         LlPackArgs,
         LlCombineSink,
         LlCombinePackArgs,
+        ReturnSinkArgs,
+        NormalCombineSendArgs,
         LlLandedArgs,
         LlUnpackArgs,
         FifoPushArgs,

@@ -16,7 +16,8 @@ use std::time::Duration;
 use half::bf16;
 use uep_ep::device::{
     CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, LlCombinePackPhase,
-    LlPackPhase, LlPlacePhase, LlPlacement, LlUnpackPhase, LlUnpacked, Phase, ReducePhase,
+    LlPackPhase, LlPlacePhase, LlPlacement, LlUnpackPhase, LlUnpacked, NormalCombineSendPhase,
+    Phase, ReducePhase,
 };
 use uep_ep::{Cast, DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
@@ -24,6 +25,7 @@ use uep_fifo::FifoAlloc;
 mod combine;
 mod ffi;
 pub(crate) mod kernels;
+mod normal;
 mod pack;
 mod place;
 mod push;
@@ -65,7 +67,7 @@ fn launch_failed(e: String) -> EpError {
 
 impl EmuDevice {
     /// The phases that run as kernels on this device.
-    pub const KERNELS: [Phase; 7] = [
+    pub const KERNELS: [Phase; 8] = [
         Phase::Layout,
         Phase::Cast,
         Phase::Reduce,
@@ -73,6 +75,7 @@ impl EmuDevice {
         Phase::LlPack,
         Phase::LlUnpack,
         Phase::LlCombinePack,
+        Phase::NormalCombineSend,
     ];
 
     /// The default grid: two blocks of two warps, spins bounded by uep's default wait.
@@ -233,5 +236,15 @@ impl Device for EmuDevice {
         let placement = place::ll_place(self.grid, p)?;
         self.ran(Phase::LlPlace);
         Ok(placement)
+    }
+
+    fn normal_combine_send(&self, p: &NormalCombineSendPhase<'_>) -> uep_ep::Result<()> {
+        // A warp a row, a lane a slot's weight: top-k past a warp's width runs on the host.
+        if p.rows() == 0 || p.shape.topk > 32 {
+            return self.host.normal_combine_send(p);
+        }
+        normal::normal_combine_send(self.grid, p)?;
+        self.ran(Phase::NormalCombineSend);
+        Ok(())
     }
 }

@@ -63,7 +63,7 @@ pub use crate::wait::{Peer, Seen, Wait};
 pub use copy::CopyPhase;
 pub use host::{HostDevice, HostFifos};
 pub use kernels::{KernelPhases, Phase};
-pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase};
+pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase, ReturnSink};
 pub use pack::{
     CombineRemote, DispatchRemote, LlCombinePackPhase, LlCombineSink, LlLanded, LlPackPhase,
     LlSink, LlTokens, LlUnpackPhase, LlUnpacked, Sink,

@@ -183,16 +183,18 @@ impl NormalPackPhase<'_> {
 
 /// Where a normal combine returns the rows of one source rank.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum ReturnSink {
+pub enum ReturnSink {
     /// Nowhere: this rank reduces them itself (its own tokens, those it relays), or the
     /// source is masked.
     Stays,
     /// Into a slot at a rank of this node: the source's own combine rows, or the relay
     /// slot at the rank that relays them to the source's node.
     Slot {
+        /// The rank whose memory holds the slot.
         rank: usize,
-        /// `[T, H]` rows and `[T, K]` weights of the slot, indexed by source token.
+        /// `[T, H]` rows of the slot, indexed by source token.
         x: Area<u16>,
+        /// `[T, K]` weights of the slot, indexed by source token.
         weights: Area<f32>,
     },
 }
@@ -204,18 +206,19 @@ pub(crate) enum ReturnSink {
 #[derive(Debug)]
 pub struct NormalCombineSendPhase<'a> {
     /// `[N, H]` the rows to return, in the order the dispatch received them.
-    pub(crate) x: &'a [half::bf16],
+    pub x: &'a [half::bf16],
     /// `[N, K]` their gate weights, where the combine returns them.
-    pub(crate) topk_weights: Option<&'a [f32]>,
-    /// `[N]` each row's source rank and its token there.
-    pub(crate) src_rank: &'a [i32],
-    pub(crate) src_idx: &'a [i32],
+    pub topk_weights: Option<&'a [f32]>,
+    /// `[N]` each row's source rank.
+    pub src_rank: &'a [i32],
+    /// `[N]` each row's token at its source.
+    pub src_idx: &'a [i32],
     /// `[R]` where each source's rows go.
-    pub(crate) sinks: &'a [ReturnSink],
+    pub sinks: &'a [ReturnSink],
     /// The normal-mode shape.
-    pub(crate) shape: Shape,
-    /// Rows go with streaming stores (many of them, [`crate::area::STREAM_ABOVE`]).
-    pub(crate) streaming: bool,
+    pub shape: Shape,
+    /// Rows go with streaming stores (many of them, past a cache's worth).
+    pub streaming: bool,
     /// This node's ranks' memory.
     pub(crate) memory: &'a symm::Symmetric,
 }
@@ -224,6 +227,13 @@ impl NormalCombineSendPhase<'_> {
     /// Rows the phase returns or keeps.
     pub fn rows(&self) -> usize {
         self.src_idx.len()
+    }
+
+    /// The address and length of `rank`'s memory (see
+    /// [`LlPackPhase::region`](super::LlPackPhase::region)).
+    pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
+        let region = self.memory.peer_region(rank)?;
+        Ok((region.as_ptr() as usize, region.len()))
     }
 }
 
