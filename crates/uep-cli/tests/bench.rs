@@ -10,33 +10,8 @@ use common::all_in_and_agreed;
 /// Run `uep bench` with `args` (small defaults first, so later flags win) and return
 /// the parsed JSON report, failing with the ranks' output on a non-zero exit.
 fn bench(args: &[&str]) -> Vec<serde_json::Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_uep"))
-        .args([
-            "bench",
-            "--json",
-            "--iters",
-            "2",
-            "--warmup",
-            "1",
-            "--timeout",
-            "60",
-        ])
-        .args(args)
-        .output()
-        .expect("run uep");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "uep bench {args:?} failed: {}\n{stdout}\n{stderr}",
-        out.status
-    );
-    let reports: Vec<serde_json::Value> = serde_json::from_str(&stdout).expect("JSON report");
-    assert!(!reports.is_empty());
-    for r in &reports {
-        assert_eq!(r["verified"], true, "{args:?}: {r}");
-    }
-    reports
+    let defaults = ["--iters", "2", "--warmup", "1", "--timeout", "60"];
+    common::bench_reports(&[&defaults[..], args].concat())
 }
 
 fn small<'a>(ranks: &'a str, experts: &'a str) -> Vec<&'a str> {

@@ -14,19 +14,18 @@
 //!   host-mapped symmetric memory; see `docs/cuda.md` for what moves them to the GPU.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use cudarc::driver::CudaFunction;
 use half::bf16;
 use uep_ep::device::{
-    CastPhase, Device, HostDevice, KernelPhases, LayoutPhase, Phase, ReducePhase,
+    CastPhase, Device, HostDevice, KernelLog, KernelPhases, LayoutPhase, Phase, ReducePhase,
 };
 use uep_ep::Cast;
 use uep_ep::{DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
 
 use crate::gpu::kernels;
-use crate::layout::{self, RouteShape};
+use crate::layout;
 use crate::quant::Loads;
 use crate::{CudaError, CudaFifos, Gpu};
 
@@ -53,7 +52,7 @@ pub struct CudaDevice {
     cast_nvfp4: CudaFunction,
     reduce: CudaFunction,
     /// The phases run as kernels since the last `take_kernel_phases`.
-    ran: AtomicU32,
+    ran: KernelLog,
 }
 
 /// A driver failure as the EP layer's error: a resource that failed.
@@ -72,15 +71,9 @@ impl CudaDevice {
             cast: gpu.function(kernels::CAST, Loads::X16.kernel())?,
             cast_nvfp4: gpu.function(kernels::CAST, "uep_nvfp4_quantize")?,
             reduce: gpu.function(kernels::REDUCE, "uep_reduce")?,
-            ran: AtomicU32::new(0),
+            ran: KernelLog::default(),
             gpu,
         })
-    }
-
-    fn ran(&self, phase: Phase) {
-        let mut set = KernelPhases::default();
-        set.insert(phase);
-        self.ran.fetch_or(set.bits(), Ordering::Relaxed);
     }
 
     /// The GPU.
@@ -99,7 +92,7 @@ impl Device for CudaDevice {
     }
 
     fn take_kernel_phases(&self) -> KernelPhases {
-        KernelPhases::from_bits(self.ran.swap(0, Ordering::Relaxed))
+        self.ran.take()
     }
 
     fn launch(
@@ -115,30 +108,12 @@ impl Device for CudaDevice {
     }
 
     fn layout(&self, p: &LayoutPhase<'_>) -> uep_ep::Result<DispatchLayout> {
-        let s = RouteShape {
-            tokens: p.topk_idx.len() / p.topk.max(1),
-            topk: p.topk,
-            experts: p.num_experts,
-            ranks: p.num_ranks,
-            ranks_per_node: p.ranks_per_node,
-        };
-        // No tokens (nothing to launch over), a shape the kernel does not take, or an id
-        // it rejects: the host's definition runs, and says what is wrong exactly as it
-        // would on the host device.
-        if s.tokens == 0 || !layout::fits(s) || p.topk_idx.len() % p.topk != 0 {
-            return self.host.layout(p);
+        let run = |s| layout::compute(&self.gpu, &self.layout, p.topk_idx, s).map_err(ep);
+        let (layout, ran) = layout::phase(p, &self.host, run)?;
+        if ran {
+            self.ran.ran(Phase::Layout);
         }
-        let layout = layout::compute(&self.gpu, &self.layout, p.topk_idx, s).map_err(ep)?;
-        self.ran(Phase::Layout);
-        match layout {
-            Ok(layout) => Ok(layout),
-            Err(bad) => match self.host.layout(p) {
-                Err(e) => Err(e),
-                Ok(_) => Err(EpError::Internal(format!(
-                    "the GPU's layout rejected topk_idx entry {bad}, which the host accepts"
-                ))),
-            },
-        }
+        Ok(layout)
     }
 
     fn cast(&self, p: &CastPhase<'_>, q: &mut [u8], scales: &mut [f32]) -> uep_ep::Result<()> {
@@ -161,7 +136,7 @@ impl Device for CudaDevice {
             ),
         }
         .map_err(ep)?;
-        self.ran(Phase::Cast);
+        self.ran.ran(Phase::Cast);
         Ok(())
     }
 
@@ -171,7 +146,7 @@ impl Device for CudaDevice {
             return self.host.reduce(p, out);
         }
         crate::reduce::reduce(&self.gpu, &self.reduce, p, out).map_err(ep)?;
-        self.ran(Phase::Reduce);
+        self.ran.ran(Phase::Reduce);
         Ok(())
     }
 }

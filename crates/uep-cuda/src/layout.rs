@@ -30,6 +30,38 @@ pub(crate) fn fits(s: RouteShape) -> bool {
         && u32::try_from(s.tokens * s.ranks.max(s.topk)).is_ok()
 }
 
+/// The layout phase on a device whose kernel `run` computes a routing of shape
+/// [`RouteShape`] (`Ok(Err(i))`: it found entry `i` out of range): the host's definition
+/// where there are no tokens or the kernel does not take the shape, and the host's error
+/// for an entry the kernel rejects, so every device says what is wrong the same way.
+/// The layout, and whether the kernel ran.
+pub(crate) fn phase(
+    p: &uep_ep::device::LayoutPhase<'_>,
+    host: &uep_ep::device::HostDevice,
+    run: impl FnOnce(RouteShape) -> uep_ep::Result<Result<uep_ep::DispatchLayout, u64>>,
+) -> uep_ep::Result<(uep_ep::DispatchLayout, bool)> {
+    use uep_ep::device::Device;
+    let s = RouteShape {
+        tokens: p.topk_idx.len() / p.topk.max(1),
+        topk: p.topk,
+        experts: p.num_experts,
+        ranks: p.num_ranks,
+        ranks_per_node: p.ranks_per_node,
+    };
+    if s.tokens == 0 || !fits(s) || p.topk_idx.len() != s.tokens * s.topk {
+        return Ok((host.layout(p)?, false));
+    }
+    match run(s)? {
+        Ok(layout) => Ok((layout, true)),
+        Err(bad) => match host.layout(p) {
+            Err(e) => Err(e),
+            Ok(_) => Err(uep_ep::EpError::Internal(format!(
+                "the layout kernel rejected topk_idx entry {bad}, which the host accepts"
+            ))),
+        },
+    }
+}
+
 #[cfg(feature = "cuda")]
 pub use run::check;
 #[cfg(feature = "cuda")]

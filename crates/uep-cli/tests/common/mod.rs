@@ -103,3 +103,26 @@ pub fn all_in_and_agreed(reports: &[serde_json::Value], ctx: &str) {
         }
     }
 }
+
+/// `uep bench --json` with `args`: the reports, every one verified; fails with the
+/// ranks' output on a non-zero exit.
+pub fn bench_reports(args: &[&str]) -> Vec<serde_json::Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_uep"))
+        .args(["bench", "--json"])
+        .args(args)
+        .output()
+        .expect("run uep");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "uep bench {args:?} failed: {}\n{stdout}\n{stderr}",
+        out.status
+    );
+    let reports: Vec<serde_json::Value> = serde_json::from_str(&stdout).expect("JSON report");
+    assert!(!reports.is_empty());
+    for r in &reports {
+        assert_eq!(r["verified"], true, "{args:?}: {r}");
+    }
+    reports
+}

@@ -25,11 +25,11 @@ struct Tables {
 
 /// A packet's tables, checked: its experts' rows inside its rows' area, each group's
 /// rows one run of them.
-fn packet_tables(
-    r: &CombineRemote,
+fn packet_tables<'a>(
+    r: &'a CombineRemote,
     experts: usize,
     row_bytes: usize,
-    held: &mut Held,
+    held: &mut Held<'a>,
 ) -> Result<Tables> {
     let rows = r.rows.len() * 2 / row_bytes.max(1);
     let fits = r.first.len() == experts
@@ -48,11 +48,10 @@ fn packet_tables(
     for (g, experts) in r.groups.iter().enumerate() {
         let first = experts.clone().next().map_or(0, |le| r.first[le]);
         let n: usize = experts.clone().map(|le| r.counts[le]).sum();
-        let port = r.kernel_port(g)?;
         let rows_off = r.rows.offset() + first * row_bytes;
         t.pushes.push(match n {
             0 => ChunkedPush::default(),
-            n => chunked(&port, (rows_off, n, row_bytes), held)?,
+            n => chunked(r.kernel_port(g)?, (rows_off, n, row_bytes), held)?,
         });
     }
     Ok(t)
@@ -157,13 +156,6 @@ pub(crate) fn ll_combine_pack(grid: Grid, p: &LlCombinePackPhase<'_>) -> Result<
     unsafe {
         ffi::launch(&ffi::LL_COMBINE_PACK, grid, &args).map_err(bad)?;
     }
-    drop(held);
-    for sink in p.sinks {
-        if let Sink::Packet(remote) = sink {
-            if let Ok(port) = remote.kernel_port(0) {
-                port.wake();
-            }
-        }
-    }
+    held.finish();
     Ok(())
 }

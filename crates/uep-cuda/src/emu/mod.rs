@@ -10,14 +10,13 @@
 //! machine's cores beside every other rank's.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use half::bf16;
 use uep_ep::device::{
-    CastPhase, Device, HostDevice, HostFifos, KernelPhases, LayoutPhase, LlCombinePackPhase,
-    LlPackPhase, LlPlacePhase, LlPlacement, LlUnpackPhase, LlUnpacked, NormalCombineSendPhase,
-    Phase, ReducePhase,
+    CastPhase, Device, HostDevice, HostFifos, KernelLog, KernelPhases, LayoutPhase,
+    LlCombinePackPhase, LlPackPhase, LlPlacePhase, LlPlacement, LlUnpackPhase, LlUnpacked,
+    NormalCombineSendPhase, Phase, ReducePhase,
 };
 use uep_ep::{Cast, DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
@@ -36,7 +35,6 @@ pub use ffi::Grid;
 #[cfg(test)]
 mod tests;
 
-use crate::layout::{fits, RouteShape};
 use crate::quant::Loads;
 
 /// The emulated GPU; see the module docs.
@@ -57,7 +55,7 @@ pub struct EmuDevice {
     host: HostDevice,
     grid: Grid,
     /// The phases run as kernels since the last `take_kernel_phases`.
-    ran: AtomicU32,
+    ran: KernelLog,
 }
 
 /// An error of the host build's launch, which is uep's own fault.
@@ -96,7 +94,7 @@ impl EmuDevice {
         EmuDevice {
             host: HostDevice::new(threads),
             grid,
-            ran: AtomicU32::new(0),
+            ran: KernelLog::default(),
         }
     }
 
@@ -108,12 +106,6 @@ impl EmuDevice {
     /// How long a kernel's spin may last.
     pub fn timeout(&self) -> Duration {
         Duration::from_nanos(self.grid.timeout_ns)
-    }
-
-    fn ran(&self, phase: Phase) {
-        let mut set = KernelPhases::default();
-        set.insert(phase);
-        self.ran.fetch_or(set.bits(), Ordering::Relaxed);
     }
 }
 
@@ -127,7 +119,7 @@ impl Device for EmuDevice {
     }
 
     fn take_kernel_phases(&self) -> KernelPhases {
-        KernelPhases::from_bits(self.ran.swap(0, Ordering::Relaxed))
+        self.ran.take()
     }
 
     fn launch(
@@ -143,30 +135,12 @@ impl Device for EmuDevice {
     }
 
     fn layout(&self, p: &LayoutPhase<'_>) -> uep_ep::Result<DispatchLayout> {
-        let s = RouteShape {
-            tokens: p.topk_idx.len() / p.topk.max(1),
-            topk: p.topk,
-            experts: p.num_experts,
-            ranks: p.num_ranks,
-            ranks_per_node: p.ranks_per_node,
-        };
-        // No tokens (nothing to launch over), a shape the kernel does not take, or an id
-        // it rejects: the host's definition runs, and says what is wrong exactly as it
-        // would on the host device.
-        if s.tokens == 0 || !fits(s) || p.topk_idx.len() != s.tokens * s.topk {
-            return self.host.layout(p);
+        let run = |s| kernels::layout(self.grid, p.topk_idx, s).map_err(launch_failed);
+        let (layout, ran) = crate::layout::phase(p, &self.host, run)?;
+        if ran {
+            self.ran.ran(Phase::Layout);
         }
-        let layout = kernels::layout(self.grid, p.topk_idx, s).map_err(launch_failed)?;
-        self.ran(Phase::Layout);
-        match layout {
-            Ok(layout) => Ok(layout),
-            Err(bad) => match self.host.layout(p) {
-                Err(e) => Err(e),
-                Ok(_) => Err(EpError::Internal(format!(
-                    "the emulated layout kernel rejected topk_idx entry {bad}, which the host accepts"
-                ))),
-            },
-        }
+        Ok(layout)
     }
 
     fn cast(&self, p: &CastPhase<'_>, q: &mut [u8], scales: &mut [f32]) -> uep_ep::Result<()> {
@@ -184,7 +158,7 @@ impl Device for EmuDevice {
             }
         }
         .map_err(launch_failed)?;
-        self.ran(Phase::Cast);
+        self.ran.ran(Phase::Cast);
         Ok(())
     }
 
@@ -203,7 +177,7 @@ impl Device for EmuDevice {
             self.grid, &sources, p.starts, p.parts, p.hidden, p.weighted, out,
         )
         .map_err(launch_failed)?;
-        self.ran(Phase::Reduce);
+        self.ran.ran(Phase::Reduce);
         Ok(())
     }
 
@@ -213,19 +187,19 @@ impl Device for EmuDevice {
             return self.host.ll_pack(p);
         }
         pack::ll_pack(self.grid, p)?;
-        self.ran(Phase::LlPack);
+        self.ran.ran(Phase::LlPack);
         Ok(())
     }
 
     fn ll_unpack(&self, p: &LlUnpackPhase<'_>) -> uep_ep::Result<LlUnpacked> {
         let unpacked = unpack::ll_unpack(self.grid, p)?;
-        self.ran(Phase::LlUnpack);
+        self.ran.ran(Phase::LlUnpack);
         Ok(unpacked)
     }
 
     fn ll_combine_pack(&self, p: &LlCombinePackPhase<'_>) -> uep_ep::Result<()> {
         combine::ll_combine_pack(self.grid, p)?;
-        self.ran(Phase::LlCombinePack);
+        self.ran.ran(Phase::LlCombinePack);
         Ok(())
     }
 
@@ -234,7 +208,7 @@ impl Device for EmuDevice {
             return self.host.ll_place(p);
         }
         let placement = place::ll_place(self.grid, p)?;
-        self.ran(Phase::LlPlace);
+        self.ran.ran(Phase::LlPlace);
         Ok(placement)
     }
 
@@ -244,7 +218,7 @@ impl Device for EmuDevice {
             return self.host.normal_combine_send(p);
         }
         normal::normal_combine_send(self.grid, p)?;
-        self.ran(Phase::NormalCombineSend);
+        self.ran.ran(Phase::NormalCombineSend);
         Ok(())
     }
 }

@@ -40,10 +40,10 @@ fn check(p: &LlPackPhase<'_>) -> Result<()> {
 
 /// The kernel's view of `sink`, rank `r`'s: its kind, the memory it writes and, for a
 /// packet, where its rows go and how they are pushed.
-fn sink_args(
-    p: &LlPackPhase<'_>,
-    sink: &Sink<Box<DispatchRemote>>,
-    held: &mut Held,
+fn sink_args<'a>(
+    p: &LlPackPhase<'a>,
+    sink: &'a Sink<Box<DispatchRemote>>,
+    held: &mut Held<'a>,
 ) -> Result<LlPackSink> {
     let areas: &LlAreas = p.areas;
     let row_bytes = p.tokens.row_bytes;
@@ -112,8 +112,11 @@ fn sink_args(
     if !DispatchRemote::pushes_rows(row_bytes) || rows == 0 {
         return Ok(out);
     }
-    let port = remote.kernel_port()?;
-    out.push = chunked(&port, (pk.rows.offset(), rows, row_bytes), held)?;
+    out.push = chunked(
+        remote.kernel_port()?,
+        (pk.rows.offset(), rows, row_bytes),
+        held,
+    )?;
     Ok(out)
 }
 
@@ -159,13 +162,6 @@ pub(crate) fn ll_pack(grid: Grid, p: &LlPackPhase<'_>) -> Result<()> {
     unsafe {
         ffi::launch(&ffi::LL_PACK, grid, &args).map_err(bad)?;
     }
-    drop(held);
-    for sink in p.sinks {
-        if let Sink::Packet(remote) = sink {
-            if let Ok(port) = remote.kernel_port() {
-                port.wake();
-            }
-        }
-    }
+    held.finish();
     Ok(())
 }

@@ -13,13 +13,26 @@ use crate::api::ChunkedPush;
 /// rest of the packet (its header) may leave with the signal.
 const CHUNKS: usize = 250;
 
-/// What a launch that pushes holds until it returns: each push's chunk counters, and
-/// the lease of each FIFO it pushes into (one a FIFO: several peers' packets may share
-/// one). No host push enters a leased FIFO, so the kernel's are its only ones.
+/// What a launch that pushes holds until it returns: each push's chunk counters, the
+/// lease of each FIFO it pushes into (one a FIFO: several peers' packets may share
+/// one; no host push enters a leased FIFO, so the kernel's are its only ones), and the
+/// ports whose proxies to wake once it is done ([`Held::finish`]).
 #[derive(Default)]
-pub(crate) struct Held {
+pub(crate) struct Held<'a> {
     chunks: Vec<Vec<u32>>,
     leases: Vec<DeviceLease<std::sync::Arc<Fifo>>>,
+    ports: Vec<KernelPort<'a>>,
+}
+
+impl Held<'_> {
+    /// After the launch: the FIFOs back to the host, and their proxies woken (an idle
+    /// one sleeps up to a millisecond between looks).
+    pub(crate) fn finish(self) {
+        drop(self.leases);
+        for port in &self.ports {
+            port.wake();
+        }
+    }
 }
 
 /// The address of an atomic counter, for the kernel to add to.
@@ -30,10 +43,10 @@ fn counter(c: &AtomicU64) -> u64 {
 /// The push of `rows` rows of `row_bytes` bytes from `rows_off` (this rank's region)
 /// through `port`, in chunks of about a write's size, never more than a count signal
 /// counts; its FIFO leased in `held`.
-pub(crate) fn chunked(
-    port: &KernelPort<'_>,
+pub(crate) fn chunked<'a>(
+    port: KernelPort<'a>,
     (rows_off, rows, row_bytes): (usize, usize, usize),
-    held: &mut Held,
+    held: &mut Held<'a>,
 ) -> Result<ChunkedPush> {
     let chunk_rows = (port.write_bytes / row_bytes.max(1))
         .max(rows.div_ceil(CHUNKS))
@@ -54,7 +67,7 @@ pub(crate) fn chunked(
         .map_or(0, |l| l.region_addr() as u64);
     held.chunks.push(vec![0u32; rows.div_ceil(chunk_rows)]);
     let done = held.chunks.last_mut().map_or(0, |d| d.as_mut_ptr() as u64);
-    Ok(ChunkedPush {
+    let push = ChunkedPush {
         rows_off: rows_off as u64,
         rows: rows as u32,
         chunk_rows: chunk_rows as u32,
@@ -70,5 +83,7 @@ pub(crate) fn chunked(
         key_kind: port.key.0.into(),
         key: port.key.1.into(),
         pad: 0,
-    })
+    };
+    held.ports.push(port);
+    Ok(push)
 }

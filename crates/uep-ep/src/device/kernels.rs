@@ -1,6 +1,8 @@
 //! Which phases of the seam a device ran as kernels: names for reports (`uep bench`'s
 //! `kernel_phases`), by the [`Device`](super::Device) method each phase is.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 /// A phase of the seam, named as its [`Device`](super::Device) method.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Phase {
@@ -129,5 +131,30 @@ impl KernelPhases {
     /// The phases' names, in [`Phase::ALL`]'s order.
     pub fn names(self) -> Vec<&'static str> {
         self.iter().map(Phase::name).collect()
+    }
+}
+
+/// What a device notes as its phases run as kernels, and hands to
+/// [`Device::take_kernel_phases`](super::Device::take_kernel_phases).
+///
+/// ```
+/// use uep_ep::device::{KernelLog, Phase};
+/// let log = KernelLog::default();
+/// log.ran(Phase::Cast);
+/// assert_eq!(log.take().names(), ["cast"]);
+/// assert!(log.take().names().is_empty());
+/// ```
+#[derive(Debug, Default)]
+pub struct KernelLog(AtomicU32);
+
+impl KernelLog {
+    /// `phase` ran as a kernel.
+    pub fn ran(&self, phase: Phase) {
+        self.0.fetch_or(phase.bit(), Ordering::Relaxed);
+    }
+
+    /// The phases noted since the last take, forgotten.
+    pub fn take(&self) -> KernelPhases {
+        KernelPhases::from_bits(self.0.swap(0, Ordering::Relaxed))
     }
 }

@@ -62,7 +62,7 @@ pub use crate::symm::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};
 pub use crate::wait::{Peer, Seen, Wait};
 pub use copy::CopyPhase;
 pub use host::{HostDevice, HostFifos};
-pub use kernels::{KernelPhases, Phase};
+pub use kernels::{KernelLog, KernelPhases, Phase};
 pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase, ReturnSink};
 pub use pack::{
     CombineRemote, DispatchRemote, LlCombinePackPhase, LlCombineSink, LlLanded, LlPackPhase,
