@@ -180,11 +180,7 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
         steps,
         progress: Progress::new(total, "uep bench", rank == 0 && !args.json),
         bad: Mismatches::new(rank),
-        token_bytes: match (args.fp8, args.nvfp4) {
-            (true, _) => (args.hidden + args.hidden / 128 * 4 + 16) as u64,
-            (_, true) => (args.hidden / 2 + args.hidden / 64 * 4 + 16) as u64,
-            _ => (2 * args.hidden) as u64,
-        },
+        token_bytes: token_bytes(args),
         device: setup.kernels.clone(),
     };
     let mut measured = Vec::new();
@@ -196,6 +192,17 @@ fn run_rank(args: &BenchArgs) -> anyhow::Result<bool> {
     }
     run.progress.finish();
     report(args, &buffer, &info, &setup, &measured, &run.bad)
+}
+
+/// Bytes of one dispatched token as sent: its row, with its scales and metadata where
+/// it is cast.
+fn token_bytes(args: &BenchArgs) -> u64 {
+    let h = args.hidden;
+    match (args.fp8, args.nvfp4) {
+        (true, _) => (h + h / 128 * 4 + 16) as u64,
+        (_, true) => (h / 2 + h / 64 * 4 + 16) as u64,
+        _ => (2 * h) as u64,
+    }
 }
 
 /// What a low-latency dispatch of `inputs` (every rank's) casts to: FP8, or NVFP4 with
@@ -292,22 +299,7 @@ fn open_buffer(
     uep_ep::set_spin_only(args.spin_waits);
     let device = open_device(args.device, threads)?;
     let device_name = device.name().to_string();
-    let (buffer, joined, device) = match group {
-        Some(group) => (
-            Buffer::with_device(Arc::new(group), cfg, device.clone())?,
-            None,
-            device,
-        ),
-        None => {
-            // A replacement joins on the host device.
-            let (buffer, at) = Buffer::join(cfg, info.rank, info.world_size)?;
-            (
-                buffer,
-                Some(at),
-                Arc::new(HostDevice::new(threads)) as Arc<dyn Device>,
-            )
-        }
-    };
+    let (buffer, joined, device) = buffer_on(group, cfg, device, info, threads)?;
     let setup = Setup {
         threads,
         provider,
@@ -315,6 +307,27 @@ fn open_buffer(
         kernels: device,
     };
     Ok((buffer, setup, joined))
+}
+
+/// The Buffer of `group` on `device`; without a group, a replacement's (on the host
+/// device) and where it joined.
+fn buffer_on(
+    group: Option<Group>,
+    cfg: BufferConfig,
+    device: Arc<dyn Device>,
+    info: &WorldInfo,
+    threads: usize,
+) -> anyhow::Result<(Buffer, Option<JoinPoint>, Arc<dyn Device>)> {
+    Ok(match group {
+        Some(group) => {
+            let buffer = Buffer::with_device(Arc::new(group), cfg, device.clone())?;
+            (buffer, None, device)
+        }
+        None => {
+            let (buffer, at) = Buffer::join(cfg, info.rank, info.world_size)?;
+            (buffer, Some(at), Arc::new(HostDevice::new(threads)))
+        }
+    })
 }
 
 /// The device `--device` names, with `threads` kernel threads for what runs on the host.

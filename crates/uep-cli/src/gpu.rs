@@ -205,36 +205,7 @@ mod cuda {
             let desc = format!("{tokens} tok, top-8 of 256, {ranks} ranks");
             row("layout", &desc, "", m.time, m.bandwidth() / 1e9, "");
         }
-        let casts: &[usize] = if a.quick {
-            &[1, 3, 64]
-        } else {
-            &[1, 128, 4096, 32768]
-        };
-        for &tokens in casts {
-            for (loads, ue8m0) in [(Loads::X8, false), (Loads::X16, false), (Loads::X16, true)] {
-                let m = quant::check(&gpu, loads, tokens, hidden, ue8m0, next(), a.iters)?;
-                let width = if loads == Loads::X8 { "8 B" } else { "16 B" };
-                let variant = format!("{width}{}", if ue8m0 { " ue8m0" } else { "" });
-                let desc = format!("{tokens} × {hidden}");
-                row("fp8 cast", &desc, &variant, m.time, m.bandwidth() / 1e9, "");
-            }
-        }
-        for &tokens in casts {
-            for ue8m0 in [false, true] {
-                let m = quant::check_nvfp4(&gpu, tokens, hidden, ue8m0, next(), a.iters)?;
-                let variant = if ue8m0 { "ue8m0" } else { "e4m3" };
-                let desc = format!("{tokens} × {hidden}");
-                let note = "copies in and out included";
-                row(
-                    "nvfp4 cast",
-                    &desc,
-                    variant,
-                    m.time,
-                    m.bandwidth() / 1e9,
-                    note,
-                );
-            }
-        }
+        cast_rows(&gpu, a, hidden, &mut next)?;
         for (tokens, weighted) in [(128, true), (big, true), (big, false)] {
             let m = reduce::check(&gpu, tokens, 8, hidden, weighted, next(), a.iters)?;
             let variant = if weighted { "weighted" } else { "sum" };
@@ -255,6 +226,44 @@ mod cuda {
         );
         println!("every row: the GPU's output equals the host device's, bit for bit");
         Ok(true)
+    }
+
+    /// The FP8 casts (8- and 16-byte loads, UE8M0 or not) and the NVFP4 casts (both
+    /// block scale formats), each checked and timed.
+    fn cast_rows(
+        gpu: &Gpu,
+        a: &CheckArgs,
+        hidden: usize,
+        next: &mut impl FnMut() -> u64,
+    ) -> anyhow::Result<()> {
+        let casts: &[usize] = if a.quick {
+            &[1, 3, 64]
+        } else {
+            &[1, 128, 4096, 32768]
+        };
+        for &tokens in casts {
+            let desc = format!("{tokens} × {hidden}");
+            for (loads, ue8m0) in [(Loads::X8, false), (Loads::X16, false), (Loads::X16, true)] {
+                let m = quant::check(gpu, loads, tokens, hidden, ue8m0, next(), a.iters)?;
+                let width = if loads == Loads::X8 { "8 B" } else { "16 B" };
+                let variant = format!("{width}{}", if ue8m0 { " ue8m0" } else { "" });
+                row("fp8 cast", &desc, &variant, m.time, m.bandwidth() / 1e9, "");
+            }
+            for ue8m0 in [false, true] {
+                let m = quant::check_nvfp4(gpu, tokens, hidden, ue8m0, next(), a.iters)?;
+                let variant = if ue8m0 { "ue8m0" } else { "e4m3" };
+                let note = "copies in and out included";
+                row(
+                    "nvfp4 cast",
+                    &desc,
+                    variant,
+                    m.time,
+                    m.bandwidth() / 1e9,
+                    note,
+                );
+            }
+        }
+        Ok(())
     }
 
     fn ll_send_rows(

@@ -55,6 +55,23 @@ impl SendShape {
         self.hidden + self.hidden / GROUP * 4
     }
 
+    /// The kernel's argument of this shape, its addresses to fill in.
+    fn args(&self) -> LlSendArgs {
+        LlSendArgs {
+            staged_off: STAGED_OFF,
+            recv_off: RECV_OFF,
+            src_rank: SRC_RANK as u32,
+            max_tokens: self.tokens as u32,
+            tokens: self.tokens as u32,
+            topk: self.topk as u32,
+            hidden: self.hidden as u32,
+            experts: self.experts as u32,
+            ranks: self.ranks as u32,
+            round_scale: u32::from(self.round_scale),
+            ..Default::default()
+        }
+    }
+
     fn check(&self) -> Result<(), CudaError> {
         let ok = self.tokens > 0
             && self.hidden > 0
@@ -156,16 +173,7 @@ pub fn check(gpu: &Gpu, s: SendShape, seed: u64, iters: usize) -> Result<SendRes
                 rings: gpu.addr(rings.table()),
                 ns: gpu.addr(&ns),
                 staged: staged.device_addr(),
-                staged_off: STAGED_OFF,
-                recv_off: RECV_OFF,
-                src_rank: SRC_RANK as u32,
-                max_tokens: s.tokens as u32,
-                tokens: s.tokens as u32,
-                topk: s.topk as u32,
-                hidden: s.hidden as u32,
-                experts: s.experts as u32,
-                ranks: s.ranks as u32,
-                round_scale: u32::from(s.round_scale),
+                ..s.args()
             };
             // SAFETY: tokens [T, hidden] and ids [T, K] on the device, the ring table and
             // a timer a block, the staging rows ([T, row_bytes]) in pinned memory; all

@@ -57,74 +57,84 @@ fn packet_tables<'a>(
     Ok(t)
 }
 
+/// Checks the outputs, the layout and each row's source token and slot the kernel
+/// follows.
+fn check(p: &LlCombinePackPhase<'_>) -> Result<()> {
+    let (s, r_n) = (p.areas.shape, p.num_ranks);
+    let (epr, m, h, k) = (p.experts(), s.max_tokens, s.hidden, s.topk);
+    let rows = epr * r_n * m;
+    let blocks_fit =
+        (p.layout_range.iter()).all(|&(b, n)| b >= 0 && n >= 0 && (b + n) as usize <= m * r_n);
+    let sources_fit = (p.src_info.iter().zip(p.src_slot))
+        .all(|(&t, &j)| t >= -1 && j >= -1 && (t.max(0) as usize) < m && (j.max(0) as usize) < k);
+    let lens_fit = p.y.len() >= rows * h
+        && p.layout_range.len() == epr * r_n
+        && p.src_info.len() == rows
+        && p.src_slot.len() == rows
+        && p.sinks.len() == r_n;
+    match lens_fit && blocks_fit && sources_fit {
+        true => Ok(()),
+        false => Err(bad("outputs, layout or sources of the wrong size".into())),
+    }
+}
+
+/// Source `src`'s sink as the kernel takes it, and a packet's tables.
+fn sink_args<'a>(
+    p: &LlCombinePackPhase<'a>,
+    (src, sink): (usize, &'a Sink<Box<CombineRemote>>),
+    held: &mut Held<'a>,
+) -> Result<(LlCombineSink, Tables)> {
+    let s = p.areas.shape;
+    let skip = LlCombineSink {
+        kind: LL_SKIP,
+        ..Default::default()
+    };
+    match sink {
+        _ if src == p.rank => Ok((skip, Tables::default())),
+        Sink::Skip => Ok((skip, Tables::default())),
+        Sink::Peer(r) => {
+            let (base, len) = p.region(*r)?;
+            let rows = p.areas.combine_x;
+            if rows.end() > len || rows.len() < s.max_tokens * s.topk * s.hidden {
+                return Err(bad("combine rows outside a peer's memory".into()));
+            }
+            let sink = LlCombineSink {
+                kind: LL_PEER,
+                region: base as u64,
+                rows_off: rows.offset() as u64,
+                ..Default::default()
+            };
+            Ok((sink, Tables::default()))
+        }
+        Sink::Packet(remote) => {
+            let (base, len) = p.region(p.rank)?;
+            if remote.rows.end() > len {
+                return Err(bad("a packet's rows outside this rank's memory".into()));
+            }
+            let t = packet_tables(remote, p.experts(), 2 * s.hidden, held)?;
+            let sink = LlCombineSink {
+                kind: LL_PACKET,
+                groups: t.pushes.len() as u32,
+                region: base as u64,
+                rows_off: remote.rows.offset() as u64,
+                ..Default::default()
+            };
+            Ok((sink, t))
+        }
+    }
+}
+
 /// Runs `p` as the `uep_ll_combine_pack` kernel on `grid`, then wakes the proxies of the
 /// packets it pushed into.
 pub(crate) fn ll_combine_pack(grid: Grid, p: &LlCombinePackPhase<'_>) -> Result<()> {
+    check(p)?;
     let (s, r_n) = (p.areas.shape, p.num_ranks);
-    let (epr, m, h, k) = (p.experts(), s.max_tokens, s.hidden, s.topk);
-    let (rows, rb) = (epr * r_n * m, 2 * h);
-    let blocks_fit = p
-        .layout_range
-        .iter()
-        .all(|&(b, n)| b >= 0 && n >= 0 && (b + n) as usize <= m * r_n);
-    let sources_fit =
-        p.src_info.iter().zip(p.src_slot).all(|(&t, &j)| {
-            t >= -1 && j >= -1 && (t.max(0) as usize) < m && (j.max(0) as usize) < k
-        });
-    if p.y.len() < rows * h
-        || p.layout_range.len() != epr * r_n
-        || p.src_info.len() != rows
-        || p.src_slot.len() != rows
-        || p.sinks.len() != r_n
-        || !blocks_fit
-        || !sources_fit
-    {
-        return Err(bad("outputs, layout or sources of the wrong size".into()));
-    }
     let mut held = Held::default();
-    let mut tables = Vec::with_capacity(r_n);
-    let mut sinks = Vec::with_capacity(r_n);
-    for (src, sink) in p.sinks.iter().enumerate() {
-        let mut t = Tables::default();
-        let out = match sink {
-            _ if src == p.rank => LlCombineSink {
-                kind: LL_SKIP,
-                ..Default::default()
-            },
-            Sink::Skip => LlCombineSink {
-                kind: LL_SKIP,
-                ..Default::default()
-            },
-            Sink::Peer(r) => {
-                let (base, len) = p.region(*r)?;
-                if p.areas.combine_x.end() > len || p.areas.combine_x.len() < m * k * h {
-                    return Err(bad("combine rows outside a peer's memory".into()));
-                }
-                LlCombineSink {
-                    kind: LL_PEER,
-                    region: base as u64,
-                    rows_off: p.areas.combine_x.offset() as u64,
-                    ..Default::default()
-                }
-            }
-            Sink::Packet(remote) => {
-                let (base, len) = p.region(p.rank)?;
-                if remote.rows.end() > len {
-                    return Err(bad("a packet's rows outside this rank's memory".into()));
-                }
-                t = packet_tables(remote, epr, rb, &mut held)?;
-                LlCombineSink {
-                    kind: LL_PACKET,
-                    groups: t.pushes.len() as u32,
-                    region: base as u64,
-                    rows_off: remote.rows.offset() as u64,
-                    ..Default::default()
-                }
-            }
-        };
-        sinks.push(out);
-        tables.push(t);
-    }
+    let (mut sinks, tables): (Vec<LlCombineSink>, Vec<Tables>) = (p.sinks.iter().enumerate())
+        .map(|sink| sink_args(p, sink, &mut held))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .unzip();
     // The tables' addresses once they stay put.
     for (sink, t) in sinks.iter_mut().zip(&tables) {
         if sink.kind == LL_PACKET {
@@ -140,11 +150,11 @@ pub(crate) fn ll_combine_pack(grid: Grid, p: &LlCombinePackPhase<'_>) -> Result<
         src_info: addr(p.src_info),
         src_slot: addr(p.src_slot),
         sinks: addr(&sinks),
-        experts: epr as u32,
+        experts: p.experts() as u32,
         ranks: r_n as u32,
-        max_tokens: m as u32,
-        hidden: h as u32,
-        topk: k as u32,
+        max_tokens: s.max_tokens as u32,
+        hidden: s.hidden as u32,
+        topk: s.topk as u32,
         rank: p.rank as u32,
     };
     // SAFETY: every block, source token and slot the kernel follows is in range and the

@@ -313,10 +313,70 @@ fn the_fifo_producer_kernel_feeds_uep_fifo_consumers() {
     assert!(ns.iter().all(|&t| t > 0));
 }
 
+/// Every command `host`'s rings carry until `n` arrived (or `failed` is raised).
+fn collect(
+    host: &kernels::HostRings,
+    n: usize,
+    failed: &std::sync::atomic::AtomicBool,
+) -> Vec<uep_wire::TransferCmd> {
+    let mut consumers: Vec<_> = (host.all().iter())
+        .map(|(_, f)| f.consumer().unwrap())
+        .collect();
+    let (mut got, start) = (Vec::new(), Instant::now());
+    while got.len() < n && !failed.load(Ordering::Relaxed) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{} of {n}",
+            got.len()
+        );
+        for c in consumers.iter_mut() {
+            while let Some((slot, cmd)) = c.poll() {
+                got.push(cmd);
+                c.pop(slot).unwrap();
+            }
+        }
+    }
+    got
+}
+
+/// The LL send's commands for routing `ids`: each token's staged row once to each rank
+/// its slots name, at its row of the source's block there.
+fn ll_send_commands(
+    ids: &[i64],
+    (topk, epr, row_bytes): (usize, usize, usize),
+    (staged_off, recv_off): (u64, u64),
+    src_rank: u32,
+) -> Vec<uep_wire::TransferCmd> {
+    use uep_wire::{Command, TransferCmd};
+    let tokens = ids.len() / topk;
+    let mut want = Vec::new();
+    for t in 0..tokens {
+        let mut to: Vec<usize> = (ids[t * topk..(t + 1) * topk].iter())
+            .filter(|&&e| e >= 0)
+            .map(|&e| e as usize / epr)
+            .collect();
+        to.sort();
+        to.dedup();
+        for r in to {
+            let row = (t * row_bytes) as u64;
+            let block = u64::from(src_rank) * tokens as u64 * row_bytes as u64;
+            let write = Command::Write {
+                flags: Default::default(),
+                dst_rank: r as u16,
+                src_off: staged_off + row,
+                dst_off: recv_off + block + row,
+                len: row_bytes as u32,
+                piggyback: None,
+            };
+            want.push(TransferCmd::encode(&write).unwrap());
+        }
+    }
+    want
+}
+
 #[test]
 fn the_ll_send_kernel_stages_the_host_cast_and_pushes_each_rank_once() {
     use std::sync::atomic::AtomicBool;
-    use uep_wire::{Command, TransferCmd};
     let seed = seed();
     let (tokens, hidden, topk, experts, ranks) = (37, 512, 8, 64, 8);
     let x = inputs(tokens, hidden, seed);
@@ -325,32 +385,12 @@ fn the_ll_send_kernel_stages_the_host_cast_and_pushes_each_rank_once() {
     let mut staged = vec![0xa5u8; tokens * row_bytes];
     let host = kernels::HostRings::new(3, 16);
     let (staged_off, recv_off, src_rank) = (1u64 << 20, 1u64 << 30, 1u32);
-    // Each token once to each rank its slots name.
-    let mut want: Vec<TransferCmd> = Vec::new();
-    for t in 0..tokens {
-        let mut to: Vec<usize> = (ids[t * topk..(t + 1) * topk].iter())
-            .filter(|&&e| e >= 0)
-            .map(|&e| e as usize / (experts / ranks))
-            .collect();
-        to.sort();
-        to.dedup();
-        for r in to {
-            let row = (t * row_bytes) as u64;
-            want.push(
-                TransferCmd::encode(&Command::Write {
-                    flags: Default::default(),
-                    dst_rank: r as u16,
-                    src_off: staged_off + row,
-                    dst_off: recv_off
-                        + (u64::from(src_rank) * tokens as u64) * row_bytes as u64
-                        + row,
-                    len: row_bytes as u32,
-                    piggyback: None,
-                })
-                .unwrap(),
-            );
-        }
-    }
+    let mut want = ll_send_commands(
+        &ids,
+        (topk, experts / ranks, row_bytes),
+        (staged_off, recv_off),
+        src_rank,
+    );
     let args = crate::api::LlSendArgs {
         staged_off,
         recv_off,
@@ -366,30 +406,7 @@ fn the_ll_send_kernel_stages_the_host_cast_and_pushes_each_rank_once() {
     };
     let failed = AtomicBool::new(false);
     let mut got = std::thread::scope(|s| {
-        let consumer = s.spawn(|| {
-            let mut consumers: Vec<_> = host
-                .all()
-                .iter()
-                .map(|(_, f)| f.consumer().unwrap())
-                .collect();
-            let mut got = Vec::new();
-            let start = Instant::now();
-            while got.len() < want.len() && !failed.load(Ordering::Relaxed) {
-                assert!(
-                    start.elapsed() < Duration::from_secs(60),
-                    "{} of {}",
-                    got.len(),
-                    want.len()
-                );
-                for c in consumers.iter_mut() {
-                    while let Some((slot, cmd)) = c.poll() {
-                        got.push(cmd);
-                        c.pop(slot).unwrap();
-                    }
-                }
-            }
-            got
-        });
+        let consumer = s.spawn(|| collect(&host, want.len(), &failed));
         let xs: &[u16] = bytemuck::cast_slice(&x);
         let sent = kernels::ll_send(grid(3, 32), &host, xs, &ids, &mut staged, args);
         failed.store(sent.is_err(), Ordering::Relaxed);

@@ -59,30 +59,38 @@ fn flatten(p: &LlUnpackPhase<'_>, src: usize, l: &LlLanded, region_len: usize) -
     }
 }
 
+/// Checks the counts (at most M each), the packets (one a source) and the areas the
+/// kernel moves rows in (E/R * R * M rows each, inside this rank's `len` bytes).
+fn check(p: &LlUnpackPhase<'_>, len: usize) -> Result<()> {
+    let (areas, r_n) = (p.areas, p.num_ranks);
+    let (epr, m) = (areas.shape.experts_per_rank(r_n), areas.shape.max_tokens);
+    let rows = epr * r_n * m;
+    let sized = areas.recv_x.len() >= rows * p.row_bytes
+        && areas.out_scales.len() >= rows * p.scale_words
+        && areas.recv_scales.len() >= rows * p.scale_words
+        && areas.recv_src.len() >= rows
+        && areas.recv_weight.len() >= rows;
+    let ends = [
+        areas.recv_x.end(),
+        areas.out_scales.end(),
+        areas.recv_scales.end(),
+    ];
+    let inside = (ends.into_iter())
+        .chain([areas.recv_src.end(), areas.recv_weight.end()])
+        .all(|end| end <= len);
+    let counts_fit = p.counts.len() == epr * r_n && p.counts.iter().all(|&c| c as usize <= m);
+    match sized && inside && counts_fit && p.landed.len() == r_n {
+        true => Ok(()),
+        false => Err(bad("counts, packets or areas of the wrong size".into())),
+    }
+}
+
 /// Runs `p` as the `uep_ll_unpack` kernel on `grid`.
 pub(crate) fn ll_unpack(grid: Grid, p: &LlUnpackPhase<'_>) -> Result<LlUnpacked> {
     let (areas, s, r_n) = (p.areas, p.areas.shape, p.num_ranks);
     let (epr, m, k) = (s.experts_per_rank(r_n), s.max_tokens, s.topk);
     let (base, len) = p.region()?;
-    let shapes_ok = p.counts.len() == epr * r_n
-        && p.landed.len() == r_n
-        && p.counts.iter().all(|&c| c as usize <= m)
-        && areas.recv_x.len() >= epr * r_n * m * p.row_bytes
-        && areas.out_scales.len() >= epr * r_n * m * p.scale_words
-        && areas.recv_scales.len() >= epr * r_n * m * p.scale_words
-        && areas.recv_src.len() >= epr * r_n * m
-        && areas.recv_weight.len() >= epr * r_n * m
-        && [
-            areas.recv_x.end(),
-            areas.out_scales.end(),
-            areas.recv_scales.end(),
-        ]
-        .into_iter()
-        .chain([areas.recv_src.end(), areas.recv_weight.end()])
-        .all(|end| end <= len);
-    if !shapes_ok {
-        return Err(bad("counts, packets or areas of the wrong size".into()));
-    }
+    check(p, len)?;
     let flats = (p.landed.iter().enumerate())
         .map(|(src, l)| l.as_ref().map(|l| flatten(p, src, l, len)).transpose())
         .collect::<Result<Vec<_>>>()?;
