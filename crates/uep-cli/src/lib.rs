@@ -8,6 +8,7 @@ pub mod info;
 pub mod peers;
 pub mod rejoin;
 pub mod report;
+mod setup;
 pub mod soak;
 pub mod sweep;
 
