@@ -46,7 +46,7 @@ use crate::quant::Loads;
 /// let topk_idx = [0i64, 5, 3, -1];
 /// let phase = LayoutPhase { topk_idx: &topk_idx, topk: 2, num_experts: 8, num_ranks: 2, ranks_per_node: 2 };
 /// let layout = device.layout(&phase).unwrap();
-/// assert_eq!(layout.num_tokens_per_rank, [1, 2]);
+/// assert_eq!(layout.num_tokens_per_rank, [2, 1]);
 /// assert!(device.take_kernel_phases().contains(Phase::Layout));
 /// ```
 #[derive(Debug)]
