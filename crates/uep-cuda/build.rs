@@ -23,6 +23,8 @@ const KERNELS: &[&str] = &[
     "ll_pack",
     "ll_unpack",
     "ll_combine_pack",
+    "normal_notify",
+    "relay",
     "normal_combine_send",
     "fifo_bench",
     "ll_send",

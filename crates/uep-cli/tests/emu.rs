@@ -104,7 +104,9 @@ fn nodes_across_libfabric_and_edge_routings() {
             if fp8 {
                 args.push("--fp8");
             }
-            emu_bench(&args);
+            let reports = emu_bench(&args);
+            let sends = ["layout", "normal_notify", "relay"];
+            assert_eq!(kernels(&reports, "dispatch"), sends);
         }
     }
     // NVFP4, both block scale formats.

@@ -221,6 +221,50 @@ struct NormalCombineSendArgs {
     uint32_t rows, hidden, topk, pad;
 };
 
+// Where the normal dispatch's notify puts this rank's counts for one rank
+// (normal_notify.cu).
+enum NotifySinkKind : uint32_t {
+    kNotifySkip = 0,    // nowhere
+    kNotifySlot = 1,    // a same-node rank's slot, published by its epoch word
+    kNotifyPacket = 2,  // the packet to a rank of another node, in this rank's memory
+};
+
+struct NotifySinkArgs {
+    uint32_t kind;  // a NotifySinkKind
+    uint32_t pad;
+    uint8_t *region;  // slot: that rank's memory; packet: this rank's
+    uint64_t head_off, counts_off;  // the head (tokens, flags) and the [ranks + experts] counts
+    uint64_t epoch_off;             // slot: the epoch word, stored last with release
+};
+
+// The normal dispatch's notify (normal_notify.cu).
+struct NormalNotifyArgs {
+    const uint32_t *counts;       // [ranks + experts] tokens per rank, then per expert
+    const NotifySinkArgs *sinks;  // [ranks]
+    uint32_t ranks, counts_len;
+    uint32_t tokens, flags;  // the head
+    uint64_t seq;            // the epoch the slots are published with
+};
+
+// The normal dispatch's forward on the rank that relays a source of another node
+// (relay.cu): each token of the landed packet into the output rows of the node's ranks.
+struct RelayArgs {
+    uint8_t *local;           // this rank's memory: the landed packet, its own output rows
+    const uint64_t *regions;  // [ranks per node] each node rank's memory
+    uint64_t packet_x_off, packet_scales_off;  // the packet's rows and scales
+    // The output bank and source indices, at the same offsets in every rank's memory.
+    uint64_t recv_x_off, recv_scales_off, recv_topk_idx_off, recv_topk_weights_off, recv_src_off;
+    const int64_t *idx;       // [n, topk] global expert ids (null: none carried)
+    const float *weights;     // [n, topk] (null: none carried)
+    const int32_t *tokens;    // [n] source token index
+    const uint32_t *from;     // [n] the packet's row of each token's x, UINT32_MAX: own row
+    const uint32_t *rows;     // [n, ranks per node] output rows, UINT32_MAX: not sent
+    uint32_t n, ranks_per_node, local_rank, node;
+    uint32_t row_bytes, groups, topk, experts_per_rank;
+    uint32_t all_weights;     // every slot's weight goes (else the local slots' only)
+    uint32_t pad;
+};
+
 // The host build's own check (selftest.cu): what the warp collectives, barriers and
 // spins give, and the errors the host build reports.
 struct SelftestArgs {
@@ -259,4 +303,6 @@ UEP_KERNEL void uep_ll_pack(uep::LlPackArgs a);
 UEP_KERNEL void uep_ll_unpack(uep::LlUnpackArgs a);
 UEP_KERNEL void uep_ll_combine_pack(uep::LlCombinePackArgs a);
 UEP_KERNEL void uep_normal_combine_send(uep::NormalCombineSendArgs a);
+UEP_KERNEL void uep_normal_notify(uep::NormalNotifyArgs a);
+UEP_KERNEL void uep_relay(uep::RelayArgs a);
 UEP_KERNEL void uep_selftest(uep::SelftestArgs a);

@@ -285,6 +285,66 @@ pub(crate) struct NormalCombineSendArgs {
     pub(crate) pad: u32,
 }
 
+/// `uep::NotifySinkArgs`: where the normal notify puts this rank's counts for one rank.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct NotifySinkArgs {
+    pub(crate) kind: u32,
+    pub(crate) pad: u32,
+    pub(crate) region: u64,
+    pub(crate) head_off: u64,
+    pub(crate) counts_off: u64,
+    pub(crate) epoch_off: u64,
+}
+
+/// `uep::NotifySinkKind`: a same-node rank's slot.
+pub(crate) const NOTIFY_SLOT: u32 = 1;
+/// `uep::NotifySinkKind`: the packet to a rank of another node.
+pub(crate) const NOTIFY_PACKET: u32 = 2;
+
+/// `uep::NormalNotifyArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct NormalNotifyArgs {
+    pub(crate) counts: u64,
+    pub(crate) sinks: u64,
+    pub(crate) ranks: u32,
+    pub(crate) counts_len: u32,
+    pub(crate) tokens: u32,
+    pub(crate) flags: u32,
+    pub(crate) seq: u64,
+}
+
+/// `uep::RelayArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RelayArgs {
+    pub(crate) local: u64,
+    pub(crate) regions: u64,
+    pub(crate) packet_x_off: u64,
+    pub(crate) packet_scales_off: u64,
+    pub(crate) recv_x_off: u64,
+    pub(crate) recv_scales_off: u64,
+    pub(crate) recv_topk_idx_off: u64,
+    pub(crate) recv_topk_weights_off: u64,
+    pub(crate) recv_src_off: u64,
+    pub(crate) idx: u64,
+    pub(crate) weights: u64,
+    pub(crate) tokens: u64,
+    pub(crate) from: u64,
+    pub(crate) rows: u64,
+    pub(crate) n: u32,
+    pub(crate) ranks_per_node: u32,
+    pub(crate) local_rank: u32,
+    pub(crate) node: u32,
+    pub(crate) row_bytes: u32,
+    pub(crate) groups: u32,
+    pub(crate) topk: u32,
+    pub(crate) experts_per_rank: u32,
+    pub(crate) all_weights: u32,
+    pub(crate) pad: u32,
+}
+
 /// `uep::SelftestArgs`.
 #[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
 #[repr(C)]
@@ -333,6 +393,9 @@ mod gpu {
         LlCombinePackArgs,
         ReturnSinkArgs,
         NormalCombineSendArgs,
+        NotifySinkArgs,
+        NormalNotifyArgs,
+        RelayArgs,
         LlLandedArgs,
         LlUnpackArgs,
         FifoPushArgs,

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use crate::api::{
     FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlCombinePackArgs, LlPackArgs,
-    LlPlaceArgs, LlSendArgs, LlUnpackArgs, NormalCombineSendArgs, Nvfp4CastArgs, ReduceArgs,
-    SelftestArgs,
+    LlPlaceArgs, LlSendArgs, LlUnpackArgs, NormalCombineSendArgs, NormalNotifyArgs, Nvfp4CastArgs,
+    ReduceArgs, RelayArgs, SelftestArgs,
 };
 
 /// A one-dimensional grid, and how long a spin in it may last (`uep_host_grid`).
@@ -76,6 +76,9 @@ macro_rules! entries {
             #[cfg(test)]
             #[link_name = "uep_host_return_sink_bytes"]
             safe fn return_sink_bytes() -> usize;
+            #[cfg(test)]
+            #[link_name = "uep_host_notify_sink_bytes"]
+            safe fn notify_sink_bytes() -> usize;
             $(
                 fn $run(grid: *const Grid, args: *const $args, err: *mut HostError) -> c_int;
                 safe fn $size() -> usize;
@@ -112,6 +115,9 @@ entries! {
         uep_host_uep_ll_combine_pack_args;
     NORMAL_COMBINE_SEND: NormalCombineSendArgs = "uep_normal_combine_send",
         uep_host_uep_normal_combine_send, uep_host_uep_normal_combine_send_args;
+    NORMAL_NOTIFY: NormalNotifyArgs = "uep_normal_notify", uep_host_uep_normal_notify,
+        uep_host_uep_normal_notify_args;
+    RELAY: RelayArgs = "uep_relay", uep_host_uep_relay, uep_host_uep_relay_args;
     FIFO_PUSH: FifoPushArgs = "uep_fifo_push", uep_host_uep_fifo_push,
         uep_host_uep_fifo_push_args;
     FIFO_PING: FifoPingArgs = "uep_fifo_ping", uep_host_uep_fifo_ping,
@@ -156,7 +162,7 @@ pub(crate) unsafe fn launch<A>(entry: &Entry<A>, grid: Grid, args: &A) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{LlCombineSink, LlLandedArgs, LlPackSink, ReturnSinkArgs};
+    use crate::api::{LlCombineSink, LlLandedArgs, LlPackSink, NotifySinkArgs, ReturnSinkArgs};
 
     #[test]
     fn every_argument_struct_is_the_size_cxx_gives_it() {
@@ -229,6 +235,11 @@ mod tests {
             return_sink_bytes(),
             size_of::<ReturnSinkArgs>(),
             "uep::ReturnSinkArgs"
+        );
+        assert_eq!(
+            notify_sink_bytes(),
+            size_of::<NotifySinkArgs>(),
+            "uep::NotifySinkArgs"
         );
         assert_eq!(
             std::mem::size_of::<uep_ep::device::Part>(),

@@ -16,7 +16,7 @@ use half::bf16;
 use uep_ep::device::{
     CastPhase, Device, HostDevice, HostFifos, KernelLog, KernelPhases, LayoutPhase,
     LlCombinePackPhase, LlPackPhase, LlPlacePhase, LlPlacement, LlUnpackPhase, LlUnpacked,
-    NormalCombineSendPhase, Phase, ReducePhase,
+    NormalCombineSendPhase, NotifyPhase, Phase, ReducePhase, RelayPhase,
 };
 use uep_ep::{Cast, DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
@@ -65,7 +65,7 @@ fn launch_failed(e: String) -> EpError {
 
 impl EmuDevice {
     /// The phases that run as kernels on this device.
-    pub const KERNELS: [Phase; 8] = [
+    pub const KERNELS: [Phase; 10] = [
         Phase::Layout,
         Phase::Cast,
         Phase::Reduce,
@@ -73,6 +73,8 @@ impl EmuDevice {
         Phase::LlPack,
         Phase::LlUnpack,
         Phase::LlCombinePack,
+        Phase::NormalNotify,
+        Phase::Relay,
         Phase::NormalCombineSend,
     ];
 
@@ -219,6 +221,22 @@ impl Device for EmuDevice {
         }
         normal::normal_combine_send(self.grid, p)?;
         self.ran.ran(Phase::NormalCombineSend);
+        Ok(())
+    }
+
+    fn normal_notify(&self, p: &NotifyPhase<'_>) -> uep_ep::Result<()> {
+        normal::normal_notify(self.grid, p)?;
+        self.ran.ran(Phase::NormalNotify);
+        Ok(())
+    }
+
+    fn relay(&self, p: &RelayPhase<'_>) -> uep_ep::Result<()> {
+        // A warp a token, a lane a slot: top-k past a warp's width runs on the host.
+        if p.tokens() == 0 || p.shape.topk > 32 {
+            return self.host.relay(p);
+        }
+        normal::relay(self.grid, p)?;
+        self.ran.ran(Phase::Relay);
         Ok(())
     }
 }

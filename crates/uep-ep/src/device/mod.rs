@@ -55,15 +55,21 @@ use uep_fifo::FifoAlloc;
 use crate::error::{EpError, Result};
 use crate::layout::DispatchLayout;
 
+pub use crate::layout::WeightLanes;
 pub use crate::map::LlAreas;
+pub use crate::map::{NormalBank, NotifySlot};
 pub use crate::net::KernelPort;
 pub use crate::packet::LlDispatchPacket;
+pub use crate::packet::{DispatchPacket, NotifyHead, NotifyPacket, RowFormat};
 pub use crate::symm::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};
 pub use crate::wait::{Peer, Seen, Wait};
 pub use copy::CopyPhase;
 pub use host::{HostDevice, HostFifos};
 pub use kernels::{KernelLog, KernelPhases, Phase};
-pub use normal::{NormalCombineSendPhase, NormalPackPhase, NotifyPhase, RelayPhase, ReturnSink};
+pub use normal::{
+    NormalCombineSendPhase, NormalPackPhase, NotifyPhase, NotifySink, RelayPhase, RelayedRow,
+    ReturnSink, NOT_SENT,
+};
 pub use pack::{
     CombineRemote, DispatchRemote, LlCombinePackPhase, LlCombineSink, LlLanded, LlPackPhase,
     LlSink, LlTokens, LlUnpackPhase, LlUnpacked, Sink,

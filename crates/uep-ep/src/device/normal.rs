@@ -16,12 +16,14 @@ use crate::topology::Topology;
 
 /// Where a normal dispatch's notify puts this rank's counts for one rank.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum NotifySink {
+pub enum NotifySink {
     /// Nowhere: the rank is masked, or lost while its packet was staged.
     Skip,
     /// A same-node rank's notify slot for this source, published by its epoch word.
     Slot {
+        /// The rank whose memory holds the slot.
         rank: usize,
+        /// The slot's areas there.
         slot: crate::map::NotifySlot,
     },
     /// The packet to a rank of another node, staged in this rank's memory at these
@@ -37,14 +39,30 @@ pub(crate) enum NotifySink {
 #[derive(Debug)]
 pub struct NotifyPhase<'a> {
     /// The dispatch's number: the epoch the slots are published with.
-    pub(crate) seq: u32,
-    pub(crate) head: crate::packet::NotifyHead,
+    pub seq: u32,
+    /// This rank's tokens.
+    pub head: crate::packet::NotifyHead,
     /// `[R + E]` tokens per rank, then per expert.
-    pub(crate) counts: &'a [u32],
+    pub counts: &'a [u32],
     /// `[R]` where each rank's copy goes.
-    pub(crate) sinks: &'a [NotifySink],
+    pub sinks: &'a [NotifySink],
     /// This rank's memory (the packets) and its node's ranks' (their slots).
     pub(crate) memory: &'a symm::Symmetric,
+}
+
+impl NotifyPhase<'_> {
+    /// The address and length of `rank`'s memory (see
+    /// [`LlPackPhase::region`](super::LlPackPhase::region)).
+    pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
+        let region = self.memory.peer_region(rank)?;
+        Ok((region.as_ptr() as usize, region.len()))
+    }
+
+    /// The address and length of this rank's memory, where the packets are staged.
+    pub fn local_region(&self) -> (usize, usize) {
+        let region = self.memory.local();
+        (region.as_ptr() as usize, region.len())
+    }
 }
 
 /// Where dispatch sends a token: a rank of this node, or another node (through the rank
@@ -239,7 +257,7 @@ impl NormalCombineSendPhase<'_> {
 
 /// Where a relayed token's x row (and scales) is read from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum RelayedRow {
+pub enum RelayedRow {
     /// Row `j` of the packet's rows for other ranks.
     Packet(u32),
     /// This rank's own output row: the source sent it straight there.
@@ -247,7 +265,7 @@ pub(crate) enum RelayedRow {
 }
 
 /// A token's output row at a rank of this node that the token does not go to.
-pub(crate) const NOT_SENT: u32 = u32::MAX;
+pub const NOT_SENT: u32 = u32::MAX;
 
 /// The forward phase of a normal dispatch across nodes (DeepEP's `internode::dispatch`
 /// forwarders with their NVL receivers), on the rank that relays for one source of
@@ -259,27 +277,30 @@ pub(crate) const NOT_SENT: u32 = u32::MAX;
 #[derive(Debug)]
 pub struct RelayPhase<'a> {
     /// The landed packet, laid out at its landing area in this rank's memory.
-    pub(crate) packet: crate::packet::DispatchPacket,
-    pub(crate) fmt: RowFormat,
+    pub packet: crate::packet::DispatchPacket,
+    /// What a row carries.
+    pub fmt: RowFormat,
     /// Which weight lanes the receivers get.
-    pub(crate) lanes: WeightLanes,
-    /// `[n, K]` global expert ids and weights, `[n]` source token index, as the packet
-    /// carries them (empty where it carries none).
-    pub(crate) idx: &'a [i64],
-    pub(crate) weights: &'a [f32],
-    pub(crate) tokens: &'a [i32],
+    pub lanes: WeightLanes,
+    /// `[n, K]` global expert ids, as the packet carries them (empty where none).
+    pub idx: &'a [i64],
+    /// `[n, K]` weights, as the packet carries them (empty where none).
+    pub weights: &'a [f32],
+    /// `[n]` each token's index at its source.
+    pub tokens: &'a [i32],
     /// `[n]` where each token's row is read from.
-    pub(crate) from: &'a [RelayedRow],
+    pub from: &'a [RelayedRow],
     /// `[n, ranks per node]` each token's output row at each rank of this node
     /// ([`NOT_SENT`] where it does not go).
-    pub(crate) rows: &'a [u32],
-    /// The output bank the rows go to, and the source indices' area.
-    pub(crate) bank: crate::map::NormalBank,
-    pub(crate) recv_src_idx: Area<i32>,
+    pub rows: &'a [u32],
+    /// The output bank the rows go to.
+    pub bank: crate::map::NormalBank,
+    /// The source indices' area.
+    pub recv_src_idx: Area<i32>,
     /// The job's ranks and nodes.
-    pub(crate) topo: Topology,
+    pub topo: Topology,
     /// The normal-mode shape.
-    pub(crate) shape: Shape,
+    pub shape: Shape,
     /// This rank's memory (the packet) and its node's ranks' (their outputs).
     pub(crate) memory: &'a symm::Symmetric,
 }
@@ -288,5 +309,12 @@ impl RelayPhase<'_> {
     /// Tokens relayed.
     pub fn tokens(&self) -> usize {
         self.from.len()
+    }
+
+    /// The address and length of `rank`'s memory (see
+    /// [`LlPackPhase::region`](super::LlPackPhase::region)).
+    pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
+        let region = self.memory.peer_region(rank)?;
+        Ok((region.as_ptr() as usize, region.len()))
     }
 }
