@@ -96,21 +96,24 @@ enum LlSinkKind : uint32_t {
     kLlPacket = 2,  // a rank of another node: each token once into a staged packet
 };
 
-// Rows of a packet that the kernels storing them push themselves, in chunks: rows
-// [c * chunk_rows, (c + 1) * chunk_rows) leave as one write, under the packet's (or
-// group's) fence key, once all are stored, whichever warps stored them (push.cuh).
+// Rows that the kernels storing them push themselves, in chunks: rows
+// [c * chunk_rows, (c + 1) * chunk_rows) leave as one write (two, with their scale rows)
+// once all are stored, whichever warps stored them (push.cuh).
 struct ChunkedPush {
-    uint64_t rows_off;     // the first row, a byte offset in this rank's region
-    uint32_t rows;         // rows to push
-    uint32_t chunk_rows;   // rows a write covers (its last may be shorter)
+    uint64_t src_off;  // the first row, a byte offset in this rank's region
+    uint64_t dst_off;  // where it lands at the peer
+    uint64_t scales_src_off, scales_dst_off;  // the same of the scale rows (scale_bytes > 0)
+    uint32_t rows;        // rows to push
+    uint32_t chunk_rows;  // rows a write covers (its last may be shorter)
+    uint32_t row_bytes, scale_bytes;  // bytes a row, and of its scales (0: none)
     uint32_t *chunk_done;  // [chunks] rows stored so far (zeroed); null: nothing pushed
     SharedRing ring;       // the FIFO, leased to the kernel
-    uint64_t src_base;     // the staging area's offset in this rank's region
-    uint64_t dst_base;     // where it lands at the peer
-    uint64_t *writes;      // writes pushed under the key (the count signal counts them)
+    uint64_t *writes;      // writes pushed (a fenced packet's count signal counts them)
     uint64_t *sent_bytes;  // bytes handed to the proxy (this rank's network path)
     uint64_t *kernel_cmds;  // commands kernels pushed (this rank's network path)
-    uint32_t dst_rank, key_kind, key, pad;
+    uint32_t dst_rank;
+    uint32_t ordered;    // 1: normal mode's ordered stream on channel `key`, else LL fenced
+    uint32_t key_kind, key;
 };
 
 struct LlPackSink {

@@ -40,6 +40,18 @@ UEP_HOST_DEVICE Cmd write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_
     return c;
 }
 
+// A normal-mode write of `len` bytes to `dst_rank` on ordered channel `channel` with a
+// tail increment of `tail_inc`: uep-proxy's `cmds::normal_write`.
+UEP_HOST_DEVICE Cmd normal_write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_off,
+                                     uint32_t len, uint32_t channel, uint32_t tail_inc) {
+    Cmd c;
+    c.word0 = kKindWrite | (uint64_t(dst_rank & kRankMask) << kRankShift) |
+              (uint64_t(channel & 0xff) << 16) | (uint64_t(len) << 32) |
+              (uint64_t(tail_inc & 0xff) << 56);
+    c.word1 = (dst_off >> 4) | ((src_off >> 4) << 32);
+    return c;
+}
+
 // An LL data write of `len` bytes to `dst_rank` that the receiver counts as one
 // arrival under the fence key (`kind`, `key`): uep-proxy's `cmds::ll_write`.
 UEP_HOST_DEVICE Cmd ll_write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_off,

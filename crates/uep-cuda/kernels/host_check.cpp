@@ -36,6 +36,14 @@ void uep_cuda_host_ll_write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t ds
     out[1] = c.word1;
 }
 
+void uep_cuda_host_normal_write_cmd(uint32_t dst_rank, uint64_t src_off, uint64_t dst_off,
+                                    uint32_t len, uint32_t channel, uint32_t tail_inc,
+                                    uint64_t out[2]) {
+    const uep::Cmd c = uep::normal_write_cmd(dst_rank, src_off, dst_off, len, channel, tail_inc);
+    out[0] = c.word0;
+    out[1] = c.word1;
+}
+
 void uep_cuda_host_fifo_layout(uint64_t out[3]) {
     out[0] = uep::kFifoHeadOff;
     out[1] = uep::kFifoTailOff;

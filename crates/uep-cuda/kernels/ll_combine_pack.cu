@@ -28,9 +28,7 @@ UEP_KERNEL void uep_ll_combine_pack(uep::LlCombinePackArgs a) {
                     const uint32_t at = s.first[le] + j;
                     warp_copy(s.region + s.rows_off + uint64_t(at) * rb, from, rb);
                     const ChunkedPush &p = s.pushes[s.group_of[le]];
-                    if (p.chunk_done)
-                        row_stored(p, uint32_t((s.rows_off + uint64_t(at) * rb - p.rows_off) / rb),
-                                   uint32_t(rb));
+                    if (p.chunk_done) row_stored(p, uint32_t((s.rows_off + uint64_t(at) * rb - p.src_off) / rb));
                 }
             }
         }

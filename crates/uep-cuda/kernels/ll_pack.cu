@@ -54,7 +54,7 @@ UEP_DEVICE void to_packet(const LlPackArgs &a, const LlPackSink &s, uint32_t t, 
         reinterpret_cast<float *>(s.region + s.weights_off)[uint64_t(i) * k + lane] =
             a.weights ? a.weights[uint64_t(t) * k + lane] : 0.0f;
     }
-    if (s.push.chunk_done) row_stored(s.push, i, a.row_bytes);
+    if (s.push.chunk_done) row_stored(s.push, i);
 }
 
 }  // namespace

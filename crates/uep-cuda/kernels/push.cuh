@@ -4,10 +4,20 @@
 
 namespace uep {
 
+// One write of the push: `len` bytes from `src` to `dst`, counted as the push says.
+UEP_DEVICE void push_write(const ChunkedPush &p, uint64_t src, uint64_t dst, uint64_t len) {
+    const Cmd cmd = p.ordered ? normal_write_cmd(p.dst_rank, src, dst, uint32_t(len), p.key, 0)
+                              : ll_write_cmd(p.dst_rank, src, dst, uint32_t(len), p.key_kind, p.key);
+    p.ring.publish(p.ring.claim(1), cmd);
+    atomic_add(p.writes, uint64_t(1));
+    atomic_add(p.sent_bytes, len);
+    atomic_add(p.kernel_cmds, uint64_t(1));
+}
+
 // Row `i` (of the push's rows) is stored by the calling warp: the warp that stores a
-// chunk's last row pushes the chunk's write, so the writes a count signal counts follow
-// the packet's size, not the number of warps.
-UEP_DEVICE void row_stored(const ChunkedPush &p, uint32_t i, uint32_t row_bytes) {
+// chunk's last row pushes the chunk's write (and its scales'), so the writes follow the
+// rows' size, not the number of warps.
+UEP_DEVICE void row_stored(const ChunkedPush &p, uint32_t i) {
     // Every lane's stores of the row before its count; the pusher's after the count.
     sync_warp(kFullMask);
     fence_sys();
@@ -18,14 +28,12 @@ UEP_DEVICE void row_stored(const ChunkedPush &p, uint32_t i, uint32_t row_bytes)
     if (!shfl(kFullMask, last, 0)) return;
     fence_sys();
     if (lane_id() == 0) {
-        const uint64_t src = p.rows_off + uint64_t(first) * row_bytes;
-        const uint64_t len = uint64_t(rows) * row_bytes;
-        const Cmd cmd = ll_write_cmd(p.dst_rank, src, p.dst_base + (src - p.src_base), uint32_t(len),
-                                     p.key_kind, p.key);
-        p.ring.publish(p.ring.claim(1), cmd);
-        atomic_add(p.writes, uint64_t(1));
-        atomic_add(p.sent_bytes, len);
-        atomic_add(p.kernel_cmds, uint64_t(1));
+        const uint64_t at = uint64_t(first) * p.row_bytes, len = uint64_t(rows) * p.row_bytes;
+        push_write(p, p.src_off + at, p.dst_off + at, len);
+        if (p.scale_bytes) {
+            const uint64_t s = uint64_t(first) * p.scale_bytes;
+            push_write(p, p.scales_src_off + s, p.scales_dst_off + s, uint64_t(rows) * p.scale_bytes);
+        }
     }
 }
 

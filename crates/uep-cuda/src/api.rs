@@ -124,25 +124,28 @@ pub(crate) struct LlPlaceArgs {
     pub(crate) ranks: u32,
 }
 
-/// `uep::ChunkedPush`: a packet's rows pushed by the kernels that store them.
+/// `uep::ChunkedPush`: rows pushed by the kernels that store them.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct ChunkedPush {
-    pub(crate) rows_off: u64,
+    pub(crate) src_off: u64,
+    pub(crate) dst_off: u64,
+    pub(crate) scales_src_off: u64,
+    pub(crate) scales_dst_off: u64,
     pub(crate) rows: u32,
     pub(crate) chunk_rows: u32,
+    pub(crate) row_bytes: u32,
+    pub(crate) scale_bytes: u32,
     pub(crate) chunk_done: u64,
     pub(crate) ring_base: u64,
     pub(crate) ring_capacity: u64,
-    pub(crate) src_base: u64,
-    pub(crate) dst_base: u64,
     pub(crate) writes: u64,
     pub(crate) sent_bytes: u64,
     pub(crate) kernel_cmds: u64,
     pub(crate) dst_rank: u32,
+    pub(crate) ordered: u32,
     pub(crate) key_kind: u32,
     pub(crate) key: u32,
-    pub(crate) pad: u32,
 }
 
 /// `uep::LlPackSink`: where the LL dispatch's pack puts one rank's copies.

@@ -28,6 +28,15 @@ mod ffi {
             key: u32,
             out: *mut u64,
         );
+        pub fn uep_cuda_host_normal_write_cmd(
+            dst_rank: u32,
+            src_off: u64,
+            dst_off: u64,
+            len: u32,
+            channel: u32,
+            tail_inc: u32,
+            out: *mut u64,
+        );
         pub fn uep_cuda_host_fifo_layout(out: *mut u64);
     }
 }
@@ -97,6 +106,30 @@ pub fn ll_write_cmd(
             len,
             kind,
             key,
+            out.as_mut_ptr(),
+        )
+    };
+    (out[0], out[1])
+}
+
+/// `cmd.cuh`'s `normal_write_cmd`, as `(word0, word1)`.
+pub fn normal_write_cmd(
+    dst_rank: u32,
+    (src_off, dst_off, len): (u64, u64, u32),
+    channel: u32,
+    tail_inc: u32,
+) -> (u64, u64) {
+    let mut out = [0u64; 2];
+    // SAFETY: writes exactly two u64s into `out`.
+    #[allow(unsafe_code)]
+    unsafe {
+        ffi::uep_cuda_host_normal_write_cmd(
+            dst_rank,
+            src_off,
+            dst_off,
+            len,
+            channel,
+            tail_inc,
             out.as_mut_ptr(),
         )
     };

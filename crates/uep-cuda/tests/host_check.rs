@@ -168,6 +168,22 @@ proptest! {
     }
 }
 
+proptest! {
+    #[test]
+    fn normal_write_cmd_equals_the_proxys_encoder(
+        rank in 0..uep_wire::MAX_RANKS,
+        src in 0u64..(1 << 32),
+        dst in 0u64..(1 << 32),
+        len in 0u32..(1 << 24),
+        channel in any::<u8>(),
+        inc in 0u16..256,
+    ) {
+        let want = uep_proxy::cmds::normal_write(rank, src << 4, dst << 4, len, channel, inc).unwrap();
+        let got = dev::normal_write_cmd(rank as u32, (src << 4, dst << 4, len), channel.into(), inc.into());
+        prop_assert_eq!(got, (want.word0, want.word1));
+    }
+}
+
 #[test]
 fn fifo_layout_is_uep_fifos() {
     let want = [

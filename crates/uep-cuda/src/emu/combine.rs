@@ -6,7 +6,7 @@ use uep_ep::device::{CombineRemote, LlCombinePackPhase, Sink};
 use uep_ep::{EpError, Result};
 
 use super::ffi::{self, Grid};
-use super::push::{chunked, Held};
+use super::push::{chunked, Held, Rows};
 use crate::api::{
     addr, ChunkedPush, LlCombinePackArgs, LlCombineSink, LL_PACKET, LL_PEER, LL_SKIP,
 };
@@ -51,7 +51,11 @@ fn packet_tables<'a>(
         let rows_off = r.rows.offset() + first * row_bytes;
         t.pushes.push(match n {
             0 => ChunkedPush::default(),
-            n => chunked(r.kernel_port(g)?, (rows_off, n, row_bytes), held)?,
+            n => {
+                let port = r.kernel_port(g)?;
+                let rows = Rows::staged(&port, rows_off, n, row_bytes);
+                chunked(port, rows, held)?
+            }
         });
     }
     Ok(t)

@@ -6,7 +6,7 @@ use uep_ep::device::{DispatchRemote, LlAreas, LlPackPhase, Sink};
 use uep_ep::{EpError, Result};
 
 use super::ffi::{self, Grid};
-use super::push::{chunked, Held};
+use super::push::{chunked, Held, Rows};
 use crate::api::{addr, LlPackArgs, LlPackSink, LL_PACKET, LL_PEER, LL_SKIP};
 
 /// An error of the phase as handed to the kernel: uep's own fault.
@@ -112,11 +112,9 @@ fn sink_args<'a>(
     if !DispatchRemote::pushes_rows(row_bytes) || rows == 0 {
         return Ok(out);
     }
-    out.push = chunked(
-        remote.kernel_port()?,
-        (pk.rows.offset(), rows, row_bytes),
-        held,
-    )?;
+    let port = remote.kernel_port()?;
+    let r = Rows::staged(&port, pk.rows.offset(), rows, row_bytes);
+    out.push = chunked(port, r, held)?;
     Ok(out)
 }
 

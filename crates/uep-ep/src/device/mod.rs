@@ -58,7 +58,7 @@ use crate::layout::DispatchLayout;
 pub use crate::layout::WeightLanes;
 pub use crate::map::LlAreas;
 pub use crate::map::{NormalBank, NotifySlot};
-pub use crate::net::KernelPort;
+pub use crate::net::{Counted, KernelPort};
 pub use crate::packet::LlDispatchPacket;
 pub use crate::packet::{DispatchPacket, NotifyHead, NotifyPacket, RowFormat};
 pub use crate::symm::{MemHandle, ShmSymmetric, SymmetricAlloc, HANDLE_BYTES};

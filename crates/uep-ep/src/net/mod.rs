@@ -55,7 +55,7 @@ use crate::wait::{Peer, Remote, Wait};
 pub use crate::config::{NetConfig, DEFAULT_WRITE_BYTES};
 pub use crate::packet::{Channel, CHANNELS, LL_BUFFERS};
 use port::{encode, Counting, PortInit};
-pub use port::{KernelPort, Port};
+pub use port::{Counted, KernelPort, Port};
 pub(crate) use rejoin::Joining;
 
 /// The proxy channel of the ordered stream to each peer (normal mode and the

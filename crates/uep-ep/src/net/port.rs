@@ -60,6 +60,17 @@ pub struct Port {
     kernel_cmds: Arc<AtomicU64>,
 }
 
+/// How the receiver counts a kernel's writes on a port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counted {
+    /// Low-latency mode: arrivals under a fence key (the call's kind bit, the key), which
+    /// the packet's count signal counts.
+    Fenced(u8, u16),
+    /// Normal mode: writes of an ordered stream (this channel, a tail increment of 0),
+    /// which the announcement that follows them in the FIFO covers.
+    Ordered(u8),
+}
+
 /// A port as a device's kernel pushes into it itself, without the host: the FIFO (to
 /// lease for the launch, `uep_fifo::DeviceLease`), the fixed fields of every write's
 /// command, and the counters the host reads once the kernel is done. Made by
@@ -81,8 +92,8 @@ pub struct KernelPort<'a> {
     /// The largest write the path makes; a kernel may make larger ones where the fence's
     /// count needs it (every write still fits the wire's 24-bit length).
     pub write_bytes: usize,
-    /// The fence key every write carries: (the LL call's kind bit, the key).
-    pub key: (u8, u16),
+    /// What every write carries for the receiver to count it by.
+    pub counted: Counted,
     /// Writes pushed under the key: the kernel adds one for each it pushes, and the
     /// count signal that ends the packet counts them.
     pub writes: &'a AtomicU64,
@@ -207,11 +218,13 @@ impl Port {
         block: usize,
         (src_base, dst_base): (usize, usize),
     ) -> Result<KernelPort<'_>> {
-        let key = match &self.counting {
-            Counting::Fenced(keys) => keys.get(block).copied(),
-            Counting::Ordered => None,
+        let counted = match &self.counting {
+            Counting::Fenced(keys) => keys
+                .get(block)
+                .map(|&(kind, key)| Counted::Fenced(kind, key)),
+            Counting::Ordered => Some(Counted::Ordered(ORDERED_STREAM)),
         };
-        let (Some(key), Some(writes)) = (key, self.writes.get(block)) else {
+        let (Some(counted), Some(writes)) = (counted, self.writes.get(block)) else {
             return Err(EpError::internal(format!(
                 "a kernel pushes block {block} of a {:?} packet to rank {}, which has no such fence key",
                 self.ch, self.dst
@@ -224,7 +237,7 @@ impl Port {
             src_base,
             dst_base,
             write_bytes: self.write_bytes,
-            key,
+            counted,
             writes,
             sent_bytes: &self.sent_bytes,
             kernel_cmds: &self.kernel_cmds,
