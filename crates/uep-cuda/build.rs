@@ -24,6 +24,7 @@ const KERNELS: &[&str] = &[
     "ll_unpack",
     "ll_combine_pack",
     "normal_notify",
+    "normal_pack",
     "relay",
     "normal_combine_send",
     "fifo_bench",

@@ -56,6 +56,8 @@ fn every_op_on_two_ranks_names_its_kernel_phases() {
         }
         let reports = emu_bench(&args);
         assert_eq!(kernels(&reports, "layout"), ["layout"]);
+        let sends = ["layout", "normal_notify", "normal_pack"];
+        assert_eq!(kernels(&reports, "dispatch"), sends);
         assert_eq!(
             kernels(&reports, "combine"),
             ["reduce", "normal_combine_send"]
@@ -105,7 +107,7 @@ fn nodes_across_libfabric_and_edge_routings() {
                 args.push("--fp8");
             }
             let reports = emu_bench(&args);
-            let sends = ["layout", "normal_notify", "relay"];
+            let sends = ["layout", "normal_notify", "normal_pack", "relay"];
             assert_eq!(kernels(&reports, "dispatch"), sends);
         }
     }

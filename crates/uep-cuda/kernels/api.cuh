@@ -249,6 +249,39 @@ struct NormalNotifyArgs {
     uint64_t seq;            // the epoch the slots are published with
 };
 
+// Where the normal dispatch's pack stores one destination's rows (normal_pack.cu): the
+// output areas of a rank of this node (from this source's first row there), or the
+// packet staged for another node, whose direct rows `push` sends to its relay's output.
+struct NormalPackDest {
+    uint8_t *region;   // the memory the rows go to (this rank's own for a packet)
+    uint32_t rank;     // a rank of this node: which (its ids are made local to it)
+    uint32_t node;     // a packet: the node it goes to; kNormalPackRank: a rank of this node
+    // The areas, byte offsets in `region`: rows (a packet's: those not sent direct),
+    // scales, ids, weights, source tokens, a packet's node-rank masks and direct rows.
+    uint64_t x_off, scales_off, topk_off, weights_off, src_off, mask_off;
+    uint64_t direct_x_off, direct_scales_off;
+    ChunkedPush push;  // a packet: its direct rows, chunk_rows (whole quanta) a write
+};
+
+constexpr uint32_t kNormalPackRank = 0xffffffffu;
+
+// The normal dispatch's pack: each token into each destination it goes to, a warp a
+// block of tokens and a destination (DeepEP's channel and target rank).
+struct NormalPackArgs {
+    const uint8_t *x;         // [tokens, row_bytes]
+    const float *scales;      // [tokens, groups] (null: bf16)
+    const int64_t *topk_idx;  // [tokens, topk] (null: the rows carry none)
+    const float *weights;     // [tokens, topk] (null: none given or carried)
+    const uint8_t *hit;       // [tokens][dests] the token goes there
+    const uint8_t *direct;    // [tokens][dests] the token goes straight to the relay
+    const uint32_t *starts;   // [blocks + 1][dests][2] (rows, direct rows) before each block
+    const uint8_t *in_rank;   // [tokens, ranks] the token goes to the rank
+    const NormalPackDest *dests;
+    uint32_t tokens, block_tokens, blocks, dests_n;
+    uint32_t row_bytes, groups, topk, with_topk, with_weights, all_weights;
+    uint32_t ranks, ranks_per_node, experts_per_rank, quantum;
+};
+
 // The normal dispatch's forward on the rank that relays a source of another node
 // (relay.cu): each token of the landed packet into the output rows of the node's ranks.
 struct RelayArgs {
@@ -303,6 +336,7 @@ UEP_KERNEL void uep_fifo_ping(uep::FifoPingArgs a);
 UEP_KERNEL void uep_ll_send(uep::LlSendArgs a);
 UEP_KERNEL void uep_ll_place(uep::LlPlaceArgs a);
 UEP_KERNEL void uep_ll_pack(uep::LlPackArgs a);
+UEP_KERNEL void uep_normal_pack(uep::NormalPackArgs a);
 UEP_KERNEL void uep_ll_unpack(uep::LlUnpackArgs a);
 UEP_KERNEL void uep_ll_combine_pack(uep::LlCombinePackArgs a);
 UEP_KERNEL void uep_normal_combine_send(uep::NormalCombineSendArgs a);

@@ -14,6 +14,17 @@ UEP_DEVICE void push_write(const ChunkedPush &p, uint64_t src, uint64_t dst, uin
     atomic_add(p.kernel_cmds, uint64_t(1));
 }
 
+// Rows [first, first + rows) of the push, stored and fenced already, leave as one write
+// (two, with their scale rows); one lane pushes them.
+UEP_DEVICE void push_rows(const ChunkedPush &p, uint32_t first, uint32_t rows) {
+    const uint64_t at = uint64_t(first) * p.row_bytes, len = uint64_t(rows) * p.row_bytes;
+    push_write(p, p.src_off + at, p.dst_off + at, len);
+    if (p.scale_bytes) {
+        const uint64_t s = uint64_t(first) * p.scale_bytes;
+        push_write(p, p.scales_src_off + s, p.scales_dst_off + s, uint64_t(rows) * p.scale_bytes);
+    }
+}
+
 // Row `i` (of the push's rows) is stored by the calling warp: the warp that stores a
 // chunk's last row pushes the chunk's write (and its scales'), so the writes follow the
 // rows' size, not the number of warps.
@@ -27,14 +38,7 @@ UEP_DEVICE void row_stored(const ChunkedPush &p, uint32_t i) {
     if (lane_id() == 0) last = atomic_add(p.chunk_done + c, 1u) + 1 == rows;
     if (!shfl(kFullMask, last, 0)) return;
     fence_sys();
-    if (lane_id() == 0) {
-        const uint64_t at = uint64_t(first) * p.row_bytes, len = uint64_t(rows) * p.row_bytes;
-        push_write(p, p.src_off + at, p.dst_off + at, len);
-        if (p.scale_bytes) {
-            const uint64_t s = uint64_t(first) * p.scale_bytes;
-            push_write(p, p.scales_src_off + s, p.scales_dst_off + s, uint64_t(rows) * p.scale_bytes);
-        }
-    }
+    if (lane_id() == 0) push_rows(p, first, rows);
 }
 
 }  // namespace uep

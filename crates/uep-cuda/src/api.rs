@@ -318,6 +318,56 @@ pub(crate) struct NormalNotifyArgs {
     pub(crate) seq: u64,
 }
 
+/// `uep::NormalPackDest`: where the normal dispatch's pack stores one destination's rows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct NormalPackDest {
+    pub(crate) region: u64,
+    pub(crate) rank: u32,
+    pub(crate) node: u32,
+    pub(crate) x_off: u64,
+    pub(crate) scales_off: u64,
+    pub(crate) topk_off: u64,
+    pub(crate) weights_off: u64,
+    pub(crate) src_off: u64,
+    pub(crate) mask_off: u64,
+    pub(crate) direct_x_off: u64,
+    pub(crate) direct_scales_off: u64,
+    pub(crate) push: ChunkedPush,
+}
+
+/// `uep::kNormalPackRank`: the destination is a rank of this node.
+pub(crate) const NORMAL_PACK_RANK: u32 = u32::MAX;
+
+/// `uep::NormalPackArgs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct NormalPackArgs {
+    pub(crate) x: u64,
+    pub(crate) scales: u64,
+    pub(crate) topk_idx: u64,
+    pub(crate) weights: u64,
+    pub(crate) hit: u64,
+    pub(crate) direct: u64,
+    pub(crate) starts: u64,
+    pub(crate) in_rank: u64,
+    pub(crate) dests: u64,
+    pub(crate) tokens: u32,
+    pub(crate) block_tokens: u32,
+    pub(crate) blocks: u32,
+    pub(crate) dests_n: u32,
+    pub(crate) row_bytes: u32,
+    pub(crate) groups: u32,
+    pub(crate) topk: u32,
+    pub(crate) with_topk: u32,
+    pub(crate) with_weights: u32,
+    pub(crate) all_weights: u32,
+    pub(crate) ranks: u32,
+    pub(crate) ranks_per_node: u32,
+    pub(crate) experts_per_rank: u32,
+    pub(crate) quantum: u32,
+}
+
 /// `uep::RelayArgs`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -398,6 +448,8 @@ mod gpu {
         NormalCombineSendArgs,
         NotifySinkArgs,
         NormalNotifyArgs,
+        NormalPackDest,
+        NormalPackArgs,
         RelayArgs,
         LlLandedArgs,
         LlUnpackArgs,

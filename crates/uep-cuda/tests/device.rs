@@ -60,9 +60,12 @@ fn layout_and_cast_match_the_host(device: &dyn Device) {
 }
 
 /// Eight verified normal and low-latency steps (bf16 and FP8, zero copy or not) of four
-/// ranks as two nodes, each rank's Buffer on the device `open` makes; returns the phases
-/// that ran as kernels on rank 0.
-fn ep_steps_match_the_reference(open: impl Fn() -> Arc<dyn Device> + Sync) -> Vec<&'static str> {
+/// ranks as two nodes, `tokens` (normal, low-latency) a rank, each rank's Buffer on the
+/// device `open` makes; returns the phases that ran as kernels on rank 0.
+fn ep_steps_match_the_reference(
+    open: impl Fn() -> Arc<dyn Device> + Sync,
+    (tokens, ll_tokens): (usize, usize),
+) -> Vec<&'static str> {
     let (ranks, per_node) = (4, 2);
     let shape = JobShape {
         num_ranks: ranks,
@@ -71,7 +74,6 @@ fn ep_steps_match_the_reference(open: impl Fn() -> Arc<dyn Device> + Sync) -> Ve
         topk: TOPK,
         num_experts: EXPERTS,
     };
-    let (tokens, ll_tokens) = (64, 16);
     let mut cfg = BufferConfig::new(EXPERTS, HIDDEN, TOPK, tokens, ll_tokens);
     cfg.ranks_per_node = Some(per_node);
     let nets: Vec<MemNet> = (0..cfg.net.proxy.threads)
@@ -110,10 +112,17 @@ fn the_emulated_device_phases_match_the_host_device() {
 
 #[test]
 fn ep_steps_on_the_emulated_device_match_the_reference() {
-    let ran = ep_steps_match_the_reference(|| Arc::new(EmuDevice::new(2)));
+    let ran = ep_steps_match_the_reference(|| Arc::new(EmuDevice::new(2)), (64, 16));
     // The steps call every phase the emulated device has a kernel for.
     let want: Vec<&str> = EmuDevice::KERNELS.iter().map(|p| p.name()).collect();
     assert_eq!(ran, want);
+}
+
+#[test]
+fn ep_steps_whose_split_ends_in_an_empty_block_match_the_reference() {
+    // 5 tokens over 4 lanes: blocks of 2, the fourth starting past the tokens.
+    let ran = ep_steps_match_the_reference(|| Arc::new(EmuDevice::new(4)), (5, 5));
+    assert!(ran.contains(&"normal_pack"), "{ran:?}");
 }
 
 #[test]
@@ -123,7 +132,7 @@ fn ep_steps_on_a_gpu_sized_grid_match_the_reference() {
     // packet's writes still fit its count signal (the pack pushes a chunk once all its
     // rows are stored, whichever warps stored them).
     let grid = uep_cuda::emu::Grid::new(132, 64, std::time::Duration::from_secs(100));
-    let ran = ep_steps_match_the_reference(|| Arc::new(EmuDevice::with_grid(2, grid)));
+    let ran = ep_steps_match_the_reference(|| Arc::new(EmuDevice::with_grid(2, grid)), (64, 16));
     assert!(ran.contains(&"ll_pack"), "{ran:?}");
 }
 
@@ -153,7 +162,10 @@ mod cuda {
     #[test]
     fn ep_steps_on_the_cuda_device_match_the_reference() {
         if gpu().is_some() {
-            ep_steps_match_the_reference(|| Arc::new(CudaDevice::open(0, 2).expect("the GPU")));
+            ep_steps_match_the_reference(
+                || Arc::new(CudaDevice::open(0, 2).expect("the GPU")),
+                (64, 16),
+            );
         }
     }
 }

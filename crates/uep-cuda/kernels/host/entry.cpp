@@ -26,6 +26,7 @@ UEP_HOST_ENTRY(uep_ll_unpack, LlUnpackArgs)
 UEP_HOST_ENTRY(uep_ll_combine_pack, LlCombinePackArgs)
 UEP_HOST_ENTRY(uep_normal_combine_send, NormalCombineSendArgs)
 UEP_HOST_ENTRY(uep_normal_notify, NormalNotifyArgs)
+UEP_HOST_ENTRY(uep_normal_pack, NormalPackArgs)
 UEP_HOST_ENTRY(uep_relay, RelayArgs)
 UEP_HOST_ENTRY(uep_selftest, SelftestArgs)
 
@@ -34,3 +35,4 @@ extern "C" size_t uep_host_ll_landed_bytes() { return sizeof(uep::LlLandedArgs);
 extern "C" size_t uep_host_ll_combine_sink_bytes() { return sizeof(uep::LlCombineSink); }
 extern "C" size_t uep_host_return_sink_bytes() { return sizeof(uep::ReturnSinkArgs); }
 extern "C" size_t uep_host_notify_sink_bytes() { return sizeof(uep::NotifySinkArgs); }
+extern "C" size_t uep_host_normal_pack_dest_bytes() { return sizeof(uep::NormalPackDest); }

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use crate::api::{
     FifoPingArgs, FifoPushArgs, Fp8CastArgs, LayoutArgs, LlCombinePackArgs, LlPackArgs,
-    LlPlaceArgs, LlSendArgs, LlUnpackArgs, NormalCombineSendArgs, NormalNotifyArgs, Nvfp4CastArgs,
-    ReduceArgs, RelayArgs, SelftestArgs,
+    LlPlaceArgs, LlSendArgs, LlUnpackArgs, NormalCombineSendArgs, NormalNotifyArgs, NormalPackArgs,
+    Nvfp4CastArgs, ReduceArgs, RelayArgs, SelftestArgs,
 };
 
 /// A one-dimensional grid, and how long a spin in it may last (`uep_host_grid`).
@@ -79,6 +79,9 @@ macro_rules! entries {
             #[cfg(test)]
             #[link_name = "uep_host_notify_sink_bytes"]
             safe fn notify_sink_bytes() -> usize;
+            #[cfg(test)]
+            #[link_name = "uep_host_normal_pack_dest_bytes"]
+            safe fn normal_pack_dest_bytes() -> usize;
             $(
                 fn $run(grid: *const Grid, args: *const $args, err: *mut HostError) -> c_int;
                 safe fn $size() -> usize;
@@ -117,6 +120,8 @@ entries! {
         uep_host_uep_normal_combine_send, uep_host_uep_normal_combine_send_args;
     NORMAL_NOTIFY: NormalNotifyArgs = "uep_normal_notify", uep_host_uep_normal_notify,
         uep_host_uep_normal_notify_args;
+    NORMAL_PACK: NormalPackArgs = "uep_normal_pack", uep_host_uep_normal_pack,
+        uep_host_uep_normal_pack_args;
     RELAY: RelayArgs = "uep_relay", uep_host_uep_relay, uep_host_uep_relay_args;
     FIFO_PUSH: FifoPushArgs = "uep_fifo_push", uep_host_uep_fifo_push,
         uep_host_uep_fifo_push_args;
@@ -162,7 +167,9 @@ pub(crate) unsafe fn launch<A>(entry: &Entry<A>, grid: Grid, args: &A) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{LlCombineSink, LlLandedArgs, LlPackSink, NotifySinkArgs, ReturnSinkArgs};
+    use crate::api::{
+        LlCombineSink, LlLandedArgs, LlPackSink, NormalPackDest, NotifySinkArgs, ReturnSinkArgs,
+    };
 
     #[test]
     fn every_argument_struct_is_the_size_cxx_gives_it() {
@@ -240,6 +247,11 @@ mod tests {
             notify_sink_bytes(),
             size_of::<NotifySinkArgs>(),
             "uep::NotifySinkArgs"
+        );
+        assert_eq!(
+            normal_pack_dest_bytes(),
+            size_of::<NormalPackDest>(),
+            "uep::NormalPackDest"
         );
         assert_eq!(
             std::mem::size_of::<uep_ep::device::Part>(),

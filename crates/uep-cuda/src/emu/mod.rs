@@ -16,7 +16,7 @@ use half::bf16;
 use uep_ep::device::{
     CastPhase, Device, HostDevice, HostFifos, KernelLog, KernelPhases, LayoutPhase,
     LlCombinePackPhase, LlPackPhase, LlPlacePhase, LlPlacement, LlUnpackPhase, LlUnpacked,
-    NormalCombineSendPhase, NotifyPhase, Phase, ReducePhase, RelayPhase,
+    NormalCombineSendPhase, NormalPackPhase, NotifyPhase, Phase, ReducePhase, RelayPhase,
 };
 use uep_ep::{Cast, DispatchLayout, EpError};
 use uep_fifo::FifoAlloc;
@@ -25,6 +25,7 @@ mod combine;
 mod ffi;
 pub(crate) mod kernels;
 mod normal;
+mod normal_pack;
 mod pack;
 mod place;
 mod push;
@@ -65,7 +66,7 @@ fn launch_failed(e: String) -> EpError {
 
 impl EmuDevice {
     /// The phases that run as kernels on this device.
-    pub const KERNELS: [Phase; 10] = [
+    pub const KERNELS: [Phase; 11] = [
         Phase::Layout,
         Phase::Cast,
         Phase::Reduce,
@@ -74,6 +75,7 @@ impl EmuDevice {
         Phase::LlUnpack,
         Phase::LlCombinePack,
         Phase::NormalNotify,
+        Phase::NormalPack,
         Phase::Relay,
         Phase::NormalCombineSend,
     ];
@@ -227,6 +229,17 @@ impl Device for EmuDevice {
     fn normal_notify(&self, p: &NotifyPhase<'_>) -> uep_ep::Result<()> {
         normal::normal_notify(self.grid, p)?;
         self.ran.ran(Phase::NormalNotify);
+        Ok(())
+    }
+
+    fn normal_pack(&self, p: &NormalPackPhase<'_>) -> uep_ep::Result<()> {
+        // A warp a block of tokens and a destination, a lane a slot: top-k past a
+        // warp's width runs on the host.
+        if p.tokens() == 0 || p.shape.topk > 32 {
+            return self.host.normal_pack(p);
+        }
+        normal_pack::normal_pack(self.grid, p, self.split(p.tokens()))?;
+        self.ran.ran(Phase::NormalPack);
         Ok(())
     }
 

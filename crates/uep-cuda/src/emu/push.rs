@@ -76,8 +76,13 @@ pub(crate) fn chunked<'a>(
     held: &mut Held<'a>,
 ) -> Result<ChunkedPush> {
     let q = r.quantum.max(1);
+    // Only a fenced packet's count signal bounds its writes.
+    let fewest = match port.counted {
+        Counted::Fenced(..) => r.rows.div_ceil(CHUNKS),
+        Counted::Ordered(_) => 1,
+    };
     let chunk_rows = (port.write_bytes / r.row_bytes.max(1))
-        .max(r.rows.div_ceil(CHUNKS))
+        .max(fewest)
         .max(1)
         .div_ceil(q)
         * q;

@@ -67,8 +67,8 @@ pub use copy::CopyPhase;
 pub use host::{HostDevice, HostFifos};
 pub use kernels::{KernelLog, KernelPhases, Phase};
 pub use normal::{
-    NormalCombineSendPhase, NormalPackPhase, NotifyPhase, NotifySink, RelayPhase, RelayedRow,
-    ReturnSink, NOT_SENT,
+    Dest, NormalCombineSendPhase, NormalPackPhase, NormalPlan, NotifyPhase, NotifySink, RelayPhase,
+    RelayedRow, ReturnSink, RowSink, NOT_SENT,
 };
 pub use pack::{
     CombineRemote, DispatchRemote, LlCombinePackPhase, LlCombineSink, LlLanded, LlPackPhase,

@@ -8,7 +8,7 @@ use crate::area::Area;
 use crate::config::Shape;
 use crate::error::Result;
 use crate::layout::WeightLanes;
-use crate::net::{Staged, Write};
+use crate::net::{KernelPort, Staged, Write};
 use crate::packet::RowFormat;
 use crate::symm;
 use crate::tokens::Tokens;
@@ -68,30 +68,40 @@ impl NotifyPhase<'_> {
 /// Where dispatch sends a token: a rank of this node, or another node (through the rank
 /// there that relays for this one, the second field).
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum Dest {
+pub enum Dest {
+    /// A rank of this node.
     Rank(usize),
+    /// Node `.0`, through its rank `.1` that relays for this one.
     Node(usize, usize),
 }
 
 /// Where one destination's rows go: a same-node rank's output areas (from this
 /// source's first row there), or the staged packet for another node.
 #[derive(Debug)]
-pub(crate) struct RowSink {
+pub struct RowSink {
     /// The rank whose memory the rows go to (this rank for a node's packet).
-    pub(crate) rank: usize,
-    pub(crate) x: Area<u8>,
-    pub(crate) scales: Area<f32>,
-    pub(crate) topk: Area<i64>,
-    pub(crate) weights: Area<f32>,
-    pub(crate) src: Area<i32>,
-    /// Node packets only.
-    pub(crate) mask: Area<u64>,
-    pub(crate) direct_x: Area<u8>,
-    pub(crate) direct_scales: Area<f32>,
+    pub rank: usize,
+    /// x rows (a packet's: those not sent straight to the relay).
+    pub x: Area<u8>,
+    /// Their scales.
+    pub scales: Area<f32>,
+    /// `[K]` expert ids a row (local to a same-node rank; global in a packet).
+    pub topk: Area<i64>,
+    /// `[K]` weights a row.
+    pub weights: Area<f32>,
+    /// Each row's source token.
+    pub src: Area<i32>,
+    /// Node packets only: each token's mask of the node's ranks that need it.
+    pub mask: Area<u64>,
+    /// Node packets only: the rows that go straight to the relay's output rows, staged.
+    pub direct_x: Area<u8>,
+    /// Their scales, staged.
+    pub direct_scales: Area<f32>,
     /// Node packets only: where direct rows land, the relay's output rows from this
     /// source's first row there.
-    pub(crate) relay_x: Area<u8>,
-    pub(crate) relay_scales: Area<f32>,
+    pub relay_x: Area<u8>,
+    /// Their scales there.
+    pub relay_scales: Area<f32>,
 }
 
 impl RowSink {
@@ -125,31 +135,38 @@ impl RowSink {
 /// The plan of one dispatch: destinations, which tokens go where, and where each kernel
 /// thread's rows start.
 #[derive(Debug)]
-pub(crate) struct NormalPlan {
-    pub(crate) dests: Vec<Dest>,
+pub struct NormalPlan {
+    /// The destinations.
+    pub dests: Vec<Dest>,
     /// `[T][dest]`: the token goes there.
-    pub(crate) hit: Vec<bool>,
+    pub hit: Vec<bool>,
     /// `[T][dest]`: the token goes straight to the relay's output rows.
-    pub(crate) direct: Vec<bool>,
+    pub direct: Vec<bool>,
     /// `[block + 1][dest]`: (tokens, direct tokens) before the block's first token (and
     /// after the last block); a block is one kernel thread's share of the tokens.
-    pub(crate) block_start: Vec<(usize, usize)>,
+    pub block_start: Vec<(usize, usize)>,
     /// `[dest]`: (tokens, direct tokens) in all.
-    pub(crate) totals: Vec<(usize, usize)>,
-    pub(crate) sinks: Vec<RowSink>,
+    pub totals: Vec<(usize, usize)>,
+    /// `[dest]`: where its rows go.
+    pub sinks: Vec<RowSink>,
     /// `[dest]`: the staging area of a node's packet, and the port the kernel pushes
     /// its direct rows through.
     pub(crate) staged: Vec<Option<Staged>>,
     /// `[R]`: this source's first row in each rank's output.
-    pub(crate) out_base: Vec<usize>,
-    pub(crate) fmt: RowFormat,
-    pub(crate) fp8: bool,
-    pub(crate) with_topk: bool,
-    pub(crate) with_weights: bool,
+    pub out_base: Vec<usize>,
+    /// What a row carries.
+    pub fmt: RowFormat,
+    /// Rows are FP8 with scales.
+    pub fp8: bool,
+    /// Rows carry expert ids.
+    pub with_topk: bool,
+    /// Rows carry weights.
+    pub with_weights: bool,
     /// Which weight lanes the receivers get.
-    pub(crate) weight_lanes: WeightLanes,
-    /// Rows into the node's ranks go with streaming stores ([`crate::area::STREAM_ABOVE`]).
-    pub(crate) streaming: bool,
+    pub weight_lanes: WeightLanes,
+    /// Rows into the node's ranks go with streaming stores (many of them, past a
+    /// cache's worth).
+    pub streaming: bool,
 }
 
 /// Whether rows starting at row `at` of a bank are 16-byte aligned (x and scales), as a
@@ -162,8 +179,14 @@ impl NormalPlan {
     /// The fewest rows whose x and scales are whole 16-byte words: a write of direct
     /// rows that a kernel pushes starts and ends on such a boundary, so that every
     /// write is aligned.
-    pub(crate) fn row_quantum(&self) -> usize {
+    pub fn row_quantum(&self) -> usize {
         (1..16).find(|&q| rows_aligned(q, self.fmt)).unwrap_or(16)
+    }
+
+    /// The port node destination `d`'s direct rows are pushed through, as a kernel
+    /// pushes into it (`None` for a same-node destination).
+    pub fn kernel_port(&self, d: usize) -> Option<Result<KernelPort<'_>>> {
+        Some(self.staged.get(d)?.as_ref()?.kernel_port(0))
     }
 }
 
@@ -176,18 +199,19 @@ impl NormalPlan {
 #[derive(Debug)]
 pub struct NormalPackPhase<'a> {
     /// The plan the host made (and publishes from afterwards).
-    pub(crate) plan: &'a NormalPlan,
+    pub plan: &'a NormalPlan,
     /// The rows to send.
-    pub(crate) x: Tokens<'a>,
-    /// `[T, K]` expert ids and gate weights (where the dispatch carries them).
-    pub(crate) topk_idx: Option<&'a [i64]>,
-    pub(crate) topk_weights: Option<&'a [f32]>,
+    pub x: Tokens<'a>,
+    /// `[T, K]` expert ids (where the dispatch carries them).
+    pub topk_idx: Option<&'a [i64]>,
+    /// `[T, K]` gate weights (where the dispatch carries them).
+    pub topk_weights: Option<&'a [f32]>,
     /// `[T, R]` whether a token goes to a rank.
-    pub(crate) in_rank: &'a [bool],
+    pub in_rank: &'a [bool],
     /// The job's ranks and nodes.
-    pub(crate) topo: Topology,
+    pub topo: Topology,
     /// The normal-mode shape.
-    pub(crate) shape: Shape,
+    pub shape: Shape,
     /// This rank's memory (the packets) and its node's ranks' (their outputs).
     pub(crate) memory: &'a symm::Symmetric,
 }
@@ -196,6 +220,13 @@ impl NormalPackPhase<'_> {
     /// Tokens packed.
     pub fn tokens(&self) -> usize {
         self.plan.hit.len() / self.plan.dests.len().max(1)
+    }
+
+    /// The address and length of `rank`'s memory (see
+    /// [`LlPackPhase::region`](super::LlPackPhase::region)).
+    pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
+        let region = self.memory.peer_region(rank)?;
+        Ok((region.as_ptr() as usize, region.len()))
     }
 }
 
