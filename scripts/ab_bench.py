@@ -3,7 +3,7 @@
 binary, then on the new one (the order alternates between rounds), and the table gives
 the median over the rounds of each op's p50, with new/old. Every run must verify.
 
-    scripts/ab_bench.py OLD NEW [--rounds 3] [--iters 6] [-- extra uep bench flags]
+    scripts/ab_bench.py OLD NEW [--rounds 3] [--iters 6] [--only LABELS] [-- uep bench flags]
 """
 import argparse
 import json
@@ -40,11 +40,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--only", help="labels to run, comma-separated")
-    ap.add_argument("extra", nargs=argparse.REMAINDER)
-    a = ap.parse_args()
-    # `OLD NEW -- --elastic`: argparse's `*` refuses flags after `--`; a remainder keeps
-    # the `--` itself.
-    a.extra = [x for x in a.extra if x != "--"]
+    # Everything after `--` goes to `uep bench`; the script's own options may stand
+    # anywhere before it (a remainder argument would swallow those after OLD NEW).
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    a.extra = argv[cut + 1 :]
     configs = [c for c in CONFIGS if not a.only or c[0] in a.only.split(",")]
     samples = {}  # (label, op, side) -> [ms]
     for rnd in range(a.rounds):
