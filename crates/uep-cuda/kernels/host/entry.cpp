@@ -30,9 +30,14 @@ UEP_HOST_ENTRY(uep_normal_pack, NormalPackArgs)
 UEP_HOST_ENTRY(uep_relay, RelayArgs)
 UEP_HOST_ENTRY(uep_selftest, SelftestArgs)
 
-extern "C" size_t uep_host_ll_pack_sink_bytes() { return sizeof(uep::LlPackSink); }
-extern "C" size_t uep_host_ll_landed_bytes() { return sizeof(uep::LlLandedArgs); }
-extern "C" size_t uep_host_ll_combine_sink_bytes() { return sizeof(uep::LlCombineSink); }
-extern "C" size_t uep_host_return_sink_bytes() { return sizeof(uep::ReturnSinkArgs); }
-extern "C" size_t uep_host_notify_sink_bytes() { return sizeof(uep::NotifySinkArgs); }
-extern "C" size_t uep_host_normal_pack_dest_bytes() { return sizeof(uep::NormalPackDest); }
+// The structs an argument points to, for the same comparison.
+#define UEP_HOST_SIZE(name, Type) \
+    extern "C" size_t uep_host_##name##_bytes() { return sizeof(uep::Type); }
+
+UEP_HOST_SIZE(chunked_push, ChunkedPush)
+UEP_HOST_SIZE(ll_pack_sink, LlPackSink)
+UEP_HOST_SIZE(ll_landed, LlLandedArgs)
+UEP_HOST_SIZE(ll_combine_sink, LlCombineSink)
+UEP_HOST_SIZE(return_sink, ReturnSinkArgs)
+UEP_HOST_SIZE(notify_sink, NotifySinkArgs)
+UEP_HOST_SIZE(normal_pack_dest, NormalPackDest)

@@ -48,43 +48,26 @@ pub(crate) struct Entry<A> {
     /// The kernel's name, for errors.
     pub(crate) name: &'static str,
     run: unsafe extern "C" fn(*const Grid, *const A, *mut HostError) -> c_int,
-    #[cfg_attr(not(test), allow(dead_code))]
-    args_bytes: extern "C" fn() -> usize,
 }
 
-#[cfg(test)]
-impl<A> Entry<A> {
-    /// The size of the argument struct on the C++ side.
-    pub(crate) fn args_bytes(&self) -> usize {
-        (self.args_bytes)()
-    }
-}
-
+// Each kernel's entry (`uep_host_<kernel>`, and `uep_host_<kernel>_args`: its argument's
+// size in C++), then each struct an argument points to (`uep_host_<name>_bytes`): the
+// list of sizes a test compares with Rust's is made from the same list.
 macro_rules! entries {
-    ($($konst:ident: $args:ty = $kernel:literal, $run:ident, $size:ident;)*) => {
+    (
+        kernels { $($konst:ident: $args:ty = $kernel:literal, $run:ident, $size:ident;)* }
+        inside { $($inner:ident = $inner_size:ident;)* }
+    ) => {
         #[allow(unsafe_code)]
         unsafe extern "C" {
-            #[cfg(test)]
-            #[link_name = "uep_host_ll_pack_sink_bytes"]
-            safe fn ll_pack_sink_bytes() -> usize;
-            #[cfg(test)]
-            #[link_name = "uep_host_ll_landed_bytes"]
-            safe fn ll_landed_bytes() -> usize;
-            #[cfg(test)]
-            #[link_name = "uep_host_ll_combine_sink_bytes"]
-            safe fn ll_combine_sink_bytes() -> usize;
-            #[cfg(test)]
-            #[link_name = "uep_host_return_sink_bytes"]
-            safe fn return_sink_bytes() -> usize;
-            #[cfg(test)]
-            #[link_name = "uep_host_notify_sink_bytes"]
-            safe fn notify_sink_bytes() -> usize;
-            #[cfg(test)]
-            #[link_name = "uep_host_normal_pack_dest_bytes"]
-            safe fn normal_pack_dest_bytes() -> usize;
             $(
                 fn $run(grid: *const Grid, args: *const $args, err: *mut HostError) -> c_int;
+                #[cfg(test)]
                 safe fn $size() -> usize;
+            )*
+            $(
+                #[cfg(test)]
+                safe fn $inner_size() -> usize;
             )*
         }
         $(
@@ -94,41 +77,65 @@ macro_rules! entries {
             pub(crate) const $konst: Entry<$args> = Entry {
                 name: $kernel,
                 run: $run,
-                args_bytes: $size,
             };
         )*
+
+        /// Every kernel argument struct and every struct inside one, by name: its size
+        /// in C++ and in Rust.
+        #[cfg(test)]
+        fn struct_sizes() -> Vec<(&'static str, usize, usize)> {
+            vec![
+                $(($kernel, $size(), std::mem::size_of::<$args>()),)*
+                $((
+                    stringify!($inner),
+                    $inner_size(),
+                    std::mem::size_of::<crate::api::$inner>(),
+                ),)*
+            ]
+        }
     };
 }
 
 entries! {
-    LAYOUT: LayoutArgs = "uep_dispatch_layout", uep_host_uep_dispatch_layout,
-        uep_host_uep_dispatch_layout_args;
-    FP8_CAST: Fp8CastArgs = "uep_fp8_quantize", uep_host_uep_fp8_quantize,
-        uep_host_uep_fp8_quantize_args;
-    FP8_CAST_X16: Fp8CastArgs = "uep_fp8_quantize_x16", uep_host_uep_fp8_quantize_x16,
-        uep_host_uep_fp8_quantize_x16_args;
-    NVFP4_CAST: Nvfp4CastArgs = "uep_nvfp4_quantize", uep_host_uep_nvfp4_quantize,
-        uep_host_uep_nvfp4_quantize_args;
-    REDUCE: ReduceArgs = "uep_reduce", uep_host_uep_reduce, uep_host_uep_reduce_args;
-    LL_PLACE: LlPlaceArgs = "uep_ll_place", uep_host_uep_ll_place, uep_host_uep_ll_place_args;
-    LL_PACK: LlPackArgs = "uep_ll_pack", uep_host_uep_ll_pack, uep_host_uep_ll_pack_args;
-    LL_UNPACK: LlUnpackArgs = "uep_ll_unpack", uep_host_uep_ll_unpack,
-        uep_host_uep_ll_unpack_args;
-    LL_COMBINE_PACK: LlCombinePackArgs = "uep_ll_combine_pack", uep_host_uep_ll_combine_pack,
-        uep_host_uep_ll_combine_pack_args;
-    NORMAL_COMBINE_SEND: NormalCombineSendArgs = "uep_normal_combine_send",
-        uep_host_uep_normal_combine_send, uep_host_uep_normal_combine_send_args;
-    NORMAL_NOTIFY: NormalNotifyArgs = "uep_normal_notify", uep_host_uep_normal_notify,
-        uep_host_uep_normal_notify_args;
-    NORMAL_PACK: NormalPackArgs = "uep_normal_pack", uep_host_uep_normal_pack,
-        uep_host_uep_normal_pack_args;
-    RELAY: RelayArgs = "uep_relay", uep_host_uep_relay, uep_host_uep_relay_args;
-    FIFO_PUSH: FifoPushArgs = "uep_fifo_push", uep_host_uep_fifo_push,
-        uep_host_uep_fifo_push_args;
-    FIFO_PING: FifoPingArgs = "uep_fifo_ping", uep_host_uep_fifo_ping,
-        uep_host_uep_fifo_ping_args;
-    LL_SEND: LlSendArgs = "uep_ll_send", uep_host_uep_ll_send, uep_host_uep_ll_send_args;
-    SELFTEST: SelftestArgs = "uep_selftest", uep_host_uep_selftest, uep_host_uep_selftest_args;
+    kernels {
+        LAYOUT: LayoutArgs = "uep_dispatch_layout", uep_host_uep_dispatch_layout,
+            uep_host_uep_dispatch_layout_args;
+        FP8_CAST: Fp8CastArgs = "uep_fp8_quantize", uep_host_uep_fp8_quantize,
+            uep_host_uep_fp8_quantize_args;
+        FP8_CAST_X16: Fp8CastArgs = "uep_fp8_quantize_x16", uep_host_uep_fp8_quantize_x16,
+            uep_host_uep_fp8_quantize_x16_args;
+        NVFP4_CAST: Nvfp4CastArgs = "uep_nvfp4_quantize", uep_host_uep_nvfp4_quantize,
+            uep_host_uep_nvfp4_quantize_args;
+        REDUCE: ReduceArgs = "uep_reduce", uep_host_uep_reduce, uep_host_uep_reduce_args;
+        LL_PLACE: LlPlaceArgs = "uep_ll_place", uep_host_uep_ll_place, uep_host_uep_ll_place_args;
+        LL_PACK: LlPackArgs = "uep_ll_pack", uep_host_uep_ll_pack, uep_host_uep_ll_pack_args;
+        LL_UNPACK: LlUnpackArgs = "uep_ll_unpack", uep_host_uep_ll_unpack,
+            uep_host_uep_ll_unpack_args;
+        LL_COMBINE_PACK: LlCombinePackArgs = "uep_ll_combine_pack", uep_host_uep_ll_combine_pack,
+            uep_host_uep_ll_combine_pack_args;
+        NORMAL_COMBINE_SEND: NormalCombineSendArgs = "uep_normal_combine_send",
+            uep_host_uep_normal_combine_send, uep_host_uep_normal_combine_send_args;
+        NORMAL_NOTIFY: NormalNotifyArgs = "uep_normal_notify", uep_host_uep_normal_notify,
+            uep_host_uep_normal_notify_args;
+        NORMAL_PACK: NormalPackArgs = "uep_normal_pack", uep_host_uep_normal_pack,
+            uep_host_uep_normal_pack_args;
+        RELAY: RelayArgs = "uep_relay", uep_host_uep_relay, uep_host_uep_relay_args;
+        FIFO_PUSH: FifoPushArgs = "uep_fifo_push", uep_host_uep_fifo_push,
+            uep_host_uep_fifo_push_args;
+        FIFO_PING: FifoPingArgs = "uep_fifo_ping", uep_host_uep_fifo_ping,
+            uep_host_uep_fifo_ping_args;
+        LL_SEND: LlSendArgs = "uep_ll_send", uep_host_uep_ll_send, uep_host_uep_ll_send_args;
+        SELFTEST: SelftestArgs = "uep_selftest", uep_host_uep_selftest, uep_host_uep_selftest_args;
+    }
+    inside {
+        ChunkedPush = uep_host_chunked_push_bytes;
+        LlPackSink = uep_host_ll_pack_sink_bytes;
+        LlLandedArgs = uep_host_ll_landed_bytes;
+        LlCombineSink = uep_host_ll_combine_sink_bytes;
+        ReturnSinkArgs = uep_host_return_sink_bytes;
+        NotifySinkArgs = uep_host_notify_sink_bytes;
+        NormalPackDest = uep_host_normal_pack_dest_bytes;
+    }
 }
 
 /// Runs `entry`'s kernel over `grid` with `args`; returns once every thread ended, or
@@ -167,92 +174,12 @@ pub(crate) unsafe fn launch<A>(entry: &Entry<A>, grid: Grid, args: &A) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{
-        LlCombineSink, LlLandedArgs, LlPackSink, NormalPackDest, NotifySinkArgs, ReturnSinkArgs,
-    };
 
     #[test]
     fn every_argument_struct_is_the_size_cxx_gives_it() {
-        use std::mem::size_of;
-        let sizes = [
-            (LAYOUT.name, LAYOUT.args_bytes(), size_of::<LayoutArgs>()),
-            (
-                FP8_CAST.name,
-                FP8_CAST.args_bytes(),
-                size_of::<Fp8CastArgs>(),
-            ),
-            (
-                FP8_CAST_X16.name,
-                FP8_CAST_X16.args_bytes(),
-                size_of::<Fp8CastArgs>(),
-            ),
-            (
-                NVFP4_CAST.name,
-                NVFP4_CAST.args_bytes(),
-                size_of::<Nvfp4CastArgs>(),
-            ),
-            (REDUCE.name, REDUCE.args_bytes(), size_of::<ReduceArgs>()),
-            (
-                LL_PLACE.name,
-                LL_PLACE.args_bytes(),
-                size_of::<LlPlaceArgs>(),
-            ),
-            (LL_PACK.name, LL_PACK.args_bytes(), size_of::<LlPackArgs>()),
-            (
-                LL_UNPACK.name,
-                LL_UNPACK.args_bytes(),
-                size_of::<LlUnpackArgs>(),
-            ),
-            (
-                FIFO_PUSH.name,
-                FIFO_PUSH.args_bytes(),
-                size_of::<FifoPushArgs>(),
-            ),
-            (
-                FIFO_PING.name,
-                FIFO_PING.args_bytes(),
-                size_of::<FifoPingArgs>(),
-            ),
-            (LL_SEND.name, LL_SEND.args_bytes(), size_of::<LlSendArgs>()),
-            (
-                SELFTEST.name,
-                SELFTEST.args_bytes(),
-                size_of::<SelftestArgs>(),
-            ),
-        ];
-        for (name, cxx, rust) in sizes {
-            assert_eq!(cxx, rust, "{name}'s argument: C++ {cxx} bytes, Rust {rust}");
+        for (name, cxx, rust) in struct_sizes() {
+            assert_eq!(cxx, rust, "{name}: C++ {cxx} bytes, Rust {rust}");
         }
-        assert_eq!(
-            ll_pack_sink_bytes(),
-            size_of::<LlPackSink>(),
-            "uep::LlPackSink"
-        );
-        assert_eq!(
-            ll_landed_bytes(),
-            size_of::<LlLandedArgs>(),
-            "uep::LlLandedArgs"
-        );
-        assert_eq!(
-            ll_combine_sink_bytes(),
-            size_of::<LlCombineSink>(),
-            "uep::LlCombineSink"
-        );
-        assert_eq!(
-            return_sink_bytes(),
-            size_of::<ReturnSinkArgs>(),
-            "uep::ReturnSinkArgs"
-        );
-        assert_eq!(
-            notify_sink_bytes(),
-            size_of::<NotifySinkArgs>(),
-            "uep::NotifySinkArgs"
-        );
-        assert_eq!(
-            normal_pack_dest_bytes(),
-            size_of::<NormalPackDest>(),
-            "uep::NormalPackDest"
-        );
         assert_eq!(
             std::mem::size_of::<uep_ep::device::Part>(),
             12,
