@@ -17,6 +17,21 @@ pub struct RouteShape {
     pub ranks_per_node: usize,
 }
 
+impl RouteShape {
+    /// The kernel's argument for this shape, its addresses still 0 (the launch names
+    /// the buffers).
+    pub(crate) fn args(self) -> crate::api::LayoutArgs {
+        crate::api::LayoutArgs {
+            tokens: self.tokens as u32,
+            topk: self.topk as u32,
+            experts: self.experts as u32,
+            ranks: self.ranks as u32,
+            ranks_per_node: self.ranks_per_node as u32,
+            ..Default::default()
+        }
+    }
+}
+
 /// Whether the kernel takes shape `s` (a warp a token: at most 32 slots; sizes in
 /// 32 bits; whole nodes and experts spread evenly): otherwise the host's definition
 /// runs, and says what is wrong with it.
@@ -130,12 +145,7 @@ mod run {
             per_expert: gpu.addr(&o.per_expert),
             in_rank: gpu.addr(&o.in_rank),
             first_bad: gpu.addr(&o.bad),
-            tokens: s.tokens as u32,
-            topk: s.topk as u32,
-            experts: s.experts as u32,
-            ranks: s.ranks as u32,
-            ranks_per_node: s.ranks_per_node as u32,
-            pad: 0,
+            ..s.args()
         };
         // SAFETY: ids [T, K], counts [R], [N], [E], the [T, R] map and one u64, each
         // allocated at that size by `Out::new` for `s` (which `fits` bounds) and alive

@@ -194,6 +194,16 @@ mod run {
             .map_err(driver("running the NVFP4 cast"))
     }
 
+    /// A check's inputs: some tokens, whole groups of channels.
+    fn check_shape(tokens: usize, hidden: usize) -> Result<(), CudaError> {
+        if tokens == 0 || hidden == 0 || hidden % GROUP != 0 {
+            return Err(CudaError::Invalid(format!(
+                "hidden {hidden} must be a positive multiple of {GROUP}, tokens {tokens} positive"
+            )));
+        }
+        Ok(())
+    }
+
     /// Casts fresh inputs on the GPU, compares every byte and scale with the host's
     /// cast of the same inputs, then times `iters` launches.
     pub fn check(
@@ -205,11 +215,7 @@ mod run {
         seed: u64,
         iters: usize,
     ) -> Result<Measured, CudaError> {
-        if tokens == 0 || hidden == 0 || hidden % GROUP != 0 {
-            return Err(CudaError::Invalid(format!(
-                "hidden {hidden} must be a positive multiple of {GROUP}, tokens {tokens} positive"
-            )));
-        }
+        check_shape(tokens, hidden)?;
         let x = inputs(tokens, hidden, seed);
         let (want_q, want_s) = uep_ep::quant::quantize(&x, hidden, round_scale)
             .map_err(|e| CudaError::Invalid(e.to_string()))?;
@@ -252,11 +258,7 @@ mod run {
         iters: usize,
     ) -> Result<Measured, CudaError> {
         use uep_ep::device::{CastPhase, Device, HostDevice};
-        if tokens == 0 || hidden == 0 || hidden % GROUP != 0 {
-            return Err(CudaError::Invalid(format!(
-                "hidden {hidden} must be a positive multiple of {GROUP}, tokens {tokens} positive"
-            )));
-        }
+        check_shape(tokens, hidden)?;
         let x = inputs(tokens, hidden, seed);
         let amax = (x.iter().map(|v| v.to_f32().abs()))
             .filter(|v| v.is_finite())

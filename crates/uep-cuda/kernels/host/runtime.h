@@ -38,24 +38,25 @@ uint32_t match_any(uint32_t mask, uint32_t v);
 uint64_t shfl_bits(uint32_t mask, uint64_t bits, unsigned src);
 uint64_t shfl_xor_bits(uint32_t mask, uint64_t bits, unsigned lanes);
 
-template <class T>
-inline T shfl(uint32_t mask, T v, unsigned src) {
+// `v` moved as the 8 bytes `move` shuffles.
+template <class T, class Move>
+inline T shuffled(T v, Move move) {
     static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
     uint64_t bits = 0;
     memcpy(&bits, &v, sizeof(T));
-    bits = shfl_bits(mask, bits, src);
+    bits = move(bits);
     memcpy(&v, &bits, sizeof(T));
     return v;
 }
 
 template <class T>
+inline T shfl(uint32_t mask, T v, unsigned src) {
+    return shuffled(v, [&](uint64_t bits) { return shfl_bits(mask, bits, src); });
+}
+
+template <class T>
 inline T shfl_xor(uint32_t mask, T v, unsigned lanes) {
-    static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
-    uint64_t bits = 0;
-    memcpy(&bits, &v, sizeof(T));
-    bits = shfl_xor_bits(mask, bits, lanes);
-    memcpy(&v, &bits, sizeof(T));
-    return v;
+    return shuffled(v, [&](uint64_t bits) { return shfl_xor_bits(mask, bits, lanes); });
 }
 
 // Nanoseconds of a monotonic clock.

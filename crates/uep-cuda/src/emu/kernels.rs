@@ -77,12 +77,7 @@ pub(crate) fn layout(
         per_expert: addr_mut(&mut per_expert),
         in_rank: addr_mut(&mut in_rank),
         first_bad: addr_mut(&mut bad),
-        tokens: s.tokens as u32,
-        topk: s.topk as u32,
-        experts: s.experts as u32,
-        ranks: s.ranks as u32,
-        ranks_per_node: s.ranks_per_node as u32,
-        pad: 0,
+        ..s.args()
     };
     // SAFETY: ids [T, K] (checked above), counts [R], [N], [E], the [T, R] map and the
     // error word, allocated here at those sizes and alive until the launch returns;
