@@ -10,8 +10,7 @@ use common::all_in_and_agreed;
 /// Run `uep bench` with `args` (small defaults first, so later flags win) and return
 /// the parsed JSON report, failing with the ranks' output on a non-zero exit.
 fn bench(args: &[&str]) -> Vec<serde_json::Value> {
-    let defaults = ["--iters", "2", "--warmup", "1", "--timeout", "60"];
-    common::bench_reports(&[&defaults[..], args].concat())
+    common::bench_reports(&[&common::QUICK[..], args].concat())
 }
 
 fn small<'a>(ranks: &'a str, experts: &'a str) -> Vec<&'a str> {
@@ -263,26 +262,9 @@ fn bench_outcome(args: &[&str]) -> (bool, String) {
 }
 
 fn net_small<'a>(ranks: &'a str, nodes: &'a str) -> Vec<&'a str> {
-    vec![
-        "--ranks",
-        ranks,
-        "--nodes",
-        nodes,
-        "--experts",
-        "16",
-        "--tokens",
-        "64",
-        "--ll-tokens",
-        "16",
-        "--hidden",
-        "256",
-        "--topk",
-        "4",
-        "--routing",
-        "mixed",
-        "--drop-prob",
-        "0.1",
-    ]
+    let job = ["--ranks", ranks, "--nodes", nodes];
+    let routing = ["--routing", "mixed", "--drop-prob", "0.1"];
+    [&job[..], &common::SMALL, &routing].concat()
 }
 
 #[test]

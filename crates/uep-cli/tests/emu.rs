@@ -14,26 +14,7 @@ mod common;
 /// `uep bench --device emu --json` with `args` (small defaults first, so later flags
 /// win): the reports, every one verified and on the emulated device.
 fn emu_bench(args: &[&str]) -> Vec<serde_json::Value> {
-    let defaults = [
-        "--device",
-        "emu",
-        "--iters",
-        "2",
-        "--warmup",
-        "1",
-        "--timeout",
-        "60",
-        "--experts",
-        "16",
-        "--tokens",
-        "64",
-        "--ll-tokens",
-        "16",
-        "--hidden",
-        "256",
-        "--topk",
-        "4",
-    ];
+    let defaults = [&["--device", "emu"][..], &common::QUICK, &common::SMALL].concat();
     let reports = common::bench_reports(&[&defaults[..], args].concat());
     for r in &reports {
         assert_eq!(r["device"], "emu", "{r}");

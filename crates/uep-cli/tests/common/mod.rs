@@ -104,6 +104,25 @@ pub fn all_in_and_agreed(reports: &[serde_json::Value], ctx: &str) {
     }
 }
 
+/// `uep bench` flags for a quick run: two timed iterations after one warm-up, a
+/// minute's wait at most.
+pub const QUICK: [&str; 6] = ["--iters", "2", "--warmup", "1", "--timeout", "60"];
+
+/// `uep bench` flags for a small job: 16 experts, 64 tokens a rank (16 low-latency),
+/// hidden 256, top-4.
+pub const SMALL: [&str; 10] = [
+    "--experts",
+    "16",
+    "--tokens",
+    "64",
+    "--ll-tokens",
+    "16",
+    "--hidden",
+    "256",
+    "--topk",
+    "4",
+];
+
 /// `uep bench --json` with `args`: the reports, every one verified; fails with the
 /// ranks' output on a non-zero exit.
 pub fn bench_reports(args: &[&str]) -> Vec<serde_json::Value> {
