@@ -101,6 +101,17 @@ impl Symmetric {
         })
     }
 
+    /// The address and length of `peer`'s region in this process, as a device's
+    /// kernel reaches it.
+    pub fn peer_address(&self, peer: usize) -> Result<(usize, usize)> {
+        self.peer_region(peer).map(address)
+    }
+
+    /// The address and length of this rank's own region in this process.
+    pub fn local_address(&self) -> (usize, usize) {
+        address(self.local())
+    }
+
     /// This rank's memory as published for the call whose wait acquired `seen`.
     pub fn published(&self, _seen: &Seen) -> Published<'_> {
         Published {
@@ -271,4 +282,9 @@ impl Lease {
                 .collect(),
         })
     }
+}
+
+/// A region's address and length.
+fn address(region: &Region) -> (usize, usize) {
+    (region.as_ptr() as usize, region.len())
 }

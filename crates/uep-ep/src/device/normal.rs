@@ -54,14 +54,12 @@ impl NotifyPhase<'_> {
     /// The address and length of `rank`'s memory (see
     /// [`LlPackPhase::region`](super::LlPackPhase::region)).
     pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
-        let region = self.memory.peer_region(rank)?;
-        Ok((region.as_ptr() as usize, region.len()))
+        self.memory.peer_address(rank)
     }
 
     /// The address and length of this rank's memory, where the packets are staged.
     pub fn local_region(&self) -> (usize, usize) {
-        let region = self.memory.local();
-        (region.as_ptr() as usize, region.len())
+        self.memory.local_address()
     }
 }
 
@@ -225,8 +223,7 @@ impl NormalPackPhase<'_> {
     /// The address and length of `rank`'s memory (see
     /// [`LlPackPhase::region`](super::LlPackPhase::region)).
     pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
-        let region = self.memory.peer_region(rank)?;
-        Ok((region.as_ptr() as usize, region.len()))
+        self.memory.peer_address(rank)
     }
 }
 
@@ -281,8 +278,7 @@ impl NormalCombineSendPhase<'_> {
     /// The address and length of `rank`'s memory (see
     /// [`LlPackPhase::region`](super::LlPackPhase::region)).
     pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
-        let region = self.memory.peer_region(rank)?;
-        Ok((region.as_ptr() as usize, region.len()))
+        self.memory.peer_address(rank)
     }
 }
 
@@ -345,7 +341,6 @@ impl RelayPhase<'_> {
     /// The address and length of `rank`'s memory (see
     /// [`LlPackPhase::region`](super::LlPackPhase::region)).
     pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
-        let region = self.memory.peer_region(rank)?;
-        Ok((region.as_ptr() as usize, region.len()))
+        self.memory.peer_address(rank)
     }
 }

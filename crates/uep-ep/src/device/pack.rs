@@ -178,8 +178,7 @@ impl LlPackPhase<'_> {
     /// in this process, where its areas' offsets start: what a kernel of a device whose
     /// symmetric memory is host memory stores into.
     pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
-        let region = self.memory.peer_region(rank)?;
-        Ok((region.as_ptr() as usize, region.len()))
+        self.memory.peer_address(rank)
     }
 }
 
@@ -253,8 +252,7 @@ impl LlCombinePackPhase<'_> {
 
     /// The address and length of `rank`'s memory (see [`LlPackPhase::region`]).
     pub fn region(&self, rank: usize) -> Result<(usize, usize)> {
-        let region = self.memory.peer_region(rank)?;
-        Ok((region.as_ptr() as usize, region.len()))
+        self.memory.peer_address(rank)
     }
 }
 
@@ -310,8 +308,7 @@ impl LlUnpackPhase<'_> {
     /// The address and length of this rank's memory in this process, where the areas'
     /// offsets start (see [`LlPackPhase::region`]).
     pub fn region(&self) -> Result<(usize, usize)> {
-        let region = self.memory.local();
-        Ok((region.as_ptr() as usize, region.len()))
+        Ok(self.memory.local_address())
     }
 }
 
